@@ -1,0 +1,249 @@
+"""Run megatron-core's own GTP code on CPU with gloo.
+
+megatron-core's GTP path assumes CUDA and Transformer Engine for *plumbing*: streams and
+events to overlap collectives, CUDA RNG state, device placement, and a few TE collective
+wrappers (all-gather / reduce-scatter along dim 0) that GTP imports. None of these carries
+GTP's math (sharding, padding, 1/G pre-scale, reduction order, optimizer). This module swaps
+exactly that plumbing for CPU equivalents so the real GTPShardedParam, DDP,
+finalize_model_grads and optimizer run unchanged.
+
+Active only when CUDA is unavailable, and only for the pinned megatron-core version: every
+replacement below was read against that version's source.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from importlib.metadata import version
+
+import torch
+import torch.distributed as dist
+
+SUPPORTED_MCORE = "0.19.2"
+
+_installed = False
+
+
+class CompatError(RuntimeError):
+    """The CPU compatibility layer cannot be used in this environment."""
+
+
+# --- streams and events: CPU executes in program order, so ordering primitives are no-ops ---
+
+
+class _Event:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+class _Stream:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        return event or _Event()
+
+    def synchronize(self):
+        pass
+
+
+_CURRENT_STREAM = _Stream()
+
+
+# --- the TE collectives GTP imports, on torch.distributed (signatures of TE's distributed.py) ---
+
+
+def gather_along_first_dim(inp, process_group, async_op=False, quantizer=None, output_tensor=None):
+    """All-gather ``inp`` along dim 0 in group-rank order; returns (output, handle or None)."""
+    if quantizer is not None:
+        raise CompatError("quantized GTP all-gather needs Transformer Engine on a GPU")
+    world = dist.get_world_size(process_group)
+    shape = (inp.shape[0] * world, *inp.shape[1:])
+    out = output_tensor if output_tensor is not None else inp.new_empty(shape)
+    handle = dist.all_gather_into_tensor(
+        out, inp.contiguous(), group=process_group, async_op=async_op
+    )
+    return out, (handle if async_op else None)
+
+
+def reduce_scatter_along_first_dim(inp, process_group, async_op=False, output=None):
+    """SUM reduce-scatter ``inp`` along dim 0; returns (output, handle or None)."""
+    world = dist.get_world_size(process_group)
+    shape = (inp.shape[0] // world, *inp.shape[1:])
+    out = output if output is not None else inp.new_empty(shape)
+    handle = dist.reduce_scatter_tensor(
+        out, inp.contiguous(), op=dist.ReduceOp.SUM, group=process_group, async_op=async_op
+    )
+    return out, (handle if async_op else None)
+
+
+def get_dummy_wgrad(shape, dtype, zero=False):
+    """TE returns a cached placeholder grad for params whose real grad went to main_grad."""
+    return torch.zeros(shape, dtype=dtype)
+
+
+def round_up_to_nearest_multiple(value, multiple):
+    return ((value + multiple - 1) // multiple) * multiple
+
+
+class _NoQuantizedTensor:
+    """Stands in for TE's quantized tensor classes: no CPU tensor is ever an instance."""
+
+
+# --- ReduceOp.AVG exists only on NCCL: gloo gets SUM followed by a divide ---
+
+
+def _wrap_avg(collective):
+    @functools.wraps(collective)
+    def wrapper(tensor, *args, op=dist.ReduceOp.SUM, group=None, async_op=False, **kwargs):
+        if op != dist.ReduceOp.AVG or dist.get_backend(group) != "gloo":
+            return collective(tensor, *args, op=op, group=group, async_op=async_op, **kwargs)
+        work = collective(tensor, *args, op=dist.ReduceOp.SUM, group=group, async_op=False, **kwargs)
+        target = args[0] if collective.__name__ == "reduce_scatter_tensor" else tensor
+        target.div_(dist.get_world_size(group))
+        return work if async_op else None
+
+    wrapper._gtp_parity_avg = True
+    return wrapper
+
+
+# --- factory calls with device='cuda' (optimizer flags, loss scale) land on the CPU ---
+
+
+class _CudaToCpu(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs = {**kwargs, "device": "cpu"}
+        return func(*args, **kwargs)
+
+
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+}
+
+
+def _type_names_as_cuda(original):
+    # clip_grads and the mixed-precision optimizer dispatch on CUDA type *names*; answer the
+    # CUDA name for CPU tensors so those branches run. Casting calls (with arguments) pass through.
+    @functools.wraps(original)
+    def tensor_type(self, *args, **kwargs):
+        if args or kwargs:
+            return original(self, *args, **kwargs)
+        return _CUDA_TYPE_NAMES.get(self.dtype) or original(self)
+
+    return tensor_type
+
+
+def check_version() -> str:
+    found = version("megatron-core")
+    if found != SUPPORTED_MCORE:
+        raise CompatError(
+            f"the CPU compatibility layer was written against megatron-core {SUPPORTED_MCORE}, "
+            f"found {found}; re-read its GTP plumbing before widening the pin"
+        )
+    return found
+
+
+def install() -> bool:
+    """Install the CPU replacements. Returns False (and changes nothing) when CUDA is usable.
+
+    Idempotent. Must run before megatron-core builds a model.
+    """
+    global _installed
+    if torch.cuda.is_available():
+        return False
+    if _installed:
+        return True
+    check_version()
+
+    cuda = torch.cuda
+    cuda.current_device = lambda: "cpu"
+    cuda.Event = _Event
+    cuda.Stream = _Stream
+    cuda.current_stream = lambda device=None: _CURRENT_STREAM
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
+    cuda.synchronize = lambda device=None: None
+    cuda.empty_cache = lambda: None
+    cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
+    # torch.manual_seed itself calls cuda.manual_seed_all: seed the CPU generator directly.
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    cuda.manual_seed_all = lambda seed: None
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    torch.Tensor.type = _type_names_as_cuda(torch.Tensor.type)
+    for name in ("all_reduce", "reduce_scatter_tensor"):
+        fn = getattr(dist, name)
+        if not getattr(fn, "_gtp_parity_avg", False):
+            setattr(dist, name, _wrap_avg(fn))
+
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
+        torch.get_rng_state()
+    )
+    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: (
+        torch.set_rng_state(new_state)
+    )
+
+    from megatron.core.tensor_parallel import generalized_tensor_parallelism as gtp
+    from megatron.core.tensor_parallel import gtp_api
+
+    gtp.gather_along_first_dim = gather_along_first_dim
+    gtp.reduce_scatter_along_first_dim = reduce_scatter_along_first_dim
+    gtp.in_fp8_activation_recompute_phase = lambda: False
+    gtp.get_dummy_wgrad = get_dummy_wgrad
+    gtp.round_up_to_nearest_multiple = round_up_to_nearest_multiple
+    gtp.nvtx_range_push = lambda *a, **k: None
+    gtp.nvtx_range_pop = lambda *a, **k: None
+    gtp.QuantizedTensor = _NoQuantizedTensor
+    gtp.MXFP8TensorStorage = _NoQuantizedTensor
+    gtp.NVFP4TensorStorage = _NoQuantizedTensor
+    gtp.MXFP8Quantizer = _NoQuantizedTensor
+    gtp.HAVE_TE = True
+    gtp_api.HAVE_GTP = True
+
+    _CudaToCpu().__enter__()
+    _installed = True
+    return True
+
+
+def reset_gtp_state() -> None:
+    """Clear GTP's process-global state so the next model in this process starts fresh.
+
+    ``reset_gtp_state`` clears the prefetch chains; the buffer cache, the registry of GTP
+    params, in-flight handles and the wgrad pool are module globals that survive
+    ``destroy_model_parallel`` too and would hand a new model the previous model's buffers.
+    """
+    from megatron.core.tensor_parallel import generalized_tensor_parallelism as gtp
+
+    gtp.reset_gtp_state()
+    gtp._GTP_CACHE = None
+    gtp._GTP_PARAMS.clear()
+    gtp._inflight_comm_params.clear()
+    gtp._AG_STREAMS.clear()
+    gtp._RS_STREAMS.clear()
+    gtp._wgrad_buf_pool.clear()
+    gtp.GTP_CONFIG.__init__()

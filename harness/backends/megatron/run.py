@@ -1,0 +1,347 @@
+"""The ``megatron`` backend: megatron-core's GPTModel, GTP, DDP, finalize_model_grads, optimizer.
+
+One call of :func:`run` trains one side on this rank, as Megatron-LM's ``pretrain_gpt.py``
+does: MCore's no-pipelining schedule over the rank's micro-batches, ``finalize_model_grads``
+as the schedule's finalize hook, MCore's optimizer and ``OptimizerParamScheduler`` (stepped
+in samples, as Megatron-LM does). Everything is recorded through :class:`harness.capture.Capture`.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from harness import data as data_mod
+from harness import faults
+from harness.backends import Job
+from harness.backends.megatron import compat
+from harness.capture import Capture
+from harness.gpt import canonical_state, layout_of, param_specs
+from harness.layout import Layout, from_mcore_param, shard
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def canonical_name(name: str) -> str:
+    """Strip the DDP / Float16Module wrappers' ``module.`` prefixes."""
+    while name.startswith("module."):
+        name = name[len("module."):]
+    return name
+
+
+def _build(job: Job):
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.tensor_parallel import gtp_api
+    from megatron.core.tensor_parallel import generalized_tensor_parallelism as gtp_impl
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    side, m = job.side, job.model
+    ps.initialize_model_parallel(tensor_model_parallel_size=side.tp, gtp_remat_size=side.gtp)
+    model_parallel_cuda_manual_seed(side.seed)
+    torch.manual_seed(side.seed)
+    if side.gtp > 1:
+        gtp_api.configure_gtp_remat_from_recipe()
+        gtp_impl.update_gtp_config(pad_for_alignment=side.gtp_pad_alignment)
+    bf16 = side.precision == "bf16"
+    config = TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        tensor_model_parallel_size=side.tp,
+        tensor_parallel_num_weight_shards=side.tp * side.gtp,
+        use_cpu_initialization=True,
+        perform_initialization=False,  # canonical weights are loaded below
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        add_bias_linear=False,
+        gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True,
+        bf16=bf16,
+        params_dtype=DTYPES[side.precision],
+        pipeline_dtype=DTYPES[side.precision],
+        init_method_std=m.init_std,
+        deterministic_mode=True,
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=m.vocab_size,
+        max_sequence_length=m.seq_length,
+        share_embeddings_and_output_weights=not m.untie_embeddings,
+        position_embedding_type="learned_absolute",
+    )
+    mesh = {"tp": side.tp, "gtp": side.gtp, "dp": side.replicate_dp}
+    coord = data_mod.coord(dist.get_rank(), side)
+    _load_canonical(model, job, mesh, coord)
+    if bf16:
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
+    ddp = DistributedDataParallel(config, ddp_config, model)
+    if side.gtp > 1:
+        gtp_api.classify_gtp_remat_chains(ddp)
+    return config, ddp, mesh, coord
+
+
+def _load_canonical(model, job: Job, mesh: dict, coord: dict) -> None:
+    """Cut the canonical weights into this rank's shards, after checking MCore's layout is ours."""
+    specs = {s.name: s for s in param_specs(job.model)}
+    state = canonical_state(job.model, job.side.seed)
+    seen = set()
+    for name, p in model.named_parameters():
+        spec = specs.get(name)
+        if spec is None:
+            raise RuntimeError(f"megatron-core built a parameter the harness does not know: {name}")
+        ours, theirs = layout_of(spec, job.side), from_mcore_param(p, mesh)
+        if ours.to_json() != theirs.to_json():
+            raise RuntimeError(f"{name}: megatron-core lays it out as {theirs.to_json()}, expected {ours.to_json()}")
+        with torch.no_grad():
+            p.copy_(shard(state[name], ours, coord).to(p.dtype))
+        seen.add(name)
+    missing = set(specs) - seen
+    if missing:
+        raise RuntimeError(f"megatron-core did not build {sorted(missing)}")
+
+
+def _optimizer(job: Job, ddp):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    side = job.side
+    opt = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer=side.optimizer,
+            lr=side.lr,
+            min_lr=side.min_lr,
+            weight_decay=side.weight_decay,
+            adam_beta1=side.adam_beta1,
+            adam_beta2=side.adam_beta2,
+            adam_eps=side.adam_eps,
+            sgd_momentum=side.sgd_momentum,
+            clip_grad=side.clip_grad,
+            bf16=side.precision == "bf16",
+            params_dtype=DTYPES[side.precision],
+            log_num_zeros_in_grad=True,
+        ),
+        [ddp],
+    )
+    gbs = job.data.global_batch_size
+    # Megatron-LM counts scheduler steps in samples.
+    scheduler = OptimizerParamScheduler(
+        opt,
+        init_lr=0.0,
+        max_lr=side.lr,
+        min_lr=side.min_lr,
+        lr_warmup_steps=side.lr_warmup_steps * gbs,
+        lr_decay_steps=(side.lr_decay_steps or side.steps) * gbs,
+        lr_decay_style=side.lr_decay_style,
+        start_wd=side.weight_decay,
+        end_wd=side.weight_decay,
+        wd_incr_steps=side.steps * gbs,
+        wd_incr_style="constant",
+    )
+    return opt, scheduler
+
+
+def _loss_func(cap: Capture, mb_state: dict, loss_mask, output_tensor):
+    losses = output_tensor.float()
+    loss = torch.sum(losses * loss_mask)
+    num_tokens = loss_mask.sum().to(torch.int)
+    cap.scalar("loss", (loss / num_tokens).item(), micro_batch=mb_state["mb"], sample_ids=list(mb_state["ids"]))
+    return loss, num_tokens, {"lm loss": torch.cat([loss.detach().view(1), num_tokens.float().view(1)])}
+
+
+def run(job: Job, cap: Capture) -> None:
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    compat.install()
+    compat.reset_gtp_state()
+    try:
+        config, ddp, mesh, coord = _build(job)
+        opt, scheduler = _optimizer(job, ddp)
+        _train(job, cap, config, ddp, opt, scheduler, mesh, get_forward_backward_func(), finalize_model_grads)
+    finally:
+        _UNDO.close()
+        faults.uninstall()
+        ps.destroy_model_parallel()
+        compat.reset_gtp_state()
+
+
+def _train(job, cap, config, ddp, opt, scheduler, mesh, forward_backward, finalize_model_grads):
+    from megatron.core import parallel_state as ps
+
+    side, m, d = job.side, job.model, job.data
+    rank = dist.get_rank()
+    layouts = {canonical_name(n): from_mcore_param(p, mesh) for n, p in ddp.named_parameters()}
+    named = [(canonical_name(n), p) for n, p in ddp.named_parameters()]
+    layout_of_name = lambda name, p: layouts[name]  # noqa: E731
+    inner = ddp.module.module if side.precision == "bf16" else ddp.module
+    modules = {"embedding": inner.embedding, "output_layer": inner.output_layer,
+               "decoder.final_layernorm": inner.decoder.final_layernorm}  # fmt: skip
+    for i, layer in enumerate(inner.decoder.layers):
+        for sub in ("", ".input_layernorm", ".self_attention", ".pre_mlp_layernorm", ".mlp"):
+            modules[f"decoder.layers.{i}{sub}"] = layer if not sub else _get(layer, sub[1:])
+    cap.attach(modules, vocab_parallel=["output_layer"])
+    ctx = faults.Context(backend="megatron", side=side, model=ddp, optimizer=opt, rank=rank,
+                         coord=data_mod.coord(rank, side), named_params=named)  # fmt: skip
+    ctx.saved["data"] = d
+    faults.install(side.inject, ctx)
+
+    cap.begin_step(0)
+    cap.params("param", named, layout_of_name)
+    cap.end_step()
+    materialize = _capture_materialized(cap, named, layouts, side.gtp > 1)
+
+    def finalize(model_chunks, num_tokens=None, **kw):
+        finalize_model_grads(model_chunks, num_tokens, **kw)
+        faults.after_finalize(ctx)
+        cap.params("main_grad", named, layout_of_name, value=lambda p: getattr(p, "main_grad", None))
+
+    config.finalize_model_grads_func = finalize
+    config.grad_scale_func = opt.scale_loss
+    mask = torch.triu(torch.ones(1, 1, m.seq_length, m.seq_length, dtype=torch.bool), 1)
+    positions = torch.arange(m.seq_length)[None]
+    data_group = ps.get_data_parallel_group()  # GTP-inclusive: the data-distribution group
+    skipped = 0
+    for step in range(1, side.steps + 1):
+        cap.begin_step(step)
+        materialize.begin_step()
+        faults.at_step(ctx, step)
+        ids = data_mod.rank_sample_ids(step, rank, side, d)
+        ids = faults.route_samples(ctx, step, ids)
+        mb_state = {"mb": None, "ids": None}
+
+        def batches():
+            for mb, mb_ids in enumerate(ids):
+                mb_state.update(mb=mb, ids=mb_ids)
+                cap.micro_batch(mb, mb_ids)
+                yield data_mod.batch(d.seed, mb_ids, m)
+
+        it = batches()
+
+        def forward_step(data_iterator, model):
+            tokens, labels = next(data_iterator)
+            out = model(tokens, positions.expand(tokens.shape[0], -1), mask, labels=labels)
+            return out, partial(_loss_func, cap, mb_state, torch.ones_like(labels, dtype=torch.float32))
+
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        cap.progress("forward_backward")
+        losses = forward_backward(
+            forward_step_func=forward_step, data_iterator=it, model=[ddp],
+            num_microbatches=side.num_microbatches(d), seq_length=m.seq_length,
+            micro_batch_size=d.micro_batch_size, forward_only=False,
+        )  # fmt: skip
+        lr_applied = opt.param_groups[0]["lr"]
+        cap.params("param_before", named, layout_of_name)
+        cap.progress("optimizer")
+        faults.before_step(ctx)
+        ok, grad_norm, num_zeros = opt.step()
+        skipped += 0 if ok else 1
+        scheduler.step(increment=d.global_batch_size)
+        faults.after_step(ctx)
+        cap.params("param", named, layout_of_name)
+        _capture_optimizer_state(cap, opt, named, layout_of_name)
+
+        totals = torch.stack([x["lm loss"] for x in losses]).sum(0)
+        group = faults.loss_report_group(ctx, data_group)
+        dist.all_reduce(totals, group=group)
+        cap.scalar("reduced_loss", (totals[0] / totals[1]).item())
+        cap.scalar("grad_norm", float(grad_norm) if grad_norm is not None else float("nan"))
+        cap.scalar("lr", lr_applied)
+        cap.scalar("lr_logged", opt.param_groups[0]["lr"])
+        cap.scalar("num_zeros", float(num_zeros) if num_zeros is not None else float("nan"))
+        cap.scalar("skipped", float(skipped))
+        cap.end_step()
+
+
+class _Undo(list):
+    def close(self):
+        while self:
+            self.pop()()
+
+
+_UNDO = _Undo()
+
+
+class _Materialized:
+    """Records the weight each GEMM reads, once per step: the all-gathered (unpadded) weight of
+    a GTP param, or the parameter itself where GTP is off. Replicated over GTP peers."""
+
+    def __init__(self, cap: Capture, named, layouts, gtp_on: bool):
+        self.cap, self.named, self.gtp_on, self.seen = cap, named, gtp_on, set()
+        self.layouts = {n: Layout(l.logical_shape, l.mesh, {"tp": l.placement("tp")})
+                        for n, l in layouts.items() if "gtp" in l.placements or not gtp_on}  # fmt: skip
+        self.gtp_names = {n for n, l in layouts.items() if "gtp" in l.placements}
+
+    def begin_step(self):
+        self.seen = set()
+        if not self.gtp_on:
+            for name, p in self.named:
+                if name in self.layouts and _GTP_SHARDABLE(name):
+                    self.record(name, p)
+
+    def record(self, name, tensor):
+        if name not in self.seen and self.cap.wants("materialized", name):
+            self.seen.add(name)
+            self.cap.tensor("materialized", name, tensor, layout=self.layouts[name])
+
+
+def _GTP_SHARDABLE(name: str) -> bool:
+    return name.endswith(("word_embeddings.weight", "linear_qkv.weight", "linear_proj.weight",
+                          "linear_fc1.weight", "linear_fc2.weight", "output_layer.weight"))
+
+
+def _capture_materialized(cap: Capture, named, layouts, gtp_on: bool) -> _Materialized:
+    mat = _Materialized(cap, named, layouts, gtp_on)
+    if gtp_on:
+        from megatron.core.tensor_parallel.generalized_tensor_parallelism import GTPShardedParam
+
+        names = {id(p): n for n, p in named}
+        original = GTPShardedParam.all_gather_and_prefetch
+
+        def all_gather_and_prefetch(self, fwd=True, nvtx_label=None):
+            out = original(self, fwd=fwd, nvtx_label=nvtx_label)
+            if fwd and id(self) in names:
+                mat.record(names[id(self)], out)
+            return out
+
+        GTPShardedParam.all_gather_and_prefetch = all_gather_and_prefetch
+        _UNDO.append(lambda: setattr(GTPShardedParam, "all_gather_and_prefetch", original))
+    return mat
+
+
+def _get(module, dotted: str):
+    for part in dotted.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def _capture_optimizer_state(cap: Capture, opt, named, layout_of_name) -> None:
+    """Adam/SGD state and fp32 master weights per parameter, in the parameter's layout."""
+    if not cap.wants("optimizer"):
+        return
+    inner = getattr(opt, "optimizer", opt)
+    masters = {}
+    if hasattr(opt, "float16_groups"):  # mixed precision: fp32 master copies
+        for g16, g32 in zip(opt.float16_groups, opt.fp32_from_float16_groups):
+            for p16, p32 in zip(g16, g32):
+                masters[id(p16)] = p32
+    for name, p in named:
+        master = masters.get(id(p), p)
+        state = inner.state.get(master, {})
+        layout = layout_of_name(name, p)
+        if master is not p:
+            cap.tensor("master", name, master.view(p.shape), layout=layout)
+        for key in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
+            if key in state and state[key] is not None:
+                cap.tensor(key if key != "momentum_buffer" else "exp_avg", name, state[key].view(p.shape), layout=layout)

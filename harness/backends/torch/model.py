@@ -1,0 +1,113 @@
+"""The GPT of megatron-core's local layer spec, in plain PyTorch, with MCore's parameter names.
+
+Same math as ``GPTModel`` with ``get_gpt_layer_local_spec()``: learned absolute positions,
+pre-LayerNorm blocks, fused QKV with rows ordered per query group (q, k, v per head here),
+softmax((q k^T) / sqrt(d_head)) with the causal mask filled with -10000 in fp32, GeLU MLP,
+no linear biases, untied output layer, hidden states laid out [s, b, h].
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from harness.scenario import ModelConfig
+
+LAYERNORM_EPS = 1e-5
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, m: ModelConfig):
+        super().__init__()
+        self.heads = m.num_attention_heads
+        self.head_dim = m.hidden_size // m.num_attention_heads
+        self.linear_proj = nn.Linear(m.hidden_size, m.hidden_size, bias=False)
+        self.linear_qkv = nn.Linear(m.hidden_size, 3 * m.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        s, b, _ = x.shape
+        qkv = self.linear_qkv(x).view(s, b, self.heads, 3 * self.head_dim)
+        q, k, v = qkv.split(self.head_dim, dim=-1)  # [s, b, np, hn] each
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, np, s, hn]
+        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.head_dim)
+        scores = scores.float().masked_fill(mask, -10000.0)
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        ctx = torch.matmul(probs, v)  # [b, np, s, hn]
+        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, -1)
+        return self.linear_proj(ctx)
+
+
+class MLP(nn.Module):
+    def __init__(self, m: ModelConfig):
+        super().__init__()
+        self.linear_fc1 = nn.Linear(m.hidden_size, m.ffn_hidden_size, bias=False)
+        self.linear_fc2 = nn.Linear(m.ffn_hidden_size, m.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, m: ModelConfig):
+        super().__init__()
+        self.input_layernorm = nn.LayerNorm(m.hidden_size, eps=LAYERNORM_EPS)
+        self.self_attention = SelfAttention(m)
+        self.pre_mlp_layernorm = nn.LayerNorm(m.hidden_size, eps=LAYERNORM_EPS)
+        self.mlp = MLP(m)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attention(self.input_layernorm(x), mask)
+        return x + self.mlp(self.pre_mlp_layernorm(x))
+
+
+class Embedding(nn.Module):
+    def __init__(self, m: ModelConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(m.vocab_size, m.hidden_size)
+        self.position_embeddings = nn.Embedding(m.seq_length, m.hidden_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(tokens.shape[1])
+        x = self.word_embeddings(tokens) + self.position_embeddings(pos)[None]
+        return x.transpose(0, 1).contiguous()  # [s, b, h]
+
+
+class Decoder(nn.Module):
+    def __init__(self, m: ModelConfig):
+        super().__init__()
+        self.layers = nn.ModuleList(TransformerLayer(m) for _ in range(m.num_layers))
+        self.final_layernorm = nn.LayerNorm(m.hidden_size, eps=LAYERNORM_EPS)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, mask)
+        return self.final_layernorm(x)
+
+
+class GPT(nn.Module):
+    """Returns logits [s, b, vocab], as GPTModel does without labels."""
+
+    def __init__(self, m: ModelConfig):
+        super().__init__()
+        self.embedding = Embedding(m)
+        self.decoder = Decoder(m)
+        self.output_layer = nn.Linear(m.hidden_size, m.vocab_size, bias=False)
+        self.register_buffer(
+            "causal_mask", torch.triu(torch.ones(m.seq_length, m.seq_length, dtype=torch.bool), 1),
+            persistent=False,
+        )
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.decoder(self.embedding(tokens), self.causal_mask)
+        return self.output_layer(x)
+
+
+def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-token cross entropy [b, s] in fp32 or better, as MCore's vocab-parallel CE."""
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    s, b, v = logits.shape
+    flat = logits.to(dtype).reshape(s * b, v)
+    return F.cross_entropy(flat, labels.t().reshape(-1), reduction="none").view(s, b).t()

@@ -1,0 +1,263 @@
+"""Capture: record a rank's tensors and scalars into a trace, from any training loop.
+
+The public API, in the order a loop uses it::
+
+    cap = Capture(trace_dir, rank=rank, world_size=world, coord={"tp": t, "gtp": g, "dp": d},
+                  mesh={"tp": TP, "gtp": G, "dp": DP}, policy=CapturePolicy())
+    cap.attach(model, {"decoder.layers.0": model.decoder.layers[0], ...})  # activations
+    cap.params(step=0, named_params, layout_of=...)                        # initial weights
+    for step in 1..N:
+        cap.begin_step(step)
+        for mb, ids in enumerate(microbatches):
+            cap.micro_batch(mb, ids)     # activations captured by hooks are tagged with ids
+            ... forward / backward ...
+        cap.params(step, named_params, kind="main_grad", value=lambda p: p.main_grad)
+        cap.scalar("grad_norm", gn)
+        cap.end_step()                   # one safetensors file per rank and step
+    cap.close()                          # the rank's index
+    Capture.finalize(trace_dir, ...)     # rank 0, after every rank closed: the manifest
+
+Layouts are declared per tensor (:class:`harness.layout.Layout`) or read off megatron-core's
+parameter attributes (:func:`harness.layout.from_mcore_param`). Activations are stored
+[batch, seq, ...] so that offline assembly aligns them by global sample id.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import platform
+from importlib import metadata
+from pathlib import Path
+from typing import Callable, Iterable, Mapping
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+from harness.layout import Layout
+from harness.scenario import CapturePolicy
+from harness.trace import FORMAT, FORMAT_VERSION, Entry, tensor_key, write_json, write_tensors
+
+FINGERPRINT_BLOCKS = 16
+
+
+def fingerprint(t: torch.Tensor) -> dict:
+    """Statistics, a bitwise hash and per-block checksums (blocks along dim 0)."""
+    flat = t.detach().reshape(-1)
+    f64 = flat.double()
+    finite = torch.isfinite(f64)
+    raw = t.detach().contiguous().view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+    blocks = []
+    rows = t.shape[0] if t.dim() else 1
+    for chunk in (t.detach().reshape(rows, -1).chunk(min(FINGERPRINT_BLOCKS, rows)) if t.numel() else []):
+        c = chunk.contiguous()
+        blocks.append({
+            "rows": int(c.shape[0]),
+            "sum": float(c.double().sum()),
+            "sha256": hashlib.sha256(c.view(torch.uint8).numpy().tobytes()).hexdigest()[:16],
+        })  # fmt: skip
+    good = f64[finite]
+    return {
+        "sha256": hashlib.sha256(raw.numpy().tobytes()).hexdigest(),
+        "numel": int(t.numel()),
+        "nan": int(torch.isnan(f64).sum()),
+        "inf": int(torch.isinf(f64).sum()),
+        "min": float(good.min()) if good.numel() else None,
+        "max": float(good.max()) if good.numel() else None,
+        "mean": float(good.mean()) if good.numel() else None,
+        "l2": float(good.norm()) if good.numel() else None,
+        "blocks": blocks,
+    }
+
+
+def versions() -> dict[str, str | None]:
+    out = {"python": platform.python_version()}
+    for dist in ("torch", "megatron-core", "transformer-engine"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+class Capture:
+    """Records one rank's part of a trace. See the module docstring for the call order."""
+
+    def __init__(
+        self,
+        trace_dir: str | Path,
+        *,
+        rank: int,
+        world_size: int,
+        coord: Mapping[str, int],
+        mesh: Mapping[str, int],
+        policy: CapturePolicy = CapturePolicy(),
+    ):
+        self.dir = Path(trace_dir)
+        self.rank, self.world_size = rank, world_size
+        self.coord, self.mesh, self.policy = dict(coord), dict(mesh), policy
+        self.rank_dir = self.dir / f"rank{rank}"
+        self.rank_dir.mkdir(parents=True, exist_ok=True)
+        self.step: int | None = None
+        self._mb: int | None = None
+        self._ids: tuple[int, ...] | None = None
+        self._pending: dict[str, torch.Tensor] = {}
+        self._entries: list[Entry] = []
+        self._scalars: list[dict] = []
+        self._hooks = []
+
+    # --- what to keep ---
+
+    def wants(self, kind: str, name: str = "", step: int | None = None) -> bool:
+        step = self.step if step is None else step
+        family = kind.split(":")[0]
+        if family in ("exp_avg", "exp_avg_sq", "master", "step"):
+            family = "optimizer"
+        if family in ("param_before", "materialized"):
+            family = "param"
+        if family not in self.policy.kinds:
+            return False
+        if step not in (None, 0) and self.policy.steps is not None and step not in self.policy.steps:
+            return False
+        return not name or any(fnmatch.fnmatchcase(name, p) for p in self.policy.tensors)
+
+    # --- recording ---
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+        self.progress("begin")
+
+    def micro_batch(self, index: int, sample_ids: Iterable[int]) -> None:
+        """Tag what is captured next with this micro-batch and its global sample ids."""
+        self._mb, self._ids = index, tuple(int(i) for i in sample_ids)
+        if self.wants("input"):
+            self.tensor("input", "sample_ids", torch.tensor(self._ids, dtype=torch.int64),
+                        layout=None, micro_batch=index, sample_ids=self._ids)  # fmt: skip
+
+    def tensor(
+        self,
+        kind: str,
+        name: str,
+        value: torch.Tensor,
+        *,
+        layout: Layout | None,
+        micro_batch: int | None = None,
+        sample_ids: tuple[int, ...] | None = None,
+        step: int | None = None,
+    ) -> None:
+        step = self.step if step is None else step
+        if step is None:
+            raise RuntimeError("Capture.tensor outside a step: call begin_step(step) first")
+        if not self.wants(kind, name, step):
+            return
+        value = value.detach()
+        key = tensor_key(kind, name, micro_batch)
+        entry = Entry(
+            rank=self.rank, step=step, kind=kind, name=name, key=key, dtype=str(value.dtype),
+            local_shape=tuple(value.shape), layout=layout, micro_batch=micro_batch,
+            sample_ids=sample_ids,
+        )  # fmt: skip
+        if self.policy.mode == "fingerprint" and kind != "input":
+            entry.fingerprint = fingerprint(value)
+        else:
+            self._pending[key] = value.clone()
+        self._entries.append(entry)
+
+    def params(
+        self,
+        kind: str,
+        named: Iterable[tuple[str, torch.Tensor]],
+        layout_of: Callable[[str, torch.Tensor], Layout],
+        value: Callable[[torch.Tensor], torch.Tensor | None] = lambda p: p,
+        step: int | None = None,
+    ) -> None:
+        """Record one tensor per parameter (the parameter itself, its main_grad, a state...)."""
+        for name, p in named:
+            if not self.wants(kind, name, self.step if step is None else step):
+                continue
+            v = value(p)
+            if v is not None:
+                self.tensor(kind, name, v.view(p.shape), layout=layout_of(name, p), step=step)
+
+    def scalar(self, name: str, value: float, **extra) -> None:
+        if self.wants("scalar") or name in ("loss", "reduced_loss"):
+            self._scalars.append({"step": self.step, "name": name, "value": float(value), **extra})
+
+    def progress(self, phase: str) -> None:
+        """Heartbeat read by the launcher to name the last step a hung or crashed rank reached."""
+        write_json(self.rank_dir / "progress.json", {"rank": self.rank, "step": self.step, "phase": phase})
+
+    def end_step(self) -> None:
+        if self._pending:
+            write_tensors(self.rank_dir / f"step{self.step}.safetensors", self._pending)
+        self._pending = {}
+        self._mb = self._ids = None
+        self.progress("end")
+
+    # --- activations through forward hooks ---
+
+    def attach(self, modules: Mapping[str, torch.nn.Module], *, vocab_parallel: Iterable[str] = ()) -> None:
+        """Capture each module's output, [s, b, ...] stored as [b, s, ...].
+
+        Outputs of modules named in ``vocab_parallel`` are TP-sharded on their last dim
+        (the logits); all other outputs are replicated across TP (no sequence parallelism).
+        """
+        vocab_parallel = set(vocab_parallel)
+        for name, module in modules.items():
+            kind = "logits" if name in vocab_parallel else "activation"
+            self._hooks.append(module.register_forward_hook(self._hook(kind, name)))
+
+    def _hook(self, kind: str, name: str):
+        def hook(module, args, output):
+            out = output[0] if isinstance(output, tuple) else output
+            if self.step is None or self._mb is None or not self.wants(kind, name):
+                return
+            value = out.detach().transpose(0, 1)
+            shape = list(value.shape)
+            placements = {}
+            if kind == "logits" and self.mesh.get("tp", 1) > 1:
+                placements["tp"] = Shard(value.dim() - 1)
+                shape[-1] *= self.mesh["tp"]
+            layout = Layout(tuple(shape), {"tp": self.mesh.get("tp", 1)}, placements or {"tp": Replicate()})
+            self.tensor(kind, name, value, layout=layout, micro_batch=self._mb, sample_ids=self._ids)
+
+        return hook
+
+    def detach(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # --- closing ---
+
+    def close(self) -> None:
+        self.detach()
+        write_json(
+            self.rank_dir / "index.json",
+            {"rank": self.rank, "tensors": [e.to_json() for e in self._entries], "scalars": self._scalars},
+        )
+
+    @staticmethod
+    def finalize(
+        trace_dir: str | Path,
+        *,
+        world_size: int,
+        coords: Mapping[int, Mapping[str, int]],
+        mesh: Mapping[str, int],
+        meta: Mapping | None = None,
+        complete: bool = True,
+    ) -> None:
+        """Write the manifest (rank 0, after every rank closed): the trace is then complete."""
+        write_json(
+            Path(trace_dir) / "manifest.json",
+            {
+                "format": FORMAT,
+                "version": FORMAT_VERSION,
+                "complete": complete,
+                "world_size": world_size,
+                "mesh": dict(mesh),
+                "coords": {str(r): dict(c) for r, c in coords.items()},
+                "versions": versions(),
+                **(meta or {}),
+            },
+        )

@@ -1,0 +1,113 @@
+"""``gtp-parity``: run scenarios, compare traces, gate on parity.
+
+Exit codes: 0 parity holds, 1 parity fails, 2 bad input (scenario, trace, argument),
+3 a run failed (crash, hang, timeout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from harness.errors import EXIT_BAD_INPUT, BadInput, HarnessError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse exits 2 on bad arguments, which is our bad-input code
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}\n")
+
+
+def _cmd_validate(args) -> int:
+    from harness import scenario
+
+    for path in args.scenarios:
+        for s in scenario.load(path):
+            print(f"ok  {s.name}  ({s.reference.label()} vs {s.candidate.label()}, golden {s.golden.label()})")
+    return 0
+
+
+def _cmd_inject(args) -> int:
+    from harness.faults import CATALOG
+
+    for f in CATALOG.values():
+        print(f"{f.name:28s} [{f.bug_class}] {f.description}")
+    print(f"{'exit|hang|raise:RANK:STEP':28s} [launcher] a rank exits hard, hangs or raises at STEP")
+    return 0
+
+
+def _cmd_run(args) -> int:
+    from harness import scenario
+    from harness.session import run_scenarios
+
+    scenarios = scenario.load(args.scenario)
+    if args.inject:
+        scenarios = [_with_fault(s, args.inject, args.inject_side) for s in scenarios]
+    return run_scenarios(scenarios, Path(args.out), parallel=args.jobs, verbose=True)
+
+
+def _with_fault(s, names: list[str], role: str):
+    import dataclasses
+
+    from harness.faults import check_name
+
+    for n in names:
+        if (problem := check_name(n)) is not None:
+            raise BadInput("--inject", problem)
+    side = dataclasses.replace(s.sides[role], inject=tuple(names))
+    return dataclasses.replace(s, **{role: side})
+
+
+def _cmd_compare(args) -> int:
+    from harness.session import compare_traces
+
+    return compare_traces(Path(args.reference), Path(args.candidate),
+                          Path(args.golden) if args.golden else None, Path(args.out))  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="gtp-parity", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    r = sub.add_parser("run", help="run a scenario (or matrix) file and compare its sides")
+    r.add_argument("scenario", help="scenario or matrix TOML file")
+    r.add_argument("--out", default="runs/latest", help="output folder (default: runs/latest)")
+    r.add_argument("--inject", action="append", default=[], metavar="FAULT",
+                   help="plant a fault in the candidate (see `gtp-parity inject --list`)")
+    r.add_argument("--inject-side", default="candidate", choices=["reference", "candidate"])
+    r.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                   help="launches run at once (default: 2)")
+    r.set_defaults(fn=_cmd_run)
+
+    c = sub.add_parser("compare", help="compare existing traces offline")
+    c.add_argument("reference")
+    c.add_argument("candidate")
+    c.add_argument("--golden")
+    c.add_argument("--out", default="runs/compare")
+    c.set_defaults(fn=_cmd_compare)
+
+    v = sub.add_parser("validate", help="validate scenario files without running them")
+    v.add_argument("scenarios", nargs="+")
+    v.set_defaults(fn=_cmd_validate)
+
+    i = sub.add_parser("inject", help="list the planted faults")
+    i.add_argument("--list", action="store_true", required=True)
+    i.set_defaults(fn=_cmd_inject)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except HarnessError as e:
+        print(f"gtp-parity: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

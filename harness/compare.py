@@ -1,0 +1,208 @@
+"""Compare: judge every logical tensor of the candidate against the reference (and golden).
+
+Two phases, as ``torch.testing`` does: pair up what to compare (same step, kind and name;
+activations by global sample id), then measure every pair and judge it under the policy.
+Results are data: one row per (step, kind, tensor) in a pandas DataFrame; text and HTML are
+views of it. The first divergence and its signature come from :mod:`harness.localize`.
+
+Metrics per pair: bitwise equality, max abs and max rel difference (with the index of the
+worst element), max and p99 ULP distance (in the candidate's dtype), relative L2, cosine,
+and NaN/Inf positions compared as such.
+
+Policies:
+- ``exact``: bitwise equal.
+- ``dtype``: ``|c - r| <= atol + rtol |r|`` with per-dtype tolerances from Transformer
+  Engine's ``tests/pytorch/utils.py::dtype_tols`` (fp32 1.3e-6/1e-5, bf16 1.6e-2/1e-5, ...).
+- ``noise-floor``: the candidate's max error against the golden is at most ``k`` times the
+  reference's, plus ``floor * eps(dtype) * max|golden|``: GTP on must be no further from the
+  fp64 truth than GTP off is. k = 4 absorbs the variation of rounding error between two
+  reduction orders; the floor keeps tensors the reference gets (nearly) exact from failing on
+  the candidate's last-bit noise. Without a golden it falls back to ``dtype``.
+Initial weights (step 0) are always judged ``exact``: every side starts from the same ones.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import torch
+
+from harness.assemble import Logical, assemble_trace
+from harness.scenario import ComparePolicy
+from harness.trace import Trace
+
+# Transformer Engine tests/pytorch/utils.py dtype_tols (rtol, atol).
+DTYPE_TOLS = {
+    torch.float64: (1e-7, 1e-7),
+    torch.float32: (1.3e-6, 1e-5),
+    torch.bfloat16: (1.6e-2, 1e-5),
+    torch.float16: (1e-3, 1e-5),
+}
+SCALAR_NAMES = ("reduced_loss", "grad_norm", "lr", "skipped")
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """ULPs between same-dtype float tensors (ordered-integer distance of their bit patterns)."""
+    int_t = {torch.float64: torch.int64, torch.float32: torch.int32,
+             torch.bfloat16: torch.int16, torch.float16: torch.int16}[a.dtype]  # fmt: skip
+
+    def ordered(x):
+        i = x.contiguous().view(int_t).long()
+        top = 1 << (torch.iinfo(int_t).bits - 1)
+        return torch.where(i < 0, -(i + top), i)
+
+    return (ordered(a) - ordered(b)).abs()
+
+
+def metrics(ref: torch.Tensor, cand: torch.Tensor) -> dict:
+    """Every metric of one pair (same shape); floats in fp64."""
+    out: dict = {"numel": ref.numel()}
+    same_dtype = ref.dtype == cand.dtype
+    out["bitwise_equal"] = bool(same_dtype and ref.shape == cand.shape and torch.equal(
+        ref.contiguous().view(torch.uint8) if ref.dtype.is_floating_point else ref,
+        cand.contiguous().view(torch.uint8) if cand.dtype.is_floating_point else cand))  # fmt: skip
+    r, c = ref.double(), cand.double()
+    r_nan, c_nan = torch.isnan(r), torch.isnan(c)
+    r_inf, c_inf = torch.isinf(r), torch.isinf(c)
+    out["nonfinite_mismatch"] = int(((r_nan != c_nan) | (r_inf != c_inf) | (r_inf & c_inf & (r != c))).sum())
+    finite = torch.isfinite(r) & torch.isfinite(c)
+    diff = torch.where(finite, (c - r).abs(), torch.zeros_like(r))
+    rel = diff / r.abs().clamp_min(torch.finfo(torch.float64).tiny)
+    rel = torch.where(finite & (r != 0), rel, torch.zeros_like(r))
+    out["max_abs"] = float(diff.max()) if diff.numel() else 0.0
+    out["max_rel"] = float(rel.max()) if rel.numel() else 0.0
+    worst = int(diff.reshape(-1).argmax()) if diff.numel() else 0
+    out["worst_index"] = list(torch.unravel_index(torch.tensor(worst), ref.shape)) if ref.dim() else []
+    out["worst_index"] = [int(i) for i in out["worst_index"]]
+    out["ref_at_worst"] = float(r.reshape(-1)[worst]) if r.numel() else 0.0
+    out["cand_at_worst"] = float(c.reshape(-1)[worst]) if c.numel() else 0.0
+    if same_dtype and ref.dtype in DTYPE_TOLS and ref.numel():
+        u = ulp_distance(ref, cand)[finite].double()
+        out["max_ulp"] = float(u.max()) if u.numel() else 0.0
+        out["p99_ulp"] = float(torch.quantile(u[:1_000_000], 0.99)) if u.numel() else 0.0
+    else:
+        out["max_ulp"] = out["p99_ulp"] = float("nan")
+    rn = float(r[finite].norm())
+    out["rel_l2"] = float((c - r)[finite].norm()) / rn if rn > 0 else (0.0 if out["max_abs"] == 0 else math.inf)
+    cn = float(c[finite].norm())
+    out["cosine"] = float((r[finite] * c[finite]).sum()) / (rn * cn) if rn > 0 and cn > 0 else float("nan")
+    out["mismatched"] = int((diff > 0).sum())
+    return out
+
+
+def judge(policy: ComparePolicy, step: int, ref, cand, golden, m: dict) -> tuple[bool, str, float]:
+    """(passed, policy used, bound) for one pair."""
+    if m["nonfinite_mismatch"]:
+        return False, "nonfinite", 0.0
+    if step == 0 or policy.policy == "exact":
+        return m["bitwise_equal"], "exact", 0.0
+    if m["bitwise_equal"]:
+        return True, policy.policy, 0.0
+    dtype = cand.dtype if cand.dtype in DTYPE_TOLS else torch.float32
+    if policy.policy == "noise-floor" and golden is not None:
+        g = golden.double()
+        ref_err = float((ref.double() - g).abs().max())
+        cand_err = float((cand.double() - g).abs().max())
+        eps = torch.finfo(dtype).eps
+        bound = policy.k * ref_err + policy.floor * eps * float(g.abs().max())
+        m.update(ref_err_golden=ref_err, cand_err_golden=cand_err)
+        return cand_err <= bound, "noise-floor", bound
+    rtol, atol = DTYPE_TOLS[dtype]
+    r, c = ref.double(), cand.double()
+    excess = ((c - r).abs() - (atol + rtol * r.abs())).max()
+    return bool(excess <= 0), "dtype", atol + rtol * float(r.abs().max())
+
+
+def _pairs(ref: Logical, cand: Logical, golden: Logical | None):
+    """Yield (step, kind, name, sample_id or None, ref, cand, golden) for every common tensor."""
+    for key, r in ref.tensors.items():
+        if key in cand.tensors:
+            g = golden.tensors.get(key) if golden else None
+            yield (*key, None, r, cand.tensors[key], g)
+    for key, rs in ref.samples.items():
+        cs = cand.samples.get(key)
+        if cs is None:
+            continue
+        gs = golden.samples.get(key, {}) if golden else {}
+        ids = sorted(set(rs) & set(cs))
+        if ids:
+            yield (*key, ids, torch.stack([rs[i] for i in ids]), torch.stack([cs[i] for i in ids]),
+                   torch.stack([gs[i] for i in ids]) if all(i in gs for i in ids) else None)  # fmt: skip
+
+
+def compare(traces: dict[str, Trace], policy: ComparePolicy | None = None) -> dict:
+    """Compare the candidate with the reference (and golden); see the module docstring."""
+    from harness import localize
+
+    policy = policy or ComparePolicy()
+    logical = {role: assemble_trace(t) for role, t in traces.items()}
+    ref, cand, golden = logical["reference"], logical["candidate"], logical.get("golden")
+    rows = []
+    for step, kind, name, ids, r, c, g in _pairs(ref, cand, golden):
+        if r.shape != c.shape:
+            rows.append({"step": step, "kind": kind, "tensor": name, "passed": False, "policy": "shape",
+                         "detail": f"shape {tuple(r.shape)} vs {tuple(c.shape)}"})  # fmt: skip
+            continue
+        if g is not None and step == 0:
+            g = g.to(c.dtype)  # initial weights: the golden's, cast as every side casts them
+        m = metrics(r, c)
+        passed, used, bound = judge(policy, step, r, c, g, m)
+        if g is not None and "ref_err_golden" not in m:
+            m["ref_err_golden"] = float((r.double() - g.double()).abs().max())
+            m["cand_err_golden"] = float((c.double() - g.double()).abs().max())
+        rows.append({"step": step, "kind": kind, "tensor": name, "passed": passed, "policy": used,
+                     "bound": bound, "dtype": str(c.dtype).replace("torch.", ""),
+                     "shape": list(r.shape), "sample_ids": ids, **m})  # fmt: skip
+    rows += _compare_scalars(traces, policy)
+    rows += localize.input_rows(ref, cand, traces)
+    df = pd.DataFrame(rows)
+    summary = localize.summarize(df, logical, traces, policy)
+    summary["results"] = localize.order(df)
+    return summary
+
+
+def _compare_scalars(traces: dict[str, Trace], policy: ComparePolicy) -> list[dict]:
+    from harness.steps import per_sample_losses, step_table
+
+    table = step_table(traces)
+    rows = []
+    if table.empty:
+        return rows
+    by = {role: t.set_index("step") for role, t in table.groupby("side")}
+    ref, cand, gold = by.get("reference"), by.get("candidate"), by.get("golden")
+    if ref is None or cand is None:
+        return rows
+    for step in sorted(set(ref.index) & set(cand.index)):
+        for name in SCALAR_NAMES:
+            if name not in ref.columns or name not in cand.columns:
+                continue
+            r, c = float(ref.at[step, name]), float(cand.at[step, name])
+            g = float(gold.at[step, name]) if gold is not None and name in gold.columns and step in gold.index else None
+            rows.append(_scalar_row(step, name, r, c, g, policy))
+    # Per-sample losses, aligned by global sample id whatever rank read the sample.
+    losses = per_sample_losses(traces)
+    if not losses.empty:
+        piv = losses.drop_duplicates(["side", "step", "sample_id"]).pivot_table(
+            index=["step", "sample_id"], columns="side", values="loss")
+        if {"reference", "candidate"} <= set(piv.columns):
+            for (step, sid), row in piv.iterrows():
+                if math.isnan(row["reference"]) or math.isnan(row["candidate"]):
+                    continue
+                g = row.get("golden") if "golden" in piv.columns else None
+                r = _scalar_row(step, f"loss[sample {sid}]", row["reference"], row["candidate"],
+                                None if g is None or math.isnan(g) else g, policy)  # fmt: skip
+                r.update(kind="loss", sample_ids=[int(sid)])
+                rows.append(r)
+    return rows
+
+
+def _scalar_row(step, name, r, c, g, policy) -> dict:
+    # Scalars are fp32 on every side; judged with the fp32 tolerance or the noise floor.
+    rt, ct = torch.tensor([r], dtype=torch.float32), torch.tensor([c], dtype=torch.float32)
+    gt = torch.tensor([g], dtype=torch.float64) if g is not None else None
+    m = metrics(rt, ct)
+    passed, used, bound = judge(policy, step, rt, ct, gt, m)
+    return {"step": step, "kind": "scalar", "tensor": name, "passed": passed, "policy": used,
+            "bound": bound, "dtype": "float32", "shape": [], "ref_value": r, "cand_value": c,
+            "golden_value": g, **m}  # fmt: skip

@@ -1,0 +1,253 @@
+"""The DistributedWeight protocol as callers see it, and a recorder of the collectives it issues.
+
+A *distributed weight* is a ``torch.Tensor`` subclass with ``is_distributed_weight = True`` and
+four methods: ``materialize_group_for_forward()``, ``materialize_group_for_backward()``,
+``finalize_group_grads(wgrads)`` and ``grad_buffer()``. Callers never call them directly but go
+through list-shaped dispatchers: the first weight of a list (the leader) makes one call for the
+whole group, and plain tensors pass through untouched.
+
+:data:`KIT_DISPATCH` mirrors Transformer Engine's dispatchers
+(``transformer_engine.pytorch.distributed_weight``) so the kit runs where TE is not installed;
+:func:`te_dispatch` returns TE's own where it is importable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+
+def is_distributed_weight(weight: Any) -> bool:
+    """True for a protocol implementer; a marker on a non-tensor is an error, as in TE."""
+    flag = bool(getattr(weight, "is_distributed_weight", False))
+    if flag and not isinstance(weight, torch.Tensor):
+        raise TypeError(f"a DistributedWeight must be a torch.Tensor subclass, got {type(weight)}")
+    return flag
+
+
+def _as_list(value: Any) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def materialize_for_forward(weights: list) -> list:
+    """Tensors for the forward GEMMs: one leader call for the group, or the weights themselves."""
+    if is_distributed_weight(weights[0]):
+        return _as_list(weights[0].materialize_group_for_forward())
+    return list(weights)
+
+
+def materialize_for_backward(weights: list) -> list:
+    """Tensors for the backward (dgrad) GEMMs, with the forward dispatcher's contract."""
+    if is_distributed_weight(weights[0]):
+        return _as_list(weights[0].materialize_group_for_backward())
+    return list(weights)
+
+
+def grad_buffers(weights: list, shape: tuple[int, ...]) -> list:
+    """Where the wgrad GEMMs write: each member's ``grad_buffer()``, or fresh scratch.
+
+    ``shape`` is the logical (TP-local) weight shape. TE raises when a distributed weight's
+    buffer has another shape; the kit reports that as a clause failure instead.
+    """
+    if is_distributed_weight(weights[0]):
+        return [w.grad_buffer() for w in weights]
+    return [torch.empty(shape, dtype=w.dtype, device=w.device) for w in weights]
+
+
+def finalize(weights: list, wgrads: list) -> list:
+    """Hand the group's wgrads to the leader (a bare tensor for a group of one, as TE does)."""
+    if is_distributed_weight(weights[0]):
+        out = weights[0].finalize_group_grads(wgrads if len(wgrads) > 1 else wgrads[0])
+        return _as_list(out)
+    return list(wgrads)
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    """The caller-side entry points the kit drives the protocol through."""
+
+    name: str
+    """"kit" or "te"; shown in results."""
+    is_distributed_weight: Callable[[Any], bool]
+    materialize_for_forward: Callable[[list], list]
+    materialize_for_backward: Callable[[list], list]
+    grad_buffers: Callable[[list, tuple[int, ...]], list]
+    finalize: Callable[[list, list], list]
+
+
+KIT_DISPATCH = Dispatch(
+    name="kit",
+    is_distributed_weight=is_distributed_weight,
+    materialize_for_forward=materialize_for_forward,
+    materialize_for_backward=materialize_for_backward,
+    grad_buffers=grad_buffers,
+    finalize=finalize,
+)
+
+
+def te_dispatch() -> Dispatch:
+    """TE's own dispatchers; raises ImportError when Transformer Engine is not importable."""
+    from transformer_engine.pytorch import distributed_weight as te_dw
+
+    def te_grad_buffers(weights: list, shape: tuple[int, ...]) -> list:
+        # Older TE builds have no weight_grad_buffers: every member's grad_buffer() is the contract.
+        if hasattr(te_dw, "weight_grad_buffers"):
+            lead = weights[0]
+            return list(te_dw.weight_grad_buffers(weights, shape, lead.dtype, lead.device))
+        return grad_buffers(weights, shape)
+
+    return Dispatch(
+        name="te",
+        is_distributed_weight=te_dw.is_distributed_weight,
+        materialize_for_forward=lambda ws: list(te_dw.materialize_weight_for_forward(ws)),
+        materialize_for_backward=lambda ws: list(te_dw.materialize_weight_for_backward(ws)),
+        grad_buffers=te_grad_buffers,
+        finalize=lambda ws, gs: list(te_dw.finalize_weight_grads(ws, gs)),
+    )
+
+
+# --- collective recorder ----------------------------------------------------------------------
+
+_COLLECTIVES = (
+    "all_gather_into_tensor",
+    "all_gather",
+    "reduce_scatter_tensor",
+    "reduce_scatter",
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_to_all_single",
+    "all_to_all",
+)
+
+
+class _TrackedWork:
+    """Wraps an async work handle so the recorder knows whether anyone waited on it yet."""
+
+    def __init__(self, work):
+        self._work = work
+        self.waited = False
+
+    def wait(self, *args, **kwargs):
+        self.waited = True
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+@dataclass
+class CallLog:
+    """Collectives issued while one protocol call ran."""
+
+    label: str
+    rounds: int = 0
+    """Collective calls, a coalesced block counting once."""
+    pending: list[tuple[_TrackedWork, list[torch.Tensor]]] = field(default_factory=list)
+    """Async collectives with the tensors they write into."""
+
+    def inflight_outputs(self) -> list[torch.Tensor]:
+        """Outputs of async collectives issued in this call that nobody has waited on yet."""
+        return [t for work, outs in self.pending if not work.waited for t in outs]
+
+
+def _outputs(name: str, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    first = args[0] if args else next(
+        (kwargs[k] for k in ("output_tensor", "output", "tensor", "tensor_list") if k in kwargs),
+        None,
+    )
+    return [t for t in _as_list(first) if isinstance(t, torch.Tensor)]
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when two tensors share any byte of memory."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def extent(t: torch.Tensor) -> tuple[int, int]:
+        start = t.storage_offset()
+        last = start + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        return start * t.element_size(), (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = extent(a), extent(b)
+    return a0 < b1 and b0 < a1
+
+
+class CollectiveRecorder:
+    """Counts torch.distributed collectives per protocol call while installed.
+
+    Use as ``with CollectiveRecorder() as rec: with rec.call("forward") as log: ...``.
+    Collectives issued outside any ``call`` are logged under the label "outside".
+    """
+
+    def __init__(self):
+        self.logs: list[CallLog] = []
+        self._current: CallLog | None = None
+        self._coalescing = 0
+        self._saved: dict[str, Callable] = {}
+
+    def __enter__(self) -> "CollectiveRecorder":
+        for name in (*_COLLECTIVES, "_coalescing_manager"):
+            original = getattr(dist, name)
+            self._saved[name] = original
+            wrap = self._wrap_coalescing if name == "_coalescing_manager" else self._wrap
+            setattr(dist, name, wrap(name, original))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+        self._saved.clear()
+
+    @contextlib.contextmanager
+    def call(self, label: str):
+        """Attribute collectives issued inside the block to a new :class:`CallLog`."""
+        log = CallLog(label)
+        outer, self._current = self._current, log
+        try:
+            yield log
+        finally:
+            self._current = outer
+            self.logs.append(log)
+
+    def _log(self) -> CallLog:
+        if self._current is None:
+            self._current = CallLog("outside")
+            self.logs.append(self._current)
+        return self._current
+
+    def _wrap(self, name: str, original: Callable) -> Callable:
+        @functools.wraps(original)
+        def recorded(*args, **kwargs):
+            log = self._log()
+            if not self._coalescing:
+                log.rounds += 1
+            work = original(*args, **kwargs)
+            if kwargs.get("async_op") and work is not None:
+                work = _TrackedWork(work)
+                log.pending.append((work, _outputs(name, args, kwargs)))
+            return work
+
+        return recorded
+
+    def _wrap_coalescing(self, name: str, original: Callable) -> Callable:
+        @contextlib.contextmanager
+        @functools.wraps(original)
+        def recorded(*args, **kwargs):
+            log = self._log()
+            log.rounds += 1
+            self._coalescing += 1
+            try:
+                with original(*args, **kwargs) as manager:
+                    yield _TrackedWork(manager) if kwargs.get("async_ops") else manager
+            finally:
+                self._coalescing -= 1
+
+        return recorded

@@ -1,0 +1,98 @@
+"""The GPT both backends build: canonical parameter names, shapes, layouts and initial weights.
+
+Canonical names are megatron-core's (``decoder.layers.0.mlp.linear_fc1.weight``), and a
+canonical tensor is the logical weight in megatron-core's TP=1 layout (fused QKV rows ordered
+per query group: q heads, k, v). Every side starts from :func:`canonical_state` for its seed,
+cut into its own layout by :func:`layout_of`, so step-0 logical weights are equal everywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import Shard
+
+from harness.layout import Layout, gtp_pad
+from harness.scenario import ModelConfig, Side
+
+
+@dataclass(frozen=True, slots=True)
+class ParamSpec:
+    name: str
+    shape: tuple[int, ...]
+    tp_dim: int | None
+    """Dim TP cuts (0: column-parallel / vocab-parallel, 1: row-parallel), None: replicated."""
+    gtp: bool
+    """GTP-sharded (dim 0 of the TP-local block) when G > 1."""
+    init: str
+    """normal, scaled_normal, ones or zeros."""
+
+
+def param_specs(m: ModelConfig) -> list[ParamSpec]:
+    """Every parameter of the GPT, in megatron-core's registration order."""
+    h, f, v = m.hidden_size, m.ffn_hidden_size, m.vocab_size
+    specs = [
+        ParamSpec("embedding.word_embeddings.weight", (v, h), 0, True, "normal"),
+        ParamSpec("embedding.position_embeddings.weight", (m.seq_length, h), None, False, "normal"),
+    ]
+    for i in range(m.num_layers):
+        p = f"decoder.layers.{i}."
+        specs += [
+            ParamSpec(p + "input_layernorm.weight", (h,), None, False, "ones"),
+            ParamSpec(p + "input_layernorm.bias", (h,), None, False, "zeros"),
+            ParamSpec(p + "self_attention.linear_proj.weight", (h, h), 1, True, "scaled_normal"),
+            ParamSpec(p + "self_attention.linear_qkv.weight", (3 * h, h), 0, True, "normal"),
+            ParamSpec(p + "pre_mlp_layernorm.weight", (h,), None, False, "ones"),
+            ParamSpec(p + "pre_mlp_layernorm.bias", (h,), None, False, "zeros"),
+            ParamSpec(p + "mlp.linear_fc1.weight", (f, h), 0, True, "normal"),
+            ParamSpec(p + "mlp.linear_fc2.weight", (h, f), 1, True, "scaled_normal"),
+        ]
+    specs += [
+        ParamSpec("decoder.final_layernorm.weight", (h,), None, False, "ones"),
+        ParamSpec("decoder.final_layernorm.bias", (h,), None, False, "zeros"),
+    ]
+    if m.untie_embeddings:
+        specs.append(ParamSpec("output_layer.weight", (v, h), 0, True, "normal"))
+    return specs
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    # One stream per (seed, name): a weight does not depend on which others exist or their order.
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def canonical_state(m: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """Logical fp32 initial weights, a function of (model, seed) only."""
+    scaled = m.init_std / math.sqrt(2.0 * m.num_layers)
+    state = {}
+    for spec in param_specs(m):
+        if spec.init == "ones":
+            t = torch.ones(spec.shape)
+        elif spec.init == "zeros":
+            t = torch.zeros(spec.shape)
+        else:
+            std = scaled if spec.init == "scaled_normal" else m.init_std
+            t = torch.empty(spec.shape).normal_(0.0, std, generator=_generator(seed, spec.name))
+        state[spec.name] = t
+    return state
+
+
+def mesh_of(side: Side) -> dict[str, int]:
+    return {"tp": side.tp, "gtp": side.gtp, "dp": side.replicate_dp}
+
+
+def layout_of(spec: ParamSpec, side: Side) -> Layout:
+    """Where the shards of ``spec`` sit on ``side``'s mesh (as megatron-core lays them out)."""
+    mesh = mesh_of(side)
+    placements, pads = {}, {}
+    if spec.tp_dim is not None and side.tp > 1:
+        placements["tp"] = Shard(spec.tp_dim)
+    if spec.gtp and side.gtp > 1:
+        local0 = spec.shape[0] // (side.tp if spec.tp_dim == 0 else 1)
+        placements["gtp"] = Shard(0)
+        pads["gtp"] = gtp_pad(local0, side.gtp, side.gtp_pad_alignment)
+    return Layout(spec.shape, mesh, placements, pads)

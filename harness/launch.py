@@ -1,0 +1,152 @@
+"""Launch: run a plan of same-world-size jobs under torchrun, with a timeout.
+
+One launch runs every job of its world size in sequence (see harness.worker): a torchrun
+launch that only imports megatron-core costs about as much as a small training run. The
+launch runs in its own process session, so a timeout kills every rank and nothing is left
+behind. A failure is turned into one message naming the rank, the job and the last step,
+read from the ranks' error files and heartbeats; traces already written are kept and,
+lacking a manifest, read as incomplete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from harness.backends import Job
+from harness.errors import RunFailed
+from harness.trace import write_json
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def job_to_json(job: Job) -> dict:
+    return {
+        "key": job.key,
+        "model": asdict(job.model),
+        "data": asdict(job.data),
+        "side": asdict(job.side),
+        "capture": asdict(job.capture),
+        "trace_dir": job.trace_dir,
+    }
+
+
+def command(plan_path: Path, world: int, port: int) -> list[str]:
+    if world == 1:
+        return [sys.executable, "-m", "harness.worker", str(plan_path)]
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={world}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=0",
+        "-m", "harness.worker", str(plan_path),
+    ]  # fmt: skip
+
+
+def launch(jobs: list[Job], *, world: int, timeout_s: float, workdir: Path, name: str) -> float:
+    """Run ``jobs`` (all of world size ``world``); return wall seconds. Raise RunFailed."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    plan_path = workdir / f"plan-{name}.json"
+    write_json(plan_path, {"jobs": [job_to_json(j) for j in jobs], "port": port})
+    log_path = workdir / f"launch-{name}.log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}  # fmt: skip
+    if world == 1:
+        env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    root = Path(__file__).resolve().parent.parent
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    start = time.monotonic()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            command(plan_path, world, port), stdout=log, stderr=subprocess.STDOUT,
+            env=env, start_new_session=True,
+        )  # fmt: skip
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill(proc)
+            raise RunFailed(
+                f"launch {name} (world {world}) timed out after {timeout_s:.0f} s; "
+                + describe_progress(jobs, world) + f"; log: {log_path}"
+            ) from None
+        finally:
+            _kill(proc)
+    if rc != 0:
+        raise RunFailed(f"launch {name} (world {world}) failed (exit {rc}); "
+                        + describe_failure(jobs, world) + f"; log: {log_path}")  # fmt: skip
+    return time.monotonic() - start
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """End the launch's whole process session: torchrun and every rank."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            continue
+    # A rank may outlive torchrun in the session; SIGKILL above reached it too.
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _current_job(jobs: list[Job]) -> Job | None:
+    for job in jobs:
+        if not (Path(job.trace_dir) / "manifest.json").exists():
+            return job
+    return None
+
+
+def describe_progress(jobs: list[Job], world: int) -> str:
+    """Name the job and, per rank, the last step and phase reached; the laggard first."""
+    job = _current_job(jobs)
+    if job is None:
+        return "every job had finished"
+    beats = {r: _read(Path(job.trace_dir) / f"rank{r}" / "progress.json") for r in range(world)}
+    seen = {r: b for r, b in beats.items() if b}
+    if not seen:
+        return f"side {job.side.label()}: no rank reached step 0"
+
+    phases = ["begin", "forward_backward", "optimizer", "end"]
+
+    def order(b):
+        phase = b.get("phase")
+        return (b.get("step") or 0, phases.index(phase) if phase in phases else 0)
+
+    laggard = min(seen, key=lambda r: order(seen[r]))
+    ranks = ", ".join(f"rank {r} at step {b.get('step')} ({b.get('phase')})" for r, b in sorted(seen.items()))
+    silent = [r for r in range(world) if r not in seen]
+    extra = f"; no heartbeat from rank(s) {silent}" if silent else ""
+    return (
+        f"side {job.side.label()}: rank {laggard} stopped at step {seen[laggard].get('step')} "
+        f"({seen[laggard].get('phase')}) [{ranks}]{extra}"
+    )
+
+
+def describe_failure(jobs: list[Job], world: int) -> str:
+    job = _current_job(jobs)
+    if job is None:
+        return "every job had finished"
+    for r in range(world):
+        err = _read(Path(job.trace_dir) / f"rank{r}" / "error.json")
+        if err:
+            return f"side {job.side.label()}: rank {r} raised at step {err.get('step')}: {err.get('error')}"
+    return "no rank left an error report (a rank exited hard); " + describe_progress(jobs, world)

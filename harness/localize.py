@@ -1,0 +1,304 @@
+"""Localize: order the comparisons causally, name the first divergence and its likely cause.
+
+Causal order within a step: data (sample ids), weights the forward reads, the forward in
+layer order, logits, per-sample losses, backward (gradients in reverse layer order), the
+reported loss and grad norm, then the optimizer update (state, then new weights). Across
+steps, earlier first. The first failing event is the root cause: every event before it,
+which is all it can have read, passed.
+
+A signature names the pattern of the failure (see ``SIGNATURES``); the region names where
+in the logical tensor it sits and which rank holds that part.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from collections import Counter
+
+import pandas as pd
+import torch
+from torch.distributed.tensor import Shard
+
+SIGNATURES = {
+    "ratio-G": "candidate = G x reference: a mean over the GTP group became a sum (missing 1/G)",
+    "ratio-1/G": "candidate = reference / G: the GTP mean was taken twice",
+    "ratio-TP": "candidate = TP x reference: a TP mean became a sum",
+    "ratio-1/TP": "candidate = reference / TP",
+    "ratio-2": "candidate = 2 x reference: a reduction counted twice",
+    "ratio-1/2": "candidate = reference / 2: a reduction halved",
+    "log-TP-offset": "losses differ by log(TP): logits normalized over one TP shard only",
+    "permuted-blocks": "the candidate equals the reference with shard blocks permuted: shard order",
+    "pad-rows": "GTP pad rows are non-zero: padding leaked into the weight or received gradient",
+    "replica-drift": "a replicated tensor differs across ranks: a partial gradient was not reduced",
+    "missing-gradient": "the candidate gradient is zero where the reference is not",
+    "stale-update": "the weight after the step equals the weight before it: the update did not land",
+    "misrouted-samples": "ranks read the wrong samples (duplicated or missing sample ids)",
+    "loss-report-only": "every tensor agrees, only the reported (reduced) loss differs",
+    "grad-norm-only": "gradients agree, only the grad norm differs: double counting in the norm",
+    "mismatch": "values differ beyond the policy with no recognised pattern",
+}
+
+_PHASE_OF_KIND = {
+    "input": (0, "data"),
+    "param_before": (1, "weights"),
+    "materialized": (1, "weights"),
+    "activation": (2, "forward"),
+    "logits": (3, "forward"),
+    "loss": (4, "loss"),
+    "main_grad": (5, "backward"),
+    "scalar": (6, "reduce"),
+    "exp_avg": (7, "optimizer"),
+    "exp_avg_sq": (7, "optimizer"),
+    "master": (8, "optimizer"),
+    "param": (9, "optimizer"),
+}
+_SCALAR_PHASE = {"reduced_loss": (4, "loss"), "grad_norm": (6, "reduce"), "lr": (7, "optimizer"),
+                 "skipped": (7, "optimizer")}  # fmt: skip
+_FORWARD_SUBS = ["input_layernorm", "self_attention", "pre_mlp_layernorm", "mlp", ""]
+
+
+def _layer_position(name: str) -> float:
+    """Forward position of a module or parameter name."""
+    if name.startswith("embedding"):
+        return 0.0
+    if name.startswith("output_layer"):
+        return 1e6 + 1
+    if name.startswith("decoder.final_layernorm"):
+        return 1e6
+    m = re.match(r"decoder\.layers\.(\d+)\.?([a-z_]*)", name)
+    if not m:
+        return 5e5
+    layer, sub = int(m.group(1)), m.group(2)
+    rest = name[m.end():]
+    sub_pos = _FORWARD_SUBS.index(sub) if sub in _FORWARD_SUBS and not (sub == "" and rest) else 2
+    return 1 + layer * 10 + sub_pos
+
+
+def causal_key(row) -> tuple:
+    kind, name = row["kind"], row["tensor"]
+    phase_idx, _ = _SCALAR_PHASE.get(name, _PHASE_OF_KIND.get(kind, (5, "other"))) if kind == "scalar" \
+        else _PHASE_OF_KIND.get(kind, (5, "other"))  # fmt: skip
+    pos = _layer_position(name)
+    if kind == "main_grad":
+        pos = -pos  # backward runs in reverse layer order
+    return (int(row["step"]), phase_idx, pos, name)
+
+
+def phase_of(kind: str, name: str) -> str:
+    if kind == "scalar" and name in _SCALAR_PHASE:
+        return _SCALAR_PHASE[name][1]
+    return _PHASE_OF_KIND.get(kind, (5, "other"))[1]
+
+
+def order(df: pd.DataFrame) -> pd.DataFrame:
+    if df.empty:
+        return df
+    df = df.copy()
+    df["phase"] = [phase_of(k, n) for k, n in zip(df["kind"], df["tensor"])]
+    keys = [causal_key(r) for r in df.to_dict("records")]
+    df["_order"] = keys
+    df = df.sort_values("_order", key=lambda s: s.map(lambda k: k)).drop(columns="_order")
+    return df.reset_index(drop=True)
+
+
+def input_rows(ref, cand, traces) -> list[dict]:
+    """Per step: does the candidate read exactly the reference's samples, once each?"""
+    rows = []
+    for step in sorted(set(ref.inputs) & set(cand.inputs)):
+        r = Counter(i for ids in ref.inputs[step].values() for i in ids)
+        c = Counter(i for ids in cand.inputs[step].values() for i in ids)
+        dup = sorted(i for i, n in c.items() if n > 1)
+        missing = sorted(set(r) - set(c))
+        ranks = sorted(rk for rk, ids in cand.inputs[step].items() if set(ids) & set(dup))
+        passed = r == c
+        rows.append({"step": step, "kind": "input", "tensor": "sample_ids", "passed": passed,
+                     "policy": "exact", "bitwise_equal": passed, "duplicated": dup, "missing": missing,
+                     "ranks": ranks, "numel": sum(c.values())})  # fmt: skip
+    return rows
+
+
+def _ratio_signature(ref: torch.Tensor, cand: torch.Tensor, mesh: dict) -> str | None:
+    r, c = ref.double().reshape(-1), cand.double().reshape(-1)
+    denom = float(r @ r)
+    if denom == 0:
+        return "missing-gradient" if float(c.abs().max()) > 0 else None
+    scale = float(r @ c) / denom
+    resid = float((c - scale * r).norm()) / max(float(c.norm()), 1e-300)
+    if float(c.abs().max()) == 0:
+        return "missing-gradient"
+    if resid > 0.05:
+        return None
+    g, tp = mesh.get("gtp", 1), mesh.get("tp", 1)
+    candidates = []
+    if g > 1:
+        candidates += [("ratio-G", g), ("ratio-1/G", 1 / g)]
+    if tp > 1:
+        candidates += [("ratio-TP", tp), ("ratio-1/TP", 1 / tp)]
+    candidates += [("ratio-2", 2.0), ("ratio-1/2", 0.5)]
+    for sig, value in candidates:
+        if abs(scale / value - 1) < 0.03:
+            return sig
+    return None
+
+
+def _permutation_signature(ref: torch.Tensor, cand: torch.Tensor, mesh: dict, tol: float,
+                           layout=None) -> dict | None:
+    """Does cand equal ref with its dim-0 shard blocks permuted?
+
+    Blocks are cut as GTP cuts them: within each TP block of dim 0, after padding to the GTP
+    layout's padded size (the pad rows of a misplaced block land inside the logical rows).
+    Returns the permutation of the first TP block where one is found.
+    """
+    if ref.dim() == 0 or ref.shape != cand.shape:
+        return None
+    g, tp = mesh.get("gtp", 1), mesh.get("tp", 1)
+    pad = layout.pads.get("gtp", 0) if layout is not None else 0
+    tp_dim0 = layout is not None and isinstance(layout.placement("tp"), Shard) and layout.placement("tp").dim == 0
+    tp_blocks = tp if tp_dim0 and tp > 1 else 1
+    for n in sorted({g, tp, g * tp} - {1}):
+        if n > 4:
+            continue  # every permutation of up to 4 blocks is tried
+        outer = tp_blocks if n == g else 1
+        block_pad = pad if n == g else 0
+        for rb, cb in zip(ref.double().chunk(outer), cand.double().chunk(outer)):
+            rows = rb.shape[0]
+            padded = torch.nn.functional.pad(rb, [0, 0] * (rb.dim() - 1) + [0, block_pad])
+            if padded.shape[0] % n:
+                continue
+            blocks = padded.chunk(n)
+            for perm in itertools.permutations(range(n)):
+                if list(perm) == list(range(n)):
+                    continue
+                if float((torch.cat([blocks[i] for i in perm])[:rows] - cb).abs().max()) <= tol:
+                    return {"blocks": n, "permutation": list(perm), "pad_rows": block_pad}
+    return None
+
+
+def region_of(row: dict, owner: dict | None) -> dict:
+    """Rows/columns of the worst element and the rank(s) holding it."""
+    idx = row.get("worst_index") or []
+    region: dict = {"worst_index": idx}
+    if not idx or owner is None:
+        return region
+    layout, ranks = owner["layout"], owner["ranks"]
+    coord = {}
+    for axis in ("tp", "gtp"):
+        p = layout.placement(axis)
+        n = layout.mesh.get(axis, 1)
+        if isinstance(p, Shard) and n > 1:
+            d = p.dim % len(layout.logical_shape)
+            size = layout.logical_shape[d]
+            if axis == "gtp":
+                tp_p = layout.placement("tp")
+                if isinstance(tp_p, Shard) and tp_p.dim % len(layout.logical_shape) == d:
+                    size //= layout.mesh.get("tp", 1)
+                local = (size + layout.pads.get("gtp", 0)) // n
+                coord[axis] = (idx[d] % size) // local
+                region["gtp_block_rows"] = [coord[axis] * local, min((coord[axis] + 1) * local, size)]
+            else:
+                local = size // n
+                coord[axis] = idx[d] // local
+                region["tp_block"] = [coord[axis] * local, (coord[axis] + 1) * local, f"dim {d}"]
+    region["shard"] = coord
+    region["ranks"] = sorted(r for (t, g, d), r in ranks.items()
+                             if t == coord.get("tp", t) and g == coord.get("gtp", g))  # fmt: skip
+    return region
+
+
+def summarize(df: pd.DataFrame, logical: dict, traces: dict, policy) -> dict:
+    """Verdict, first divergence with signature and region, counts per kind."""
+    df = order(df)
+    cand = logical["candidate"]
+    mesh = traces["candidate"].manifest.get("mesh", {})
+    checked = {k: int(n) for k, n in df.groupby("kind").size().items()} if not df.empty else {}
+    failing = df[~df["passed"].astype(bool)] if not df.empty else df
+    invariants = {"replica": cand.replica_violations, "padding": cand.padding_violations}
+    doc = {"verdict": "pass", "first_divergence": None, "checked": checked,
+           "policy": {"name": policy.policy, "k": policy.k, "floor": policy.floor},
+           "invariants": invariants, "failing": int(len(failing))}  # fmt: skip
+    # Candidate invariant violations are divergences of their own, placed in causal order.
+    events = [] if failing.empty else failing.to_dict("records")
+    for v in cand.padding_violations:
+        events.append({**v, "passed": False, "policy": "padding", "_sig": "pad-rows", "ranks": [v["rank"]]})
+    for v in cand.replica_violations:
+        events.append({**v, "passed": False, "policy": "replica", "_sig": "replica-drift"})
+    if not events:
+        return doc
+    events.sort(key=causal_key)
+    first = events[0]
+    step, kind, name = int(first["step"]), first["kind"], first["tensor"]
+    sig, extra = first.get("_sig"), {}
+    key = (step, kind, name)
+    # A tensor that also breaks a trace invariant is explained by that invariant.
+    for violations, label in ((cand.replica_violations, "replica-drift"), (cand.padding_violations, "pad-rows")):
+        hit = [v for v in violations if (v["step"], v["kind"], v["tensor"]) == key]
+        if sig is None and hit:
+            sig = label
+            first = {**first, "ranks": hit[0].get("ranks") or [hit[0].get("rank")], "rows": hit[0].get("rows")}
+    if sig is None:
+        sig, extra = _signature(first, df, logical, mesh, key)
+    owner = cand.shard_owner.get(key)
+    region = region_of(first, owner)
+    if kind == "input":
+        region = {"duplicated": first.get("duplicated"), "missing": first.get("missing")}
+    if sig == "pad-rows":
+        region = {"rows": first.get("rows"), "rank": first.get("rank")}
+    metrics = {k: first.get(k) for k in ("max_abs", "max_rel", "max_ulp", "p99_ulp", "rel_l2", "cosine",
+                                         "ref_err_golden", "cand_err_golden", "bound", "ref_value",
+                                         "cand_value") if first.get(k) is not None}  # fmt: skip
+    metrics = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in metrics.items()}
+    ranks = first.get("ranks")
+    if not isinstance(ranks, list):
+        ranks = region.get("ranks")
+    doc.update(verdict="fail", first_divergence={
+        "step": step, "phase": phase_of(kind, name), "kind": kind, "tensor": name,
+        "ranks": ranks, "region": region, "signature": sig, "explanation": SIGNATURES.get(sig, ""),
+        "metrics": metrics, **extra,
+    })  # fmt: skip
+    return doc
+
+
+def _signature(first: dict, df: pd.DataFrame, logical: dict, mesh: dict, key) -> tuple[str, dict]:
+    step, kind, name = key
+    ref, cand = logical["reference"], logical["candidate"]
+    if kind == "input":
+        return "misrouted-samples", {}
+    if kind == "scalar" or kind == "loss":
+        tensors_ok = df[(df["step"] == step) & ~df["kind"].isin(["scalar", "loss"])]["passed"].all()
+        if name == "reduced_loss":
+            tp = mesh.get("tp", 1)
+            delta = abs(float(first.get("cand_value", 0)) - float(first.get("ref_value", 0)))
+            if tp > 1 and abs(delta - math.log(tp)) < 1e-2:
+                return "log-TP-offset", {}
+            if tensors_ok:
+                return "loss-report-only", {}
+        if name == "grad_norm":
+            grads = df[(df["step"] == step) & (df["kind"] == "main_grad")]
+            if not grads.empty and grads["passed"].all():
+                return "grad-norm-only", {"norm_ratio": float(first.get("cand_value", 0)) /
+                                          max(float(first.get("ref_value", 1)), 1e-300)}  # fmt: skip
+        return "mismatch", {}
+    if kind == "param" and (step, "param_before", name) in cand.tensors:
+        before, after = cand.tensors[(step, "param_before", name)], cand.tensors[key]
+        ref_moved = not torch.equal(ref.tensors.get((step, "param_before", name), before), ref.tensors[key])
+        if torch.equal(before, after) and ref_moved:
+            return "stale-update", {}
+    r = ref.tensors.get(key)
+    c = cand.tensors.get(key)
+    if r is None and key in ref.samples:
+        ids = first.get("sample_ids") or []
+        r = torch.stack([ref.samples[key][i] for i in ids]) if ids else None
+        c = torch.stack([cand.samples[key][i] for i in ids]) if ids else None
+    if r is None or c is None:
+        return "mismatch", {}
+    ratio = _ratio_signature(r, c, mesh)
+    if ratio:
+        return ratio, {}
+    tol = max(float(first.get("bound") or 0.0), 1e-6 * float(r.double().abs().max()))
+    owner = cand.shard_owner.get((0, "param", name)) or cand.shard_owner.get(key)
+    perm = _permutation_signature(r, c, mesh, tol, owner["layout"] if owner else None)
+    if perm:
+        return "permuted-blocks", {"permutation": perm}
+    return "mismatch", {}

@@ -1,0 +1,87 @@
+"""One ``gtp-parity run`` or ``compare``: the pipeline stages called in order.
+
+scenario -> launch (runner) -> traces -> step table -> compare -> localize -> summary.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from harness import steps, trace
+from harness.errors import EXIT_PARITY_FAIL, EXIT_PASS, EXIT_RUN_FAILED
+from harness.runner import execute, plan
+from harness.scenario import Scenario
+from harness.trace import write_json
+
+
+def run_scenarios(scenarios: list[Scenario], out: Path, parallel: int = 2, verbose: bool = False) -> int:
+    """Run, compare and summarize every scenario; return the exit code of the worst."""
+    say = print if verbose else (lambda *a, **k: None)
+    out.mkdir(parents=True, exist_ok=True)
+    by_scenario = plan(scenarios, out)
+    say(f"gtp-parity: {len(scenarios)} scenario(s), "
+        f"{len({j.key for r in by_scenario.values() for j in r.values()})} distinct side(s) -> {out}")  # fmt: skip
+    failures = execute(by_scenario, scenarios, out, parallel=parallel, progress=say)
+    worst = EXIT_PASS
+    results = []
+    for s in scenarios:
+        jobs = by_scenario[s.name]
+        sdir = out / "scenarios" / s.name
+        failed = {role: failures[j.key] for role, j in jobs.items() if j.key in failures}
+        if failed:
+            summary = {"scenario": s.name, "verdict": "error", "error": failed,
+                       "traces": {r: j.trace_dir for r, j in jobs.items()}}  # fmt: skip
+            write_json(sdir / "summary.json", summary)
+            say(f"\n== {s.name}: run failed\n" + "\n".join(f"  {r}: {m}" for r, m in failed.items()))
+            worst = max(worst, EXIT_RUN_FAILED)
+            results.append(summary)
+            continue
+        summary = compare_scenario(s, {r: Path(j.trace_dir) for r, j in jobs.items()}, sdir, say)
+        results.append(summary)
+        if summary["verdict"] != "pass":
+            worst = max(worst, EXIT_PARITY_FAIL)
+    write_json(out / "summary.json", {"scenarios": results, "verdict": _overall(results)})
+    return worst
+
+
+def _overall(results: list[dict]) -> str:
+    verdicts = {r["verdict"] for r in results}
+    return "error" if "error" in verdicts else "fail" if "fail" in verdicts else "pass"
+
+
+def compare_scenario(s: Scenario | None, paths: dict[str, Path], sdir: Path, say=print) -> dict:
+    """Compare the traces of one scenario; write steps.csv/json, results.csv, summary.json."""
+    from harness.compare import compare
+
+    traces = {role: trace.read(p) for role, p in paths.items() if p is not None}
+    sdir.mkdir(parents=True, exist_ok=True)
+    table = steps.step_table(traces)
+    table.to_csv(sdir / "steps.csv", index=False)
+    write_json(sdir / "steps.json", table.to_dict(orient="records"))
+    steps.rank_losses(traces).to_csv(sdir / "rank_losses.csv", index=False)
+    name = s.name if s else sdir.name
+    say(f"\n== {name}")
+    say(steps.format_steps(table))
+    summary = compare(traces, policy=s.compare if s else None)
+    summary["results"].to_csv(sdir / "results.csv", index=False)
+    doc = {k: v for k, v in summary.items() if k != "results"}
+    doc.update(scenario=name, traces={r: str(p) for r, p in paths.items()})
+    if s is not None:
+        doc["config"] = {"source": s.source, "description": s.description,
+                         **{r: side.label() for r, side in s.sides.items()}}  # fmt: skip
+    write_json(sdir / "summary.json", doc)
+    fd = doc.get("first_divergence")
+    say(f"verdict: {doc['verdict'].upper()}" + (
+        f"  first divergence: step {fd['step']} {fd['phase']} {fd['kind']} {fd['tensor']} "
+        f"ranks {fd.get('ranks')} signature {fd['signature']}" if fd else ""))  # fmt: skip
+    return doc
+
+
+def compare_traces(ref: Path, cand: Path, golden: Path | None, out: Path) -> int:
+    doc = compare_scenario(None, {"reference": ref, "candidate": cand, "golden": golden}, out)
+    return EXIT_PASS if doc["verdict"] == "pass" else EXIT_PARITY_FAIL
+
+
+def load_summary(path: Path) -> dict:
+    return json.loads(Path(path).read_text())

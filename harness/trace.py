@@ -1,0 +1,190 @@
+"""The on-disk trace: what one side recorded on every rank.
+
+A trace is a folder::
+
+    manifest.json                 written last, by rank 0, once every rank has closed
+    rank{r}/step{s}.safetensors   that rank's tensors of step s (step 0: initial weights)
+    rank{r}/index.json            per tensor: kind, canonical name, step, micro-batch,
+                                  sample ids, dtype, local shape, layout; and the scalars
+    rank{r}/progress.json         heartbeat: the last step and phase reached
+
+Every file is written to a temporary name and renamed, so a reader never sees half a file;
+a trace without ``manifest.json`` (or with ``complete: false``) is incomplete. Tensors are
+safetensors and metadata JSON: loading a trace never executes code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from harness.errors import BadInput
+from harness.layout import Layout
+
+FORMAT = "gtp-parity-trace"
+FORMAT_VERSION = 1
+
+
+def write_json(path: Path, doc: Any) -> None:
+    """Atomically write ``doc`` as JSON."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True, default=str))
+    os.replace(tmp, path)
+
+
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Atomically write a safetensors file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp))
+    os.replace(tmp, path)
+
+
+def tensor_key(kind: str, name: str, micro_batch: int | None) -> str:
+    return f"{kind}|{name}" + ("" if micro_batch is None else f"|mb{micro_batch}")
+
+
+@dataclass(slots=True)
+class Entry:
+    """One recorded tensor of one rank."""
+
+    rank: int
+    step: int
+    kind: str
+    name: str
+    key: str
+    dtype: str
+    local_shape: tuple[int, ...]
+    layout: Layout | None
+    micro_batch: int | None = None
+    sample_ids: tuple[int, ...] | None = None
+    fingerprint: dict | None = None
+
+    def to_json(self) -> dict:
+        return {
+            "step": self.step, "kind": self.kind, "name": self.name, "key": self.key,
+            "dtype": self.dtype, "local_shape": list(self.local_shape),
+            "layout": self.layout.to_json() if self.layout else None,
+            "micro_batch": self.micro_batch,
+            "sample_ids": list(self.sample_ids) if self.sample_ids is not None else None,
+            "fingerprint": self.fingerprint,
+        }  # fmt: skip
+
+
+@dataclass
+class Trace:
+    """A trace read back from disk (tensors are loaded on demand)."""
+
+    path: Path
+    manifest: dict
+    entries: list[Entry]
+    scalars: list[dict]
+    _files: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.manifest.get("complete"))
+
+    @property
+    def world_size(self) -> int:
+        return int(self.manifest["world_size"])
+
+    def coords(self) -> dict[int, dict[str, int]]:
+        return {int(r): c for r, c in self.manifest["coords"].items()}
+
+    def tensor(self, entry: Entry) -> torch.Tensor:
+        path = self.path / f"rank{entry.rank}" / f"step{entry.step}.safetensors"
+        if path not in self._files:
+            try:
+                self._files[path] = load_file(str(path))
+            except FileNotFoundError:
+                raise BadInput(str(path), "missing tensor file listed in the rank index") from None
+            except (SafetensorError, OSError, ValueError) as e:
+                raise BadInput(str(path), f"corrupt or truncated safetensors file ({e})") from None
+        try:
+            t = self._files[path][entry.key]
+        except KeyError:
+            raise BadInput(str(path), f"tensor {entry.key!r} listed in the index is missing") from None
+        if tuple(t.shape) != tuple(entry.local_shape):
+            raise BadInput(
+                str(path), f"tensor {entry.key!r} has shape {tuple(t.shape)}, index says {entry.local_shape}"
+            )
+        return t
+
+
+def read(path: str | Path, allow_incomplete: bool = False) -> Trace:
+    """Read a trace's manifest and indexes; raise BadInput naming the file on any problem."""
+    path = Path(path)
+    manifest_path = path / "manifest.json"
+    if not path.is_dir():
+        raise BadInput(str(path), "not a trace folder")
+    if not manifest_path.exists():
+        if not allow_incomplete:
+            raise BadInput(str(manifest_path), "missing: the run did not finish (incomplete trace)")
+        manifest = {"complete": False, "world_size": len(list(path.glob("rank*"))), "coords": {}}
+    else:
+        manifest = _read_json(manifest_path)
+        if manifest.get("format") != FORMAT:
+            raise BadInput(str(manifest_path), f"not a {FORMAT} manifest")
+        if manifest.get("version") != FORMAT_VERSION:
+            raise BadInput(
+                str(manifest_path),
+                f"unknown trace format version {manifest.get('version')!r}; this reader knows {FORMAT_VERSION}",
+            )
+        if not manifest.get("complete") and not allow_incomplete:
+            raise BadInput(str(manifest_path), "the trace is marked incomplete")
+    entries, scalars = [], []
+    for rank in range(int(manifest["world_size"])):
+        index_path = path / f"rank{rank}" / "index.json"
+        if not index_path.exists():
+            if allow_incomplete:
+                continue
+            raise BadInput(str(index_path), f"missing index of rank {rank}")
+        index = _read_json(index_path)
+        for e in index.get("tensors", []):
+            try:
+                entries.append(
+                    Entry(
+                        rank=rank, step=int(e["step"]), kind=e["kind"], name=e["name"], key=e["key"],
+                        dtype=e["dtype"], local_shape=tuple(e["local_shape"]),
+                        layout=Layout.from_json(e["layout"]) if e.get("layout") else None,
+                        micro_batch=e.get("micro_batch"),
+                        sample_ids=tuple(e["sample_ids"]) if e.get("sample_ids") is not None else None,
+                        fingerprint=e.get("fingerprint"),
+                    )  # fmt: skip
+                )
+            except (KeyError, TypeError, ValueError) as err:
+                raise BadInput(str(index_path), f"malformed tensor entry {e!r}: {err}") from None
+        for s in index.get("scalars", []):
+            scalars.append({**s, "rank": rank})
+    if not allow_incomplete:
+        _check_shapes(path, entries)
+    return Trace(path=path, manifest=manifest, entries=entries, scalars=scalars)
+
+
+def _check_shapes(path: Path, entries: list[Entry]) -> None:
+    for e in entries:
+        if e.layout is not None and tuple(e.layout.local_shape()) != tuple(e.local_shape):
+            raise BadInput(
+                str(path / f"rank{e.rank}" / "index.json"),
+                f"{e.key} at step {e.step}: local shape {e.local_shape} does not match its layout "
+                f"(logical {e.layout.logical_shape} gives {e.layout.local_shape()})",
+            )
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise BadInput(str(path), f"invalid JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise BadInput(str(path), "expected a JSON object")
+    return doc

@@ -1,0 +1,107 @@
+"""The per-rank entry point: ``python -m harness.worker PLAN`` under torchrun (or alone, world 1).
+
+A plan is a JSON list of jobs of one world size. The worker runs them in sequence in this
+one process (launch cost dominates small runs), resetting megatron-core's state between
+them. A job whose trace is already complete is skipped, so equal sides are run once.
+
+On an exception the rank writes ``rank{r}/error.json`` (rank, step, phase, traceback) in the
+job's trace before exiting non-zero; the launcher turns it into a message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from harness import backends, data as data_mod
+from harness.backends import Job
+from harness.capture import Capture
+from harness.scenario import CapturePolicy, DataConfig, ModelConfig, Side
+from harness.trace import write_json
+
+
+def job_from_json(doc: dict) -> Job:
+    side = dict(doc["side"])
+    side["inject"] = tuple(side.get("inject", ()))
+    capture = dict(doc["capture"])
+    capture["kinds"] = tuple(capture["kinds"])
+    capture["tensors"] = tuple(capture["tensors"])
+    capture["steps"] = tuple(capture["steps"]) if capture.get("steps") is not None else None
+    return Job(
+        key=doc["key"],
+        model=ModelConfig(**doc["model"]),
+        data=DataConfig(**doc["data"]),
+        side=Side(**side),
+        capture=CapturePolicy(**capture),
+        trace_dir=doc["trace_dir"],
+    )
+
+
+def _complete(trace_dir: Path) -> bool:
+    try:
+        return json.loads((trace_dir / "manifest.json").read_text()).get("complete", False)
+    except (OSError, ValueError):
+        return False
+
+
+def run_job(job: Job, rank: int, world: int) -> None:
+    trace_dir = Path(job.trace_dir)
+    side = job.side
+    coord = data_mod.coord(rank, side)
+    mesh = {"tp": side.tp, "gtp": side.gtp, "dp": side.replicate_dp}
+    cap = Capture(trace_dir, rank=rank, world_size=world, coord=coord, mesh=mesh, policy=job.capture)
+    try:
+        backends.run(job, cap)
+    except BaseException as e:
+        write_json(
+            trace_dir / f"rank{rank}" / "error.json",
+            {"rank": rank, "step": cap.step, "error": f"{type(e).__name__}: {e}",
+             "traceback": traceback.format_exc()},  # fmt: skip
+        )
+        raise
+    cap.close()
+    if world > 1:
+        dist.barrier()
+    if rank == 0:
+        Capture.finalize(
+            trace_dir,
+            world_size=world,
+            coords={r: data_mod.coord(r, side) for r in range(world)},
+            mesh=mesh,
+            meta={"side": side.label(), "key": job.key, "backend": side.backend,
+                  "precision": side.precision, "steps": side.steps},  # fmt: skip
+        )
+
+
+def main(argv: list[str]) -> int:
+    plan = json.loads(Path(argv[0]).read_text())
+    jobs = [job_from_json(j) for j in plan["jobs"]]
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    torch.set_num_threads(1)  # ranks share the cores; one thread keeps CPU GEMMs deterministic
+    torch.use_deterministic_algorithms(True)
+    if world > 1 or any(j.side.backend == "megatron" for j in jobs):
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(plan.get("port", 29517)))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        for job in jobs:
+            if job.side.world_size != world:
+                raise ValueError(f"job {job.key} needs world size {job.side.world_size}, launched with {world}")
+            if _complete(Path(job.trace_dir)):
+                continue
+            run_job(job, rank, world)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
