@@ -55,11 +55,22 @@ def assemble_trace(trace: Trace) -> Logical:
     coords = trace.coords()
     grouped: dict[tuple[int, str, str], list[Entry]] = defaultdict(list)
     out = Logical()
+    tp_reads: dict[tuple[int, int, int], list[int]] = defaultdict(list)
     for e in trace.entries:
         if e.kind == "input":
-            out.inputs.setdefault(e.step, {}).setdefault(e.rank, []).extend(e.sample_ids or ())
+            tp_reads[(e.step, e.rank, 0)].extend(e.sample_ids or ())
         else:
             grouped[(e.step, e.kind, e.name)].append(e)
+    # A data rank's samples are read by all its TP ranks: keep TP rank 0's, check the others.
+    for (step, rank, _), ids in sorted(tp_reads.items()):
+        c = coords.get(rank, {"tp": 0, "gtp": 0, "dp": 0})
+        if c["tp"] == 0:
+            out.inputs.setdefault(step, {})[rank] = ids
+            continue
+        peer = rank_of.get((0, c["gtp"], c["dp"]))
+        if peer is not None and tp_reads.get((step, peer, 0)) != ids:
+            out.replica_violations.append({"step": step, "kind": "input", "tensor": "sample_ids",
+                                           "axis": "tp", "ranks": [peer, rank], "max_abs": None})  # fmt: skip
     for key, entries in grouped.items():
         if entries[0].fingerprint is not None:
             out.fingerprints[key] = {e.rank: e.fingerprint for e in entries}

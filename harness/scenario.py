@@ -167,7 +167,7 @@ class ComparePolicy:
     """exact, dtype or noise-floor."""
     k: float = 4.0
     """noise-floor: candidate error vs golden may be k x the reference's error vs golden ..."""
-    floor: float = 0.0
+    floor: float = 8.0
     """... plus this absolute floor (in units of the compared dtype's eps x max|golden|)."""
 
 
@@ -186,6 +186,8 @@ class Scenario:
     compare: ComparePolicy = field(default_factory=ComparePolicy)
     description: str = ""
     timeout_s: float = 600.0
+    axes: dict = field(default_factory=dict)
+    """Matrix axis -> value label this scenario was expanded with (empty outside a matrix)."""
 
     @property
     def sides(self) -> dict[str, Side]:
@@ -196,7 +198,7 @@ class Scenario:
 
 _TOP_KEYS = {
     "name", "description", "timeout_s", "model", "data", "train", "reference", "candidate",
-    "golden", "capture", "compare",
+    "golden", "capture", "compare", "axes",
 }  # fmt: skip
 
 
@@ -269,6 +271,7 @@ def parse_scenario(raw: dict, source: str) -> Scenario:
         source=source,
         description=raw.get("description", ""),
         timeout_s=float(raw.get("timeout_s", 600.0)),
+        axes=dict(raw.get("axes", {})),
         model=model,
         data=data,
         capture=_build(CapturePolicy, raw.get("capture", {}), f"{source}: [capture]"),
@@ -464,6 +467,7 @@ def expand_matrix(raw: dict, path: Path) -> list[Scenario]:
         unknown = set(re.findall(r"\{([^}]*)\}", template)) - set(labels)
         if unknown:
             raise BadInput(f"{src}: [matrix].name", f"template names unknown axis {sorted(unknown)[0]!r}")
+        scen["axes"] = labels
         scen["name"] = re.sub(r"\{([^}]*)\}", lambda mt: labels[mt.group(1)], template)
         if scen["name"] in names:
             raise BadInput(f"{src}: [matrix].name", f"template gives duplicate name {scen['name']!r}")

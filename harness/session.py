@@ -68,6 +68,7 @@ def compare_scenario(s: Scenario | None, paths: dict[str, Path], sdir: Path, say
     doc = {k: v for k, v in summary.items() if k != "results"}
     doc.update(scenario=name, traces={r: str(p) for r, p in paths.items()})
     if s is not None:
+        doc["axes"] = dict(s.axes)
         doc["config"] = {"source": s.source, "description": s.description,
                          **{r: side.label() for r, side in s.sides.items()}}  # fmt: skip
     write_json(sdir / "summary.json", doc)

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from harness.quant.formats import (
-    E2M1,
     E4M3,
     E5M2,
     cast_to_fp8,

@@ -77,8 +77,16 @@ def test_nvfp4_exact_without_rht_and_stochastic_rounding():
 
 
 def random_operands(seed, m=128, k=96, n=64):
+    """Normal values clipped to +-3.5 (grads to +-1.75).
+
+    The clip keeps every E2M1 block scale below 3.5 / 6 * 17/16, where nearest rounding
+    (half a grid step) meets E2M1's atol/rtol and stochastic rounding (a full step) meets
+    twice those, so the operand checks below cannot fail by chance.
+    """
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(m, n, generator=gen)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+    dy = torch.randn(m, n, generator=gen)
+    return x.clamp(-3.5, 3.5), w.clamp(-3.5, 3.5), dy.clamp(-3.5, 3.5) / 2
 
 
 def propagated_bound(a, b, tol_a, tol_b):
@@ -115,6 +123,9 @@ def test_gemm_operands_and_results_within_te_tolerances(recipe, seed):
         if qa.hadamard and qb.hadamard:  # wgrad under NVFP4: compare in the transformed domain
             a, b = apply_rht(a.contiguous()), apply_rht(b.contiguous())
         tol_a, tol_b = TOLS[qa.fmt.name], TOLS[qb.fmt.name]
+        if name != "fprop" and q.grad_output.spec("rowwise").stochastic_rounding:
+            # stochastic rounding may move a full grid step, twice the nearest-rounding error
+            tol_a = {key: 2 * v for key, v in tol_a.items()}
         torch.testing.assert_close(qa.dequantize(), a, **tol_a, msg=lambda m: f"{name} first operand: {m}")
         torch.testing.assert_close(qb.dequantize(), b, **tol_b, msg=lambda m: f"{name} second operand: {m}")
         err = (out - a @ b.t()).abs()
@@ -154,18 +165,19 @@ def test_delayed_scaling_updates_through_the_gemm():
 
 def test_module_bias_and_batched_input():
     torch.manual_seed(0)
-    layer = QuantizedLinear(64, 32, recipe=R.MXFP8BlockScaling())
-    plain = torch.nn.Linear(64, 32)
-    plain.load_state_dict(layer.state_dict())
-    x = torch.randn(2, 16, 64, requires_grad=True)
-    x_ref = x.detach().clone().requires_grad_()
-    y, y_ref = layer(x), plain(x_ref)
+    recipe = R.MXFP8BlockScaling()
+    layer = QuantizedLinear(64, 32, recipe=recipe)
+    x = torch.randn(2, 16, 64).clamp(-3.5, 3.5).requires_grad_()
+    y = layer(x)
     assert y.shape == (2, 16, 32)
-    torch.testing.assert_close(y, y_ref, **TOLS["E4M3"])
-    y.sum().backward()
-    y_ref.sum().backward()
-    torch.testing.assert_close(layer.bias.grad, plain.bias.grad)  # bias grad is not quantized
-    torch.testing.assert_close(x.grad, x_ref.grad, **TOLS["E4M3"])
-    torch.testing.assert_close(layer.weight.grad, plain.weight.grad, rtol=0.125, atol=0.5)
+    y.backward(torch.ones_like(y))
+    # the module is the functional form on flattened tokens plus an unquantized bias
+    x2 = x.detach().reshape(32, 64).requires_grad_()
+    w2 = layer.weight.detach().clone().requires_grad_()
+    y2 = quantized_linear(x2, w2, recipe, recipe.make_quantizers()) + layer.bias.detach()
+    y2.backward(torch.ones_like(y2))
+    assert torch.equal(y.detach().reshape(32, 32), y2.detach())
+    assert torch.equal(x.grad.reshape(32, 64), x2.grad) and torch.equal(layer.weight.grad, w2.grad)
+    assert torch.equal(layer.bias.grad, torch.full((32,), 32.0))
     with pytest.raises(ValueError, match="made for"):
         quantized_linear(x, layer.weight, R.Float8CurrentScaling(), layer.quantizers)

@@ -10,7 +10,7 @@ import struct
 import pytest
 import torch
 
-from harness.quant.formats import E2M1, E4M3, E5M2, e2m1_decode, unpack_fp4
+from harness.quant.formats import E4M3, E5M2, e2m1_decode, unpack_fp4
 from harness.quant.hadamard import apply_rht
 from harness.quant.nvfp4 import NVFP4Quantizer, nvfp4_global_encode_scale
 from harness.quant.quantizers import (

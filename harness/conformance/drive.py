@@ -159,7 +159,8 @@ class Trace:
 
 
 def _plain(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().clone().as_subclass(torch.Tensor)
+    # A CPU copy as a plain tensor: clones of subclasses may keep the subclass.
+    return tensor.detach().clone().cpu().as_subclass(torch.Tensor)
 
 
 def _capability(weight: Any, dispatch: Dispatch) -> dict:

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from .quantizers import QuantizedTensor
+from .qtensor import QuantizedTensor
 from .recipes import LinearQuantizers, Recipe
 
 __all__ = ["QuantizedLinear", "quantized_linear", "quantized_matmul"]

@@ -21,18 +21,18 @@ import torch
 
 from .formats import E2M1, E4M3, FLT_MAX, cast_to_fp8, e2m1_encode, pack_fp4
 from .hadamard import apply_rht
-from .quantizers import (
+from .qtensor import (
     AmaxReduction,
     OperandSpec,
     Quantized,
     QuantizedTensor,
     Quantizer,
-    _check_usage,
-    _reduce,
     abs_max,
     as_2d,
     block_abs_max,
+    check_usage,
     expand_blocks,
+    reduce_amax,
 )
 
 __all__ = ["NVFP4Quantizer", "nvfp4_global_encode_scale"]
@@ -115,11 +115,11 @@ class NVFP4Quantizer(Quantizer):
         tensor (TE's ``with_post_rht_amax``); ``columnwise_amax`` overrides that one; without
         RHT it equals ``amax``.
         """
-        _check_usage(rowwise, columnwise)
+        check_usage(rowwise, columnwise)
         x2 = as_2d(x)
         self._check_shape(x2)
         if amax is None:
-            amax = _reduce(abs_max(x2), self.amax_reduction)
+            amax = reduce_amax(abs_max(x2), self.amax_reduction)
         amax = torch.as_tensor(amax, dtype=torch.float32, device=x.device).reshape(1)
         out = Quantized()
         if rowwise:
@@ -129,7 +129,7 @@ class NVFP4Quantizer(Quantizer):
             if self.with_rht:
                 xt = apply_rht(xt)
                 if columnwise_amax is None:
-                    columnwise_amax = _reduce(abs_max(xt), self.amax_reduction)
+                    columnwise_amax = reduce_amax(abs_max(xt), self.amax_reduction)
             elif columnwise_amax is None:
                 columnwise_amax = amax
             col_amax = torch.as_tensor(columnwise_amax, dtype=torch.float32, device=x.device).reshape(1)

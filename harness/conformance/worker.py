@@ -1,0 +1,65 @@
+"""Per-rank entry point: ``torchrun ... -m harness.conformance.worker --impl SPEC --json OUT``.
+
+Initializes the default gloo process group from torchrun's environment, runs the kit for each
+``--impl`` (optionally restricted to topologies: ``module:factory@1x2,2x2``), and has rank 0
+write a JSON list with one :class:`~harness.conformance.runner.ConformanceResult` per implementer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from harness.conformance.protocol import KIT_DISPATCH, te_dispatch
+from harness.conformance.runner import Topology, default_topologies, load_factory, run_conformance
+
+COLLECTIVE_TIMEOUT_S = 120
+"""gloo waits this long for a peer before raising, so one stuck rank cannot hang the launch."""
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m harness.conformance.worker")
+    parser.add_argument("--impl", action="append", required=True, help="module:factory[@TxG,...]")
+    parser.add_argument("--topology", action="append", default=[], help="TxG for every --impl")
+    parser.add_argument("--dispatch", choices=("kit", "te"), default="kit")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--json", required=True, type=Path)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the kit on this rank; rank 0 writes the JSON results. Returns 0 once written."""
+    args = _parse(argv)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    world = dist.get_world_size()
+    dispatch = te_dispatch() if args.dispatch == "te" else KIT_DISPATCH
+    results = []
+    for item in args.impl:
+        spec, _, topos = item.partition("@")
+        chosen = [Topology.parse(t) for t in (topos.split(",") if topos else args.topology)]
+        result = run_conformance(
+            load_factory(spec),
+            impl=spec,
+            topologies=chosen or default_topologies(world),
+            dispatch=dispatch,
+            seed=args.seed,
+        )
+        results.append(result.to_json())
+    if dist.get_rank() == 0:
+        tmp = args.json.with_suffix(".partial")
+        tmp.write_text(json.dumps(results, indent=1))
+        os.replace(tmp, args.json)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

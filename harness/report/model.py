@@ -1,0 +1,285 @@
+"""What a report shows, as data: read one scenario folder and derive every view's numbers.
+
+A scenario folder (``RUN/scenarios/<name>/``) holds ``summary.json``, ``steps.csv`` and
+``results.csv`` (see harness.session). The trace manifests it names give versions, mesh and
+coordinates. Nothing here formats HTML: :mod:`harness.report.page` renders these values, and
+the one-line texts below are shared by the pages, JUnit and the pytest plugin.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROLES = ("reference", "candidate", "golden")
+KIND_GROUPS = {
+    "activation": ("activation", "logits", "loss"),
+    "grad": ("main_grad",),
+    "param": ("param_before", "materialized", "param"),
+    "optimizer state": ("exp_avg", "exp_avg_sq", "master"),
+}
+"""Heatmap column groups: the result kinds each one gathers."""
+
+
+@dataclass(slots=True)
+class ScenarioData:
+    """Everything read from one scenario folder."""
+
+    name: str
+    folder: Path
+    summary: dict
+    steps: list[dict] = field(default_factory=list)
+    """Rows of steps.csv: side, step, reduced_loss, grad_norm, lr, ..."""
+    results: list[dict] = field(default_factory=list)
+    """Rows of results.csv in causal order, numbers parsed."""
+    manifests: dict[str, dict] = field(default_factory=dict)
+    """Role -> trace manifest (missing traces are left out)."""
+    trace_dirs: dict[str, Path] = field(default_factory=dict)
+
+    @property
+    def verdict(self) -> str:
+        return str(self.summary.get("verdict", "error"))
+
+
+def _number(text: str):
+    """A CSV cell as bool, int, float or str ('' -> None)."""
+    if text == "":
+        return None
+    if text in ("True", "False"):
+        return text == "True"
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def read_csv(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with path.open(newline="") as f:
+        return [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def resolve_trace(path: str | None, run_dir: Path) -> Path | None:
+    """A trace folder named in a summary: as written, else under the run's ``traces/``.
+
+    Summaries store the path the run was given, which is relative to where it was started.
+    """
+    if not path:
+        return None
+    p = Path(path)
+    for candidate in (p, run_dir / p, run_dir / "traces" / p.name):
+        if (candidate / "manifest.json").exists():
+            return candidate
+    return None
+
+
+def load_scenario(folder: Path) -> ScenarioData:
+    """Read a scenario folder written by ``gtp-parity run`` (or ``compare``)."""
+    folder = Path(folder)
+    summary = json.loads((folder / "summary.json").read_text())
+    run_dir = folder.parent.parent
+    data = ScenarioData(name=str(summary.get("scenario", folder.name)), folder=folder, summary=summary,
+                        steps=read_csv(folder / "steps.csv"), results=read_csv(folder / "results.csv"))  # fmt: skip
+    for role, path in (summary.get("traces") or {}).items():
+        trace = resolve_trace(path, run_dir)
+        if trace is not None:
+            data.trace_dirs[role] = trace
+            data.manifests[role] = json.loads((trace / "manifest.json").read_text())
+    return data
+
+
+# --- one-line texts -----------------------------------------------------------------------
+
+
+def fmt(value, digits: int = 4) -> str:
+    """A number for people: None/NaN as an en dash, floats to ``digits`` significant digits."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "\u2013"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def region_text(fd: dict) -> str:
+    """Where in the logical tensor the first divergence sits, in words."""
+    r = fd.get("region") or {}
+    parts = []
+    if r.get("duplicated") or r.get("missing"):
+        parts.append(f"samples read twice {r.get('duplicated') or []}, never read {r.get('missing') or []}")
+    if r.get("rows") is not None:
+        lo, hi = r["rows"]
+        parts.append(f"pad rows {lo}-{hi} of the padded block held by rank {r.get('rank')}")
+    if r.get("gtp_block_rows"):
+        lo, hi = r["gtp_block_rows"]
+        parts.append(f"rows {lo}-{hi} (GTP block {(r.get('shard') or {}).get('gtp')})")
+    if r.get("tp_block"):
+        lo, hi, dim = r["tp_block"]
+        parts.append(f"{dim} {lo}-{hi} (TP block {(r.get('shard') or {}).get('tp')})")
+    if r.get("worst_index") and len(r["worst_index"]) > 0 and fd.get("kind") != "scalar":
+        parts.append(f"worst element at {list(r['worst_index'])}")
+    return "; ".join(parts)
+
+
+def divergence_line(summary: dict) -> str:
+    """The first divergence (or the run error) of one scenario summary, in one line."""
+    name = summary.get("scenario", "?")
+    if summary.get("verdict") == "error":
+        errors = summary.get("error") or {}
+        text = "; ".join(f"{role}: {' '.join(str(msg).split())}" for role, msg in errors.items())
+        return f"{name}: run failed: {text or 'no error message recorded'}"
+    fd = summary.get("first_divergence")
+    if not fd:
+        return f"{name}: parity holds"
+    m = fd.get("metrics") or {}
+    ranks = fd.get("ranks")
+    where = region_text(fd)
+    detail = ", ".join(f"{k} {fmt(m[k])}" for k in ("max_abs", "max_rel", "bound") if m.get(k) is not None)
+    return (
+        f"{name}: first divergence at step {fd.get('step')} {fd.get('phase')} {fd.get('kind')} "
+        f"{fd.get('tensor')}" + (f" on ranks {ranks}" if ranks else "") + (f" [{where}]" if where else "")
+        + f": {fd.get('signature')} ({fd.get('explanation') or 'no explanation'})"
+        + (f"; {detail}" if detail else "")
+    )  # fmt: skip
+
+
+def verdict_line(data: ScenarioData) -> str:
+    """The verdict in one sentence."""
+    s = data.summary
+    total = sum((s.get("checked") or {}).values())
+    policy = (s.get("policy") or {}).get("name", "?")
+    if data.verdict == "pass":
+        return f"PASS: all {total} comparisons hold under the {policy} policy"
+    if data.verdict == "fail":
+        fd = s.get("first_divergence") or {}
+        return (f"FAIL: {s.get('failing', '?')} of {total} comparisons fail; the first is step {fd.get('step')} "
+                f"{fd.get('phase')} {fd.get('tensor')} ({fd.get('signature')})")  # fmt: skip
+    return f"ERROR: a run failed ({', '.join(s.get('error') or {}) or 'unknown side'}); nothing was compared"
+
+
+# --- series, drift, heatmap ------------------------------------------------------------------
+
+
+def step_series(steps: list[dict], column: str) -> dict[str, list[tuple[float, float]]]:
+    """Role -> [(step, value)] of one steps.csv column."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for row in steps:
+        v = row.get(column)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out.setdefault(str(row["side"]), []).append((float(row["step"]), float(v)))
+    return {role: sorted(out[role]) for role in ROLES if role in out}
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def drift(results: list[dict]) -> dict[str, list[tuple[float, float]]]:
+    """Per step, the largest error of any tensor against the golden, for each side."""
+    out = {}
+    for label, column in (("candidate vs golden", "cand_err_golden"), ("reference vs golden", "ref_err_golden")):
+        per_step: dict[int, float] = {}
+        for row in results:
+            v = row.get(column)
+            if _finite(v):
+                per_step[row["step"]] = max(per_step.get(row["step"], 0.0), float(v))
+        if per_step:
+            out[label] = [(float(s), v) for s, v in sorted(per_step.items())]
+    return out
+
+
+def layer_of(name: str) -> str:
+    """The heatmap row of a tensor or module name."""
+    if name.startswith("embedding"):
+        return "embedding"
+    m = re.match(r"decoder\.layers\.(\d+)", name)
+    if m:
+        return f"layer {m.group(1)}"
+    if name.startswith("decoder.final_layernorm"):
+        return "final norm"
+    if name.startswith(("output_layer", "loss")):
+        return "output"
+    return "other"
+
+
+def _layer_rank(label: str) -> tuple:
+    if label == "embedding":
+        return (0, 0)
+    if label.startswith("layer "):
+        return (1, int(label.split()[1]))
+    return (2, ["final norm", "output", "other"].index(label))
+
+
+@dataclass(frozen=True, slots=True)
+class Cell:
+    value: float
+    """Largest relative L2 difference (candidate vs reference) among the cell's tensors."""
+    failed: int
+    """Comparisons in the cell that fail their policy."""
+    count: int
+    worst: str
+    """The tensor with the largest difference."""
+
+
+@dataclass(slots=True)
+class Heatmap:
+    layers: list[str]
+    groups: list[str]
+    steps: list[int]
+    cells: dict[tuple[str, str, int], Cell]
+
+
+def heatmap(results: list[dict]) -> Heatmap:
+    """Error by layer x kind group x step: relative L2 of candidate vs reference."""
+    group_of = {k: g for g, kinds in KIND_GROUPS.items() for k in kinds}
+    acc: dict[tuple[str, str, int], list] = {}
+    for row in results:
+        group = group_of.get(row.get("kind"))
+        if group is None:
+            continue
+        key = (layer_of(str(row["tensor"])), group, int(row["step"]))
+        v = row.get("rel_l2")
+        v = float(v) if _finite(v) else (math.inf if row.get("passed") is False else 0.0)
+        a = acc.setdefault(key, [0.0, 0, 0, ""])
+        if v >= a[0] or not a[3]:
+            a[0], a[3] = max(v, a[0]), str(row["tensor"])
+        a[1] += row.get("passed") is False
+        a[2] += 1
+    cells = {k: Cell(value=a[0], failed=a[1], count=a[2], worst=a[3]) for k, a in acc.items()}
+    return Heatmap(
+        layers=sorted({k[0] for k in cells}, key=_layer_rank),
+        groups=[g for g in KIND_GROUPS if any(k[1] == g for k in cells)],
+        steps=sorted({k[2] for k in cells}),
+        cells=cells,
+    )
+
+
+def worst_row(results: list[dict]) -> dict | None:
+    """The comparison with the largest relative L2 difference (failing rows first)."""
+    rows = [r for r in results if _finite(r.get("rel_l2"))]
+    if not rows:
+        return None
+    return max(rows, key=lambda r: (r.get("passed") is False, float(r["rel_l2"])))
+
+
+def worst_metric(data: ScenarioData) -> str:
+    """One short text for a matrix cell: the signature, or how far the worst tensor moved."""
+    fd = data.summary.get("first_divergence")
+    if data.verdict == "error":
+        return "run failed"
+    if fd:
+        m = fd.get("metrics") or {}
+        value = m.get("max_rel") if m.get("max_rel") is not None else m.get("max_abs")
+        return f"{fd.get('signature')}, {'max rel' if m.get('max_rel') is not None else 'max abs'} {fmt(value, 3)}"
+    row = worst_row(data.results)
+    return f"worst rel L2 {fmt(row['rel_l2'], 2)}" if row else "no tensors"
