@@ -114,8 +114,12 @@ def inputs(size: tuple[int, int], seeds: int) -> list[tuple[str, torch.Tensor]]:
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Raw bytes; NaNs of a float tensor made canonical first (devices differ in NaN payloads)."""
     t = t.detach().contiguous()
-    return t.view(torch.uint8) if t.dtype != torch.uint8 else t
+    if t.dtype == torch.uint8:
+        return t
+    t = torch.where(torch.isnan(t), torch.full_like(t, float("nan")), t)
+    return t.view(torch.uint8)
 
 
 def compare_tensors(a: QuantizedTensor, b: QuantizedTensor) -> tuple[int, int]:
@@ -194,6 +198,7 @@ def part2(device: str, m: int, k: int, n: int, *, on_cpu: bool = False) -> int:
     if device == "cpu" and not on_cpu:
         print("skipped: no CUDA device (--cpu-gemm runs it against torch's CPU _scaled_mm)")
         return 0
+    print("bound per element: 2^-10 * (|A| @ |B|^T) + half an output ulp (bf16: 2^-8 |out|)")
     print(f"{'gemm':<34}{'max |diff|':>12}{'max diff/(|A||B|)':>19}{'':>6}")
     gen = torch.Generator().manual_seed(11)
     a_hp = (torch.randn(m, k, generator=gen) * 2).to(device)

@@ -105,6 +105,8 @@ class Capture:
         self._entries: list[Entry] = []
         self._scalars: list[dict] = []
         self._hooks = []
+        self.info: dict = {}
+        """Free-form facts about this rank's run (e.g. GTP params and their prefetch chains)."""
 
     # --- what to keep ---
 
@@ -192,6 +194,7 @@ class Capture:
             write_tensors(self.rank_dir / f"step{self.step}.safetensors", self._pending)
         self._pending = {}
         self._mb = self._ids = None
+        self._write_index()  # a rank that dies later leaves a readable, incomplete trace
         self.progress("end")
 
     # --- activations through forward hooks ---
@@ -232,9 +235,13 @@ class Capture:
 
     def close(self) -> None:
         self.detach()
+        self._write_index()
+
+    def _write_index(self) -> None:
         write_json(
             self.rank_dir / "index.json",
-            {"rank": self.rank, "tensors": [e.to_json() for e in self._entries], "scalars": self._scalars},
+            {"rank": self.rank, "tensors": [e.to_json() for e in self._entries], "scalars": self._scalars,
+             "info": self.info},
         )
 
     @staticmethod

@@ -6,8 +6,9 @@ Results are data: one row per (step, kind, tensor) in a pandas DataFrame; text a
 views of it. The first divergence and its signature come from :mod:`harness.localize`.
 
 Metrics per pair: bitwise equality, max abs and max rel difference (with the index of the
-worst element), max and p99 ULP distance (in the candidate's dtype), relative L2, cosine,
-and NaN/Inf positions compared as such.
+worst element), max and p99 ULP distance (in the candidate's dtype), the max error in ULPs
+of the tensor's largest magnitude (``scaled_ulp``), relative L2, cosine, and NaN/Inf
+positions compared as such.
 
 Policies:
 - ``exact``: bitwise equal.
@@ -81,8 +82,13 @@ def metrics(ref: torch.Tensor, cand: torch.Tensor) -> dict:
         u = ulp_distance(ref, cand)[finite].double()
         out["max_ulp"] = float(u.max()) if u.numel() else 0.0
         out["p99_ulp"] = float(torch.quantile(u[:1_000_000], 0.99)) if u.numel() else 0.0
+        # Error in ULPs of the tensor's largest magnitude: near-cancelled elements make the
+        # element-wise ULP distance explode under any change of summation order.
+        top = float(r[finite].abs().max()) if finite.any() else 0.0
+        spacing = torch.finfo(ref.dtype).eps * 2.0 ** math.floor(math.log2(top)) if top > 0 else 0.0
+        out["scaled_ulp"] = out["max_abs"] / spacing if spacing else 0.0
     else:
-        out["max_ulp"] = out["p99_ulp"] = float("nan")
+        out["max_ulp"] = out["p99_ulp"] = out["scaled_ulp"] = float("nan")
     rn = float(r[finite].norm())
     out["rel_l2"] = float((c - r)[finite].norm()) / rn if rn > 0 else (0.0 if out["max_abs"] == 0 else math.inf)
     cn = float(c[finite].norm())

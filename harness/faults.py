@@ -107,7 +107,8 @@ CATALOG: dict[str, Fault] = {
         Fault(
             "gtp-ag-swap-shards", "shard ordering",
             "GTP all-gather assembles the shards in reverse rank order",
-            {"step": 1, "kind": "activation", "tensor": "embedding", "signature": "mismatch"},
+            {"step": 1, "kind": "materialized", "tensor": "embedding.word_embeddings.weight",
+             "signature": "permuted-blocks"},
             _swap_gather,
         ),
         Fault(

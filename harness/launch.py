@@ -52,8 +52,12 @@ def command(plan_path: Path, world: int, port: int) -> list[str]:
     ]  # fmt: skip
 
 
-def launch(jobs: list[Job], *, world: int, timeout_s: float, workdir: Path, name: str) -> float:
-    """Run ``jobs`` (all of world size ``world``); return wall seconds. Raise RunFailed."""
+def launch(jobs: list[Job], *, world: int, timeout_s: dict[str, float], workdir: Path, name: str) -> float:
+    """Run ``jobs`` (all of world size ``world``); return wall seconds. Raise RunFailed.
+
+    ``timeout_s`` maps a job key to its budget, counted from when that job starts (the
+    previous job's manifest appears), so a hang ends within the hung side's own timeout.
+    """
     workdir.mkdir(parents=True, exist_ok=True)
     port = _free_port()
     plan_path = workdir / f"plan-{name}.json"
@@ -72,13 +76,18 @@ def launch(jobs: list[Job], *, world: int, timeout_s: float, workdir: Path, name
             env=env, start_new_session=True,
         )  # fmt: skip
         try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _kill(proc)
-            raise RunFailed(
-                f"launch {name} (world {world}) timed out after {timeout_s:.0f} s; "
-                + describe_progress(jobs, world) + f"; log: {log_path}"
-            ) from None
+            current, since = None, time.monotonic()
+            while (rc := proc.poll()) is None:
+                job = _current_job(jobs)
+                if job is not current:
+                    current, since = job, time.monotonic()
+                budget = timeout_s.get(current.key, 600.0) if current else 60.0
+                if time.monotonic() - since > budget:
+                    raise RunFailed(
+                        f"launch {name} (world {world}) timed out after {budget:.0f} s; "
+                        + describe_progress(jobs, world) + f"; log: {log_path}"
+                    )
+                time.sleep(0.25)
         finally:
             _kill(proc)
     if rc != 0:
@@ -115,8 +124,9 @@ def _current_job(jobs: list[Job]) -> Job | None:
     return None
 
 
-def describe_progress(jobs: list[Job], world: int) -> str:
-    """Name the job and, per rank, the last step and phase reached; the laggard first."""
+def describe_progress(jobs: list[Job], world: int, among: list[int] | None = None) -> str:
+    """Name the job and, per rank, the last step and phase reached; the laggard first
+    (chosen ``among`` the given ranks, when given)."""
     job = _current_job(jobs)
     if job is None:
         return "every job had finished"
@@ -131,7 +141,8 @@ def describe_progress(jobs: list[Job], world: int) -> str:
         phase = b.get("phase")
         return (b.get("step") or 0, phases.index(phase) if phase in phases else 0)
 
-    laggard = min(seen, key=lambda r: order(seen[r]))
+    pool = [r for r in seen if among is None or r in among] or list(seen)
+    laggard = min(pool, key=lambda r: order(seen[r]))
     ranks = ", ".join(f"rank {r} at step {b.get('step')} ({b.get('phase')})" for r, b in sorted(seen.items()))
     silent = [r for r in range(world) if r not in seen]
     extra = f"; no heartbeat from rank(s) {silent}" if silent else ""
@@ -141,12 +152,21 @@ def describe_progress(jobs: list[Job], world: int) -> str:
     )
 
 
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker", "Broken pipe")
+
+
 def describe_failure(jobs: list[Job], world: int) -> str:
+    """Name the rank that failed first: a rank's own error beats a peer's lost connection,
+    and a rank that left no report (a hard exit) beats ranks that only lost it."""
     job = _current_job(jobs)
     if job is None:
         return "every job had finished"
-    for r in range(world):
-        err = _read(Path(job.trace_dir) / f"rank{r}" / "error.json")
-        if err:
-            return f"side {job.side.label()}: rank {r} raised at step {err.get('step')}: {err.get('error')}"
-    return "no rank left an error report (a rank exited hard); " + describe_progress(jobs, world)
+    errors = {r: e for r in range(world) if (e := _read(Path(job.trace_dir) / f"rank{r}" / "error.json"))}
+    own = {r: e for r, e in errors.items() if not any(p in e.get("error", "") for p in _PEER_LOST)}
+    for r, err in sorted(own.items()):
+        return f"side {job.side.label()}: rank {r} raised at step {err.get('step')}: {err.get('error')}"
+    silent = [r for r in range(world) if r not in errors]
+    if silent:
+        return (f"rank(s) {silent} exited without an error report (a hard exit); "
+                + describe_progress(jobs, world, among=silent))
+    return f"side {job.side.label()}: every rank lost its peers; " + describe_progress(jobs, world)

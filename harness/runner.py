@@ -83,9 +83,9 @@ def execute(
 
     def one(batch):
         world, jobs, name = batch
-        budget = sum(timeout[j.key] for j in jobs)
         try:
-            wall = launch(jobs, world=world, timeout_s=budget, workdir=out / "launches", name=name)
+            wall = launch(jobs, world=world, timeout_s={j.key: timeout[j.key] for j in jobs},
+                          workdir=out / "launches", name=name)
             progress(f"  launch {name}: {len(jobs)} side(s) on {world} rank(s) in {wall:.1f} s")
         except RunFailed as e:
             progress(f"  launch {name} FAILED: {e}")

@@ -56,7 +56,8 @@ def format_steps(table: pd.DataFrame) -> str:
     """The per-step table printed by ``gtp-parity run``: sides side by side."""
     if table.empty:
         return "(no steps recorded)"
-    wide = table.pivot_table(index="step", columns="side", values=["reduced_loss", "grad_norm", "lr"])
+    values = [v for v in ("reduced_loss", "grad_norm", "lr") if v in table.columns]
+    wide = table.pivot_table(index="step", columns="side", values=values)
     cols = []
     for metric in ("reduced_loss", "grad_norm", "lr"):
         for role in ("reference", "candidate", "golden"):

@@ -87,6 +87,8 @@ class Trace:
     manifest: dict
     entries: list[Entry]
     scalars: list[dict]
+    infos: dict = field(default_factory=dict)
+    """rank -> the free-form facts the rank recorded."""
     _files: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -141,7 +143,7 @@ def read(path: str | Path, allow_incomplete: bool = False) -> Trace:
             )
         if not manifest.get("complete") and not allow_incomplete:
             raise BadInput(str(manifest_path), "the trace is marked incomplete")
-    entries, scalars = [], []
+    entries, scalars, infos = [], [], {}
     for rank in range(int(manifest["world_size"])):
         index_path = path / f"rank{rank}" / "index.json"
         if not index_path.exists():
@@ -163,11 +165,12 @@ def read(path: str | Path, allow_incomplete: bool = False) -> Trace:
                 )
             except (KeyError, TypeError, ValueError) as err:
                 raise BadInput(str(index_path), f"malformed tensor entry {e!r}: {err}") from None
+        infos[rank] = index.get("info", {})
         for s in index.get("scalars", []):
             scalars.append({**s, "rank": rank})
     if not allow_incomplete:
         _check_shapes(path, entries)
-    return Trace(path=path, manifest=manifest, entries=entries, scalars=scalars)
+    return Trace(path=path, manifest=manifest, entries=entries, scalars=scalars, infos=infos)
 
 
 def _check_shapes(path: Path, entries: list[Entry]) -> None:

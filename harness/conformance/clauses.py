@@ -49,7 +49,22 @@ class Failure:
     def describe(self) -> str:
         """One line: where, what was expected, what was found."""
         where = f"rank {self.rank}" + (f", weight {self.weight}" if self.weight is not None else "")
-        return f"[{self.clause}] {self.case} ({self.mode}) {where}: expected {self.expected}; found {self.found}"
+        head = f"[{self.clause}] {self.case} ({self.mode}) {where}"
+        return f"{head}: expected {self.expected}; found {self.found}"
+
+
+def summarize(failures: list[Failure], limit: int = 20) -> list[str]:
+    """One line per (clause, case, mode, rank, weight), the first occurrence with a repeat count."""
+    groups: dict[tuple, list[Failure]] = {}
+    for f in failures:
+        groups.setdefault((f.clause, f.case, f.mode, f.rank, f.weight), []).append(f)
+    lines = []
+    for items in list(groups.values())[:limit]:
+        more = f" (+{len(items) - 1} more like it)" if len(items) > 1 else ""
+        lines.append(items[0].describe() + more)
+    if len(groups) > limit:
+        lines.append(f"... and {len(groups) - limit} more groups of failure records")
+    return lines
 
 
 def _compare(got, want: torch.Tensor, bound: torch.Tensor | None = None) -> dict | None:
@@ -124,7 +139,9 @@ def _materialized(trace: Trace, clause: str, kind: str, wanted: Callable[[int], 
                     f"logical weight{' x ' + str(scale) if scale != 1.0 else ''} "
                     f"{tuple(want.shape)} {want.dtype}"
                 )
-                failures.append(_fail(clause, trace, _flat(trace, call.module, j), expected, **mismatch))
+                failures.append(
+                    _fail(clause, trace, _flat(trace, call.module, j), expected, **mismatch)
+                )
     return failures
 
 
@@ -144,7 +161,9 @@ def check_capability_marker(trace: Trace) -> list[Failure]:
             problems.append(f"the dispatcher answered {facts['dispatch']!r}")
         if problems:
             expected = "a torch.Tensor subclass with is_distributed_weight = True"
-            failures.append(_fail("capability.marker", trace, i, expected, found="; ".join(problems)))
+            failures.append(
+                _fail("capability.marker", trace, i, expected, found="; ".join(problems))
+            )
     return failures
 
 
@@ -152,7 +171,10 @@ def check_plain_passthrough(trace: Trace) -> list[Failure]:
     """Plain tensors and nn.Parameters are not distributed weights; the dispatchers return them
     (and their wgrads) as the very same objects."""
     expected = "plain tensors passed through untouched"
-    return [_fail("capability.plain_passthrough", trace, None, expected, found=p) for p in trace.passthrough]
+    return [
+        _fail("capability.plain_passthrough", trace, None, expected, found=p)
+        for p in trace.passthrough
+    ]
 
 
 def check_layout(trace: Trace) -> list[Failure]:
@@ -162,7 +184,9 @@ def check_layout(trace: Trace) -> list[Failure]:
         module, member = divmod(i, case.group_size)
         logical = trace.logical(module, member)
         rows = layout.padded_rows(logical.shape[0], case.gtp, case.pad_for_alignment)
-        cut = layout.shard_slice(logical.shape[0], case.gtp, case.pad_for_alignment, trace.coords.gtp_rank)
+        cut = layout.shard_slice(
+            logical.shape[0], case.gtp, case.pad_for_alignment, trace.coords.gtp_rank
+        )
         mismatch = _compare(got, layout.pad_dim0(logical, rows)[cut])
         if mismatch:
             expected = f"padded rows [{cut.start}, {cut.stop}) of {rows} (pad rows zero)"
@@ -241,7 +265,13 @@ def check_grad_buffer(trace: Trace) -> list[Failure]:
             if problems:
                 expected = f"a fresh {want_shape} {want_dtype} buffer {_phase(call.microbatch)}"
                 failures.append(
-                    _fail("grad_buffer.spec", trace, _flat(trace, call.module, j), expected, found="; ".join(problems))
+                    _fail(
+                        "grad_buffer.spec",
+                        trace,
+                        _flat(trace, call.module, j),
+                        expected,
+                        found="; ".join(problems),
+                    )
                 )
     return failures
 
@@ -258,7 +288,13 @@ def check_finalize_return(trace: Trace) -> list[Failure]:
             want = tuple(trace.shards[index].shape) if index < len(trace.shards) else None
             if item is not None and item[0] != want:
                 failures.append(
-                    _fail("finalize.return", trace, index, f"None or a dummy grad of shape {want}", found=f"a tensor of shape {item[0]}")
+                    _fail(
+                        "finalize.return",
+                        trace,
+                        index,
+                        f"None or a dummy grad of shape {want}",
+                        found=f"a tensor of shape {item[0]}",
+                    )
                 )
     return failures
 
@@ -297,13 +333,19 @@ def _main_grads(trace: Trace, clause: str, microbatches, pad_only: bool) -> list
             )
             real = exp.real_rows
             if tuple(got.shape) != tuple(exp.value.shape):
-                mismatch = {"found": f"main_grad of shape {tuple(got.shape)}, not {tuple(exp.value.shape)}"}
+                mismatch = {
+                    "found": f"main_grad of shape {tuple(got.shape)}, not {tuple(exp.value.shape)}"
+                }
             elif pad_only:
                 mismatch = _compare(got[real:], exp.value[real:], exp.bound[real:])
             else:
                 mismatch = _compare(got[:real], exp.value[:real], exp.bound[:real])
             if mismatch:
-                what = "pad rows exactly zero" if pad_only else f"its rows of the group {case.reduction}"
+                what = (
+                    "pad rows exactly zero"
+                    if pad_only
+                    else f"its rows of the group {case.reduction}"
+                )
                 expected = f"main_grad after {mb + 1} micro-batch(es) holds {what}"
                 failures.append(_fail(clause, trace, i, expected, **mismatch))
     return failures
@@ -346,11 +388,21 @@ def check_leader_serves_group(trace: Trace) -> list[Failure]:
         if call.kind in ("forward", "backward", "finalize") and len(call.results) != n:
             expected = f"{call.kind} through the leader returns {n} item(s) for its group"
             found = f"{len(call.results)} {_phase(call.microbatch)}"
-            failures.append(_fail("leader.serves_group", trace, _flat(trace, call.module, 0), expected, found=found))
+            failures.append(
+                _fail(
+                    "leader.serves_group",
+                    trace,
+                    _flat(trace, call.module, 0),
+                    expected,
+                    found=found,
+                )
+            )
     for i, grad in enumerate(trace.main_grads[0] if trace.main_grads else []):
         if _real_rows(trace, i) and not bool(grad.any()):
             expected = "the leader's finalize writes every member's main_grad"
-            failures.append(_fail("leader.serves_group", trace, i, expected, found="main_grad still all zero"))
+            failures.append(
+                _fail("leader.serves_group", trace, i, expected, found="main_grad still all zero")
+            )
     return failures
 
 
@@ -363,10 +415,20 @@ def check_leader_communication(trace: Trace) -> list[Failure]:
         if call.rounds > limit:
             expected = f"at most {limit} collective round(s) per {call.kind} call"
             found = f"{call.rounds} {_phase(call.microbatch)}"
-            failures.append(_fail("leader.communication", trace, _flat(trace, call.module, 0), expected, found=found))
+            failures.append(
+                _fail(
+                    "leader.communication",
+                    trace,
+                    _flat(trace, call.module, 0),
+                    expected,
+                    found=found,
+                )
+            )
     if trace.outside_rounds:
         expected = "no collectives outside protocol calls"
-        failures.append(_fail("leader.communication", trace, None, expected, found=f"{trace.outside_rounds}"))
+        failures.append(
+            _fail("leader.communication", trace, None, expected, found=f"{trace.outside_rounds}")
+        )
     return failures
 
 
@@ -388,14 +450,20 @@ def check_async_equivalence(overlap: Trace, serial: Trace) -> list[Failure]:
             )
         )
 
-    pairs = [(a, b) for a, b in zip(overlap.calls, serial.calls) if a.kind in ("forward", "backward")]
+    pairs = [
+        (a, b) for a, b in zip(overlap.calls, serial.calls) if a.kind in ("forward", "backward")
+    ]
     for a, b in pairs:
         for j, (x, y) in enumerate(zip(a.results, b.results)):
             if j in a.aliased or not isinstance(y, torch.Tensor):
                 continue
             mismatch = _compare(x, y)
             if mismatch:
-                fail(_flat(overlap, a.module, j), f"{a.kind} {_phase(a.microbatch)} as without overlap", mismatch)
+                fail(
+                    _flat(overlap, a.module, j),
+                    f"{a.kind} {_phase(a.microbatch)} as without overlap",
+                    mismatch,
+                )
     for mb, (xs, ys) in enumerate(zip(overlap.main_grads, serial.main_grads)):
         for i, (x, y) in enumerate(zip(xs, ys)):
             mismatch = _compare(x, y)
@@ -429,6 +497,7 @@ PAIR_CLAUSES: dict[str, Callable[[Trace, Trace], list[Failure]]] = {
 }
 
 CLAUSES: dict[str, str] = {
-    name: " ".join(fn.__doc__.split()) for name, fn in (*TRACE_CLAUSES.items(), *PAIR_CLAUSES.items())
+    name: " ".join(fn.__doc__.replace("``", "").split())
+    for name, fn in (*TRACE_CLAUSES.items(), *PAIR_CLAUSES.items())
 }
 """Clause id -> what it checks, for tables and reports."""

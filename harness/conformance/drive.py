@@ -52,7 +52,7 @@ class Case:
     """TP-local logical shape of each module, in forward order."""
     group_size: int = 1
     """Weights per protocol group: 1 for Linear, N for a GroupedLinear of N experts."""
-    microbatches: int = 3
+    microbatches: int = 2
     """Forward/backward repetitions before the optimizer step."""
 
     def __post_init__(self):
@@ -64,12 +64,12 @@ class Case:
 
     @property
     def reduction(self) -> str:
-        """"sum" under per-token loss, else "mean"."""
+        """The GTP-group reduction: "sum" under per-token loss, else "mean"."""
         return "sum" if self.per_token_loss else "mean"
 
     @property
     def name(self) -> str:
-        """Stable, readable id, e.g. ``tp1-gtp2/bfloat16/grad-float32/pad16/mean/chain-distinct``."""
+        """Stable, readable id: ``tp1-gtp2/bfloat16/grad-float32/pad16/mean/chain-distinct``."""
         if self.group_size > 1:
             chain = f"grouped-{len(self.shapes)}x{self.group_size}"
         elif self.shapes == DISTINCT_CHAIN:
@@ -103,6 +103,14 @@ def default_cases(tp: int, gtp: int) -> list[Case]:
     return cases
 
 
+def smoke_cases(tp: int, gtp: int) -> list[Case]:
+    """Two cases that reach every clause: a padded single-weight chain and a grouped chain."""
+    return [
+        Case(tp=tp, gtp=gtp),
+        Case(tp=tp, gtp=gtp, shapes=((40, 24), (40, 24)), group_size=3),
+    ]
+
+
 class Unsupported(Exception):
     """Raised by a factory for a case it does not support; the case is reported as skipped."""
 
@@ -112,7 +120,7 @@ class Call:
     """One dispatcher call and what it returned."""
 
     kind: str
-    """"forward", "backward", "grad_buffer" or "finalize"."""
+    """Which call: "forward", "backward", "grad_buffer" or "finalize"."""
     microbatch: int
     """Micro-batch index; -1 for the walk after the optimizer step."""
     module: int
@@ -148,7 +156,7 @@ class Trace:
 
     @property
     def mode(self) -> str:
-        """"overlap" (prefetch chain + async reduction) or "serial"."""
+        """Either "overlap" (prefetch chain + async reduction) or "serial"."""
         return "overlap" if self.overlap else "serial"
 
     def logical(self, module: int, member: int) -> torch.Tensor:
@@ -199,7 +207,9 @@ def _passthrough_problems(dispatch: Dispatch) -> list[str]:
 
 
 def _materialize(kind, module, group, microbatch, dispatch, recorder, trace):
-    call = dispatch.materialize_for_forward if kind == "forward" else dispatch.materialize_for_backward
+    call = (
+        dispatch.materialize_for_forward if kind == "forward" else dispatch.materialize_for_backward
+    )
     with recorder.call(kind) as log:
         out = call(group)
     inflight = log.inflight_outputs()
@@ -253,7 +263,7 @@ def drive(
     dispatch: Dispatch,
     seed: int = 1234,
 ) -> Trace:
-    """Build the case's weights with ``factory`` on this rank and drive them; all ranks call this."""
+    """Build the case's weights with ``factory`` and drive them; every rank calls this."""
     trace = Trace(case=case, overlap=overlap, coords=coords, seed=seed, dispatch=dispatch.name)
     n = case.group_size
     logical = [trace.logical(m, j) for m in range(len(case.shapes)) for j in range(n)]

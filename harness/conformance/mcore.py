@@ -25,16 +25,13 @@ from harness.conformance.drive import Unsupported
 
 
 def _prepare():
-    """Install the CPU layer when there is no GPU; return MCore's GTP module."""
-    if not torch.cuda.is_available():
-        from harness.backends.megatron import compat
+    """Install the CPU layer (a no-op where CUDA works), reset GTP's globals, return its module."""
+    from harness.backends.megatron import compat
 
-        compat.install()
-        compat.reset_gtp_state()
+    compat.install()
+    compat.reset_gtp_state()
     from megatron.core.tensor_parallel import generalized_tensor_parallelism as gtp
 
-    if torch.cuda.is_available():
-        gtp.reset_gtp_state()
     return gtp
 
 

@@ -72,7 +72,7 @@ class Dispatch:
     """The caller-side entry points the kit drives the protocol through."""
 
     name: str
-    """"kit" or "te"; shown in results."""
+    """Whose dispatchers: "kit" or "te"; shown in results."""
     is_distributed_weight: Callable[[Any], bool]
     materialize_for_forward: Callable[[list], list]
     materialize_for_backward: Callable[[list], list]
@@ -157,9 +157,17 @@ class CallLog:
 
 
 def _outputs(name: str, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    first = args[0] if args else next(
-        (kwargs[k] for k in ("output_tensor", "output", "tensor", "tensor_list") if k in kwargs),
-        None,
+    first = (
+        args[0]
+        if args
+        else next(
+            (
+                kwargs[k]
+                for k in ("output_tensor", "output", "tensor", "tensor_list")
+                if k in kwargs
+            ),
+            None,
+        )
     )
     return [t for t in _as_list(first) if isinstance(t, torch.Tensor)]
 
@@ -190,7 +198,7 @@ class CollectiveRecorder:
     def __init__(self):
         self.logs: list[CallLog] = []
         self._current: CallLog | None = None
-        self._coalescing = 0
+        self._blocks: list[list[torch.Tensor]] = []  # outputs of each open coalescing block
         self._saved: dict[str, Callable] = {}
 
     def __enter__(self) -> "CollectiveRecorder":
@@ -227,7 +235,9 @@ class CollectiveRecorder:
         @functools.wraps(original)
         def recorded(*args, **kwargs):
             log = self._log()
-            if not self._coalescing:
+            if self._blocks:
+                self._blocks[-1].extend(_outputs(name, args, kwargs))
+            else:
                 log.rounds += 1
             work = original(*args, **kwargs)
             if kwargs.get("async_op") and work is not None:
@@ -243,11 +253,17 @@ class CollectiveRecorder:
         def recorded(*args, **kwargs):
             log = self._log()
             log.rounds += 1
-            self._coalescing += 1
+            self._blocks.append([])
             try:
                 with original(*args, **kwargs) as manager:
-                    yield _TrackedWork(manager) if kwargs.get("async_ops") else manager
+                    if not kwargs.get("async_ops"):
+                        yield manager
+                        return
+                    # The caller waits on the yielded manager after the block: track that wait.
+                    tracked = _TrackedWork(manager)
+                    yield tracked
             finally:
-                self._coalescing -= 1
+                outputs = self._blocks.pop()
+            log.pending.append((tracked, outputs))
 
         return recorded

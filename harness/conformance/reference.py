@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from harness.conformance import layout
+from harness.conformance.drive import smoke_cases
 
 
 def _as_list(value) -> list:
@@ -43,7 +44,7 @@ class ReferenceWeight(torch.nn.Parameter):
     rows: int
     """Logical (unpadded) dim 0."""
     reduction: str
-    """"mean" or "sum" over the group."""
+    """Reduction over the group: "mean" or "sum"."""
     members: list["ReferenceWeight"]
     """The group this weight leads (itself alone for a Linear)."""
     next_leader: "ReferenceWeight | None" = None
@@ -67,7 +68,10 @@ class ReferenceWeight(torch.nn.Parameter):
         wgrads = _as_list(wgrads)
         size = self.group.size()
         # One flat buffer: rank r's chunk holds its rows of every member, members back to back.
-        chunks = [self._pad(g.to(w.main_grad.dtype)).reshape(size, -1) for w, g in zip(self.members, wgrads)]
+        chunks = [
+            self._pad(g.to(w.main_grad.dtype)).reshape(size, -1)
+            for w, g in zip(self.members, wgrads)
+        ]
         send = torch.cat(chunks, dim=1).reshape(-1)
         received = send.new_empty(send.numel() // size)
         dist.reduce_scatter_tensor(received, send, op=dist.ReduceOp.SUM, group=self.group)
@@ -82,8 +86,9 @@ class ReferenceWeight(torch.nn.Parameter):
         return self._unwrap([torch.zeros_like(w.detach()) for w in self.members])
 
     def grad_buffer(self) -> torch.Tensor:
-        """A fresh logical-shape buffer in ``main_grad``'s dtype, so the reduction does not round."""
-        return torch.empty((self.rows, *self.shape[1:]), dtype=self.main_grad.dtype)
+        """A fresh logical-shape buffer in ``main_grad``'s dtype, so reducing does not round."""
+        shape = (self.rows, *self.shape[1:])
+        return torch.empty(shape, dtype=self.main_grad.dtype, device=self.device)
 
     # --- steps the faulty variants replace ----------------------------------------------------
 
@@ -171,7 +176,7 @@ class _ClobberingPrefetch(ReferenceWeight):
         numel = self.numel() * self.group.size()
         key = self.dtype
         if key not in self.scratch or self.scratch[key].numel() < numel:
-            self.scratch[key] = torch.empty(4 * numel, dtype=self.dtype)
+            self.scratch[key] = torch.empty(4 * numel, dtype=self.dtype, device=self.device)
         return self.scratch[key][:numel].view(-1, *self.shape[1:])
 
     def materialize_group_for_forward(self):
@@ -182,25 +187,42 @@ class _ClobberingPrefetch(ReferenceWeight):
             self._pending.wait()
             self._pending = None
         else:
-            dist.all_gather_into_tensor(out, self.detach().as_subclass(torch.Tensor), group=self.group)
+            dist.all_gather_into_tensor(
+                out, self.detach().as_subclass(torch.Tensor), group=self.group
+            )
         nxt = self.next_leader
         if nxt is not None:
             shard = nxt.detach().as_subclass(torch.Tensor)
-            nxt._pending = dist.all_gather_into_tensor(nxt._buffer(), shard, group=nxt.group, async_op=True)
+            nxt._pending = dist.all_gather_into_tensor(
+                nxt._buffer(), shard, group=nxt.group, async_op=True
+            )
         return out[: self.rows]
 
 
-def _build(cls, *, logical_weights, gtp_group, main_grad_dtype, pad_for_alignment, per_token_loss, group_size, **_):
+def _build(
+    cls,
+    *,
+    logical_weights,
+    gtp_group,
+    main_grad_dtype,
+    pad_for_alignment,
+    per_token_loss,
+    group_size,
+    **_,
+):
     """Shard the logical weights into ``cls`` instances, chained and grouped as asked."""
     size, rank = gtp_group.size(), gtp_group.rank()
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    )
     weights = []
     for logical in logical_weights:
         rows = layout.padded_rows(logical.shape[0], size, pad_for_alignment)
         cut = layout.shard_slice(logical.shape[0], size, pad_for_alignment, rank)
-        w = cls(layout.pad_dim0(logical, rows)[cut].clone())
+        w = cls(layout.pad_dim0(logical, rows)[cut].clone().to(device))
         w.group, w.rows = gtp_group, logical.shape[0]
         w.reduction = "sum" if per_token_loss else "mean"
-        w.main_grad = torch.zeros(w.shape, dtype=main_grad_dtype)
+        w.main_grad = torch.zeros(w.shape, dtype=main_grad_dtype, device=w.device)
         weights.append(w)
     leaders = weights[::group_size]
     for i, lead in enumerate(leaders):
@@ -249,6 +271,17 @@ def clobbering_prefetch(**kwargs):
     _ClobberingPrefetch.scratch.clear()
     return _build(_ClobberingPrefetch, **kwargs)
 
+
+for _factory in (
+    wrong_shard_order,
+    missing_mean,
+    stale_cache,
+    leaked_padding,
+    overwrites_grad,
+    leader_only,
+    clobbering_prefetch,
+):
+    _factory.cases = smoke_cases  # each fault shows in the two smoke cases; no need for more
 
 FAULTY = {
     "wrong_shard_order": "forward.values",

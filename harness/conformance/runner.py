@@ -17,7 +17,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from harness.conformance import layout
-from harness.conformance.clauses import CLAUSES, PAIR_CLAUSES, TRACE_CLAUSES, Failure
+from harness.conformance.clauses import CLAUSES, PAIR_CLAUSES, TRACE_CLAUSES, Failure, summarize
 from harness.conformance.drive import Case, Unsupported, default_cases, drive
 from harness.conformance.protocol import KIT_DISPATCH, Dispatch
 
@@ -37,7 +37,9 @@ def load_factory(spec: str) -> Callable[..., list]:
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:
-        raise BadSpec(f"cannot import module {module_name!r} of {spec!r}: {type(exc).__name__}: {exc}") from exc
+        raise BadSpec(
+            f"cannot import module {module_name!r} of {spec!r}: {type(exc).__name__}: {exc}"
+        ) from exc
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise BadSpec(f"module {module_name!r} has no callable {attr!r} (from {spec!r})")
@@ -65,7 +67,9 @@ class Topology:
         if self.tp < 1 or self.gtp < 2:
             raise ValueError(f"topology {self}: need TP >= 1 and G >= 2")
         if world % (self.tp * self.gtp):
-            raise ValueError(f"topology {self}: TP*G={self.tp * self.gtp} does not divide {world} ranks")
+            raise ValueError(
+                f"topology {self}: TP*G={self.tp * self.gtp} does not divide {world} ranks"
+            )
 
     def __str__(self) -> str:
         return f"{self.tp}x{self.gtp}"
@@ -84,7 +88,7 @@ class ClauseRecord:
     case: str
     mode: str
     status: str
-    """"pass", "fail", "skip" (not applicable) or "error" (the drive raised)."""
+    """One of "pass", "fail", "skip" (not applicable) or "error" (the drive raised)."""
     reason: str = ""
     failures: tuple[Failure, ...] = ()
 
@@ -106,7 +110,14 @@ class ClauseRecord:
         for f in data["failures"]:
             index = tuple(f["worst_index"]) if f.get("worst_index") is not None else None
             failures.append(Failure(**{**f, "worst_index": index}))
-        return cls(data["clause"], data["case"], data["mode"], data["status"], data["reason"], tuple(failures))
+        return cls(
+            data["clause"],
+            data["case"],
+            data["mode"],
+            data["status"],
+            data["reason"],
+            tuple(failures),
+        )
 
 
 @dataclass
@@ -172,7 +183,7 @@ def build_groups(topology: Topology, world: int, rank: int):
 
 
 def _local_records(case: Case, traces: dict, problems: dict) -> list[ClauseRecord]:
-    """This rank's verdicts for one case, from traces keyed by mode or the problem that stopped them."""
+    """This rank's verdicts for one case: judged traces, or the problem that stopped a mode."""
     records = []
     for mode in ("overlap", "serial"):
         for clause, check in TRACE_CLAUSES.items():
@@ -181,7 +192,11 @@ def _local_records(case: Case, traces: dict, problems: dict) -> list[ClauseRecor
                 records.append(ClauseRecord(clause, case.name, mode, status, reason))
             else:
                 failures = tuple(check(traces[mode]))
-                records.append(ClauseRecord(clause, case.name, mode, "fail" if failures else "pass", failures=failures))
+                records.append(
+                    ClauseRecord(
+                        clause, case.name, mode, "fail" if failures else "pass", failures=failures
+                    )
+                )
     for clause, check in PAIR_CLAUSES.items():
         if problems:
             status, reason = max(problems.values(), key=lambda p: STATUS_ORDER.index(p[0]))
@@ -189,7 +204,9 @@ def _local_records(case: Case, traces: dict, problems: dict) -> list[ClauseRecor
         else:
             failures = tuple(check(traces["overlap"], traces["serial"]))
             status = "fail" if failures else "pass"
-            records.append(ClauseRecord(clause, case.name, "overlap-vs-serial", status, failures=failures))
+            records.append(
+                ClauseRecord(clause, case.name, "overlap-vs-serial", status, failures=failures)
+            )
     return records
 
 
@@ -205,7 +222,9 @@ def _merge(per_rank: list[list[ClauseRecord]]) -> list[ClauseRecord]:
             status = max(old.status, r.status, key=STATUS_ORDER.index)
             reasons = [x for x in (old.reason, r.reason) if x]
             reason = "; ".join(dict.fromkeys(reasons))
-            merged[key] = ClauseRecord(r.clause, r.case, r.mode, status, reason, old.failures + r.failures)
+            merged[key] = ClauseRecord(
+                r.clause, r.case, r.mode, status, reason, old.failures + r.failures
+            )
     return list(merged.values())
 
 
@@ -215,16 +234,23 @@ def run_conformance(
     impl: str,
     topologies: list[Topology],
     dispatch: Dispatch = KIT_DISPATCH,
-    cases: Callable[[int, int], list[Case]] = default_cases,
+    cases: Callable[[int, int], list[Case]] | None = None,
     seed: int = 1234,
 ) -> ConformanceResult:
-    """Drive and judge every case of every topology; every rank must call this and gets the result."""
+    """Drive and judge every case of every topology; every rank must call this and gets the result.
+
+    ``cases(tp, gtp)`` picks the case matrix: by default the factory's own ``cases`` attribute
+    if it has one, else :func:`~harness.conformance.drive.default_cases`.
+    """
+    cases = cases or getattr(factory, "cases", default_cases)
     world, rank = dist.get_world_size(), dist.get_rank()
     records: list[ClauseRecord] = []
     for topology in topologies:
         topology.check(world)
         tp_group, gtp_group = build_groups(topology, world, rank)
-        coords = layout.Coords(topology.tp, topology.gtp, world // (topology.tp * topology.gtp), rank)
+        coords = layout.Coords(
+            topology.tp, topology.gtp, world // (topology.tp * topology.gtp), rank
+        )
         for case in cases(topology.tp, topology.gtp):
             traces, problems = {}, {}
             for overlap in (True, False):
@@ -246,12 +272,15 @@ def run_conformance(
                     where = traceback.extract_tb(exc.__traceback__)[-1]
                     problems[mode] = (
                         "error",
-                        f"rank {rank}: {type(exc).__name__}: {exc} ({where.filename}:{where.lineno})",
+                        f"rank {rank}: {type(exc).__name__}: {exc} "
+                        f"({where.filename}:{where.lineno})",
                     )
             records += _local_records(case, traces, problems)
     gathered: list = [None] * world
     dist.all_gather_object(gathered, records)
-    return ConformanceResult(impl, dispatch.name, world, [str(t) for t in topologies], _merge(gathered))
+    return ConformanceResult(
+        impl, dispatch.name, world, [str(t) for t in topologies], _merge(gathered)
+    )
 
 
 def format_table(result: ConformanceResult, max_failures: int = 20) -> str:
@@ -265,14 +294,26 @@ def format_table(result: ConformanceResult, max_failures: int = 20) -> str:
     for clause in CLAUSES:
         statuses = [r.status for r in result.records if r.clause == clause]
         counts = [statuses.count(s) for s in ("pass", "fail", "skip", "error")]
-        lines.append(f"{clause:<30} {result.clause_status(clause).upper():<6} " + " ".join(f"{c:>5}" for c in counts))
-    notes = sorted({f"{r.status}: {r.case} ({r.mode}): {r.reason}" for r in result.records if r.reason})
+        lines.append(
+            f"{clause:<30} {result.clause_status(clause).upper():<6} "
+            + " ".join(f"{c:>5}" for c in counts)
+        )
+    notes: dict[tuple[str, str], set[str]] = {}
+    for r in result.records:
+        if r.reason:
+            notes.setdefault((r.status, r.reason), set()).add(r.case)
     if notes:
-        lines += ["", "Skipped or errored cases:"] + [f"  {n}" for n in notes[:max_failures]]
+        lines += ["", "Skipped or errored:"]
+        for (status, reason), names in sorted(notes.items()):
+            lines.append(f"  {status}: {reason} [{len(names)} case(s), e.g. {min(names)}]")
     failures = result.failures()
     if failures:
-        lines += ["", f"Failures ({len(failures)}, first {min(len(failures), max_failures)}):"]
-        lines += [f"  {f.describe()}" for f in failures[:max_failures]]
+        lines += ["", f"Failures ({len(failures)} records):"]
+        lines += [f"  {line}" for line in summarize(failures, max_failures)]
     verdict = "PASS" if result.passed else "FAIL"
-    lines += ["", f"{verdict}: {len(result.records)} clause checks over {len({r.case for r in result.records})} cases"]
+    lines += [
+        "",
+        f"{verdict}: {len(result.records)} clause checks over "
+        f"{len({r.case for r in result.records})} cases",
+    ]
     return "\n".join(lines)

@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from harness.conformance.protocol import KIT_DISPATCH, te_dispatch
@@ -37,7 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     """Run the kit on this rank; rank 0 writes the JSON results. Returns 0 once written."""
     args = _parse(argv)
     if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        backend = "gloo"
+        if torch.cuda.is_available():  # GPU machines (and TE's dispatchers) want NCCL
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            backend = "nccl"
+        timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        dist.init_process_group(backend, timeout=timeout)
     world = dist.get_world_size()
     dispatch = te_dispatch() if args.dispatch == "te" else KIT_DISPATCH
     results = []

@@ -119,7 +119,7 @@ class DelayedScalingQuantizer(Quantizer):
     """Scale is divided by 2**margin."""
     amax_history_len: int = 1024
     """Length of the amax window."""
-    amax_compute_algo: object = "max"
+    amax_compute_algo: str | Callable = "max"
     """"max", "most_recent" or a callable ``f(amax_history) -> amax``."""
     scaling_factor_compute_algo: Optional[Callable] = None
     """Optional ``f(amax, scale, fp8_max, recipe) -> scale``, as TE's recipe field."""

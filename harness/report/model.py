@@ -220,15 +220,21 @@ def _layer_rank(label: str) -> tuple:
     return (2, ["final norm", "output", "other"].index(label))
 
 
+EPS = {"float64": 2.220446049250313e-16, "float32": 1.1920928955078125e-07, "bfloat16": 0.0078125,
+       "float16": 0.0009765625}  # fmt: skip
+"""Machine epsilon per dtype name (heatmap errors without a golden are counted in these units)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Cell:
     value: float
-    """Largest relative L2 difference (candidate vs reference) among the cell's tensors."""
+    """The largest error among the cell's comparisons, in the heatmap's unit (see Heatmap.unit);
+    0 when every one is bitwise equal to the reference."""
     failed: int
     """Comparisons in the cell that fail their policy."""
     count: int
     worst: str
-    """The tensor with the largest difference."""
+    """The tensor with the largest error."""
 
 
 @dataclass(slots=True)
@@ -237,19 +243,38 @@ class Heatmap:
     groups: list[str]
     steps: list[int]
     cells: dict[tuple[str, str, int], Cell]
+    unit: str = "golden"
+    """``golden``: candidate error vs golden over the reference's (1: as close to the truth as
+    the reference); ``eps``: relative L2 of candidate vs reference in units of the dtype's
+    epsilon (runs without a golden)."""
+
+
+def _error(row: dict, unit: str) -> float:
+    if row.get("bitwise_equal") is True:
+        return 0.0
+    failed = row.get("passed") is False
+    if unit == "golden":
+        ref, cand = row.get("ref_err_golden"), row.get("cand_err_golden")
+        if _finite(ref) and _finite(cand):
+            if ref > 0:
+                return float(cand) / float(ref)
+            if cand == 0:
+                return 0.0
+        return math.inf if failed else 1.0
+    v = row.get("rel_l2")
+    eps = EPS.get(str(row.get("dtype", "")).replace("torch.", ""), EPS["float32"])
+    return float(v) / eps if _finite(v) else (math.inf if failed else 0.0)
 
 
 def heatmap(results: list[dict]) -> Heatmap:
-    """Error by layer x kind group x step: relative L2 of candidate vs reference."""
+    """Error by layer x kind group x step (the unit: see :class:`Heatmap`)."""
     group_of = {k: g for g, kinds in KIND_GROUPS.items() for k in kinds}
+    rows = [r for r in results if r.get("kind") in group_of]
+    unit = "golden" if any(_finite(r.get("ref_err_golden")) for r in rows) else "eps"
     acc: dict[tuple[str, str, int], list] = {}
-    for row in results:
-        group = group_of.get(row.get("kind"))
-        if group is None:
-            continue
-        key = (layer_of(str(row["tensor"])), group, int(row["step"]))
-        v = row.get("rel_l2")
-        v = float(v) if _finite(v) else (math.inf if row.get("passed") is False else 0.0)
+    for row in rows:
+        key = (layer_of(str(row["tensor"])), group_of[row["kind"]], int(row["step"]))
+        v = _error(row, unit)
         a = acc.setdefault(key, [0.0, 0, 0, ""])
         if v >= a[0] or not a[3]:
             a[0], a[3] = max(v, a[0]), str(row["tensor"])
@@ -261,6 +286,7 @@ def heatmap(results: list[dict]) -> Heatmap:
         groups=[g for g in KIND_GROUPS if any(k[1] == g for k in cells)],
         steps=sorted({k[2] for k in cells}),
         cells=cells,
+        unit=unit,
     )
 
 
@@ -279,7 +305,11 @@ def worst_metric(data: ScenarioData) -> str:
         return "run failed"
     if fd:
         m = fd.get("metrics") or {}
-        value = m.get("max_rel") if m.get("max_rel") is not None else m.get("max_abs")
-        return f"{fd.get('signature')}, {'max rel' if m.get('max_rel') is not None else 'max abs'} {fmt(value, 3)}"
+        if (fd.get("region") or {}).get("duplicated"):
+            return f"{fd.get('signature')}, samples {fd['region']['duplicated']} read twice"
+        for key, label in (("max_rel", "max rel"), ("max_abs", "max abs")):
+            if m.get(key) is not None:
+                return f"{fd.get('signature')}, {label} {fmt(m[key], 3)}"
+        return str(fd.get("signature"))
     row = worst_row(data.results)
     return f"worst rel L2 {fmt(row['rel_l2'], 2)}" if row else "no tensors"

@@ -191,6 +191,10 @@ def _train(job, cap, config, ddp, opt, scheduler, mesh, forward_backward, finali
         for sub in ("", ".input_layernorm", ".self_attention", ".pre_mlp_layernorm", ".mlp"):
             modules[f"decoder.layers.{i}{sub}"] = layer if not sub else _get(layer, sub[1:])
     cap.attach(modules, vocab_parallel=["output_layer"])
+    cap.info["gtp_params"] = {n: getattr(p, "chain_id", None) for n, p in named
+                              if getattr(p, "is_gtp_weight_remat", False)}  # fmt: skip
+    cap.info["data_parallel_rank"] = ps.get_data_parallel_rank()
+    cap.info["data_parallel_size"] = ps.get_data_parallel_world_size()
     ctx = faults.Context(backend="megatron", side=side, model=ddp, optimizer=opt, rank=rank,
                          coord=data_mod.coord(rank, side), named_params=named)  # fmt: skip
     ctx.saved["data"] = d

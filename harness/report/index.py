@@ -1,0 +1,158 @@
+"""The run index: a grid of scenarios by matrix axes, coloured by verdict, linking to pages.
+
+Rows and columns come from the ``axes`` of the scenario summaries: one axis gives one row per
+value; two or more give the last axis as columns and the others, combined, as rows. A run
+without axes lists its scenarios one per row.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from harness.report.model import divergence_line, load_scenario, worst_metric
+from harness.report.page import document, render_scenario
+from harness.report.svg import esc
+
+CELLS_FILE = "cells.json"
+"""Per scenario: verdict, worst metric and page link, kept next to the index for merging."""
+
+
+@dataclass(frozen=True, slots=True)
+class IndexCell:
+    name: str
+    verdict: str
+    worst: str
+    href: str
+    axes: dict
+    line: str
+    """The first divergence (or run error) in one line."""
+    group: str = ""
+    """Where the run came from when several are merged (the pytest plugin: the test's id)."""
+
+    @property
+    def label(self) -> str:
+        return f"{self.group} \u00b7 {self.name}" if self.group else self.name
+
+
+def _axes(cells: list[IndexCell]) -> list[str]:
+    names: list[str] = []
+    for c in cells:
+        names += [a for a in c.axes if a not in names]
+    return names
+
+
+def _values(cells: list[IndexCell], axis: str) -> list[str]:
+    seen: list[str] = []
+    for c in cells:
+        if axis in c.axes and c.axes[axis] not in seen:
+            seen.append(c.axes[axis])
+    return seen
+
+
+def grid(cells: list[IndexCell]) -> tuple[list[str], list[str], dict[tuple[str, str], list[IndexCell]]]:
+    """(row labels, column labels, (row, column) -> cells) of the matrix."""
+    axes = [a for a in _axes(cells) if all(a in c.axes for c in cells)]
+    if not axes:
+        table: dict[tuple[str, str], list[IndexCell]] = {}
+        for c in cells:
+            table.setdefault((c.label, "verdict"), []).append(c)
+        return list(dict.fromkeys(c.label for c in cells)), ["verdict"], table
+    row_axes, col_axis = (axes, None) if len(axes) == 1 else (axes[:-1], axes[-1])
+    rows = [" \u00b7 ".join(combo) for combo in itertools.product(*(_values(cells, a) for a in row_axes))]
+    cols = _values(cells, col_axis) if col_axis else ["verdict"]
+    table = {}
+    for c in cells:
+        key = (" \u00b7 ".join(c.axes[a] for a in row_axes), c.axes[col_axis] if col_axis else "verdict")
+        table.setdefault(key, []).append(c)
+    rows = [r for r in rows if any((r, col) in table for col in cols)]
+    return rows, cols, table
+
+
+def render_index(title: str, cells: list[IndexCell], verdict: str) -> str:
+    rows, cols, table = grid(cells)
+    axes = [a for a in _axes(cells) if all(a in c.axes for c in cells)]
+    corner = " \u00b7 ".join(axes[:-1] if len(axes) > 1 else axes) + (f" \\ {axes[-1]}" if len(axes) > 1 else "")
+    head = f'<th class="t">{esc(corner or "scenario")}</th>' + "".join(f"<th>{esc(c)}</th>" for c in cols)
+    body = []
+    for r in rows:
+        tds = []
+        for col in cols:
+            here = table.get((r, col), [])
+            if not here:
+                tds.append("<td></td>")
+                continue
+            links = "".join(
+                f'<a href="{esc(c.href)}" title="{esc(c.line)}"><span class="cell-verdict">{esc(c.verdict)}</span>'
+                f'<br><span class="small">{esc(c.worst)}</span></a>' for c in here)  # fmt: skip
+            tds.append(f'<td class="{esc(here[0].verdict if len(here) == 1 else _worst(here))}">{links}</td>')
+        body.append(f'<tr><td class="t">{esc(r)}</td>{"".join(tds)}</tr>')
+    counts = {v: sum(c.verdict == v for c in cells) for v in ("pass", "fail", "error")}
+    summary = ", ".join(f"{n} {v}" for v, n in counts.items() if n)
+    lines = "".join(f'<tr class="{esc(c.verdict)}"><td class="t"><a href="{esc(c.href)}">{esc(c.label)}</a></td>'
+                    f'<td class="t">{esc(c.verdict)}</td><td class="t mono">{esc(c.line)}</td></tr>' for c in cells)  # fmt: skip
+    html = (f"<h1>{esc(title)}</h1>"
+            f'<p class="verdict {esc(verdict)}" id="verdict">{esc(verdict.upper())}: {len(cells)} scenario(s), '
+            f"{esc(summary)}</p>"
+            f'<h2>Matrix</h2><table class="grid" id="matrix"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}'
+            "</tbody></table><h2>Scenarios</h2><table class=\"grid\" id=\"scenarios\"><thead><tr>"
+            f'<th class="t">scenario</th><th class="t">verdict</th><th class="t">first divergence</th></tr></thead>'
+            f"<tbody>{lines}</tbody></table>")  # fmt: skip
+    return document(f"{verdict.upper()} {title} - gtp-parity", html)
+
+
+def _worst(cells: list[IndexCell]) -> str:
+    verdicts = {c.verdict for c in cells}
+    return "error" if "error" in verdicts else "fail" if "fail" in verdicts else "pass"
+
+
+def write_scenario_page(scenario_dir: Path, out_html: Path) -> Path:
+    """Write the self-contained page of one scenario folder (``RUN/scenarios/<name>``)."""
+    out_html = Path(out_html)
+    out_html.parent.mkdir(parents=True, exist_ok=True)
+    out_html.write_text(render_scenario(load_scenario(Path(scenario_dir))), encoding="utf-8")
+    return out_html
+
+
+def write_index(run_dir: Path, report_dir: Path) -> Path:
+    """Write ``report_dir/index.html``, a page per scenario under ``report_dir/scenarios/``, and
+    a copy of the run's ``summary.json``. Return the index path."""
+    run_dir, report_dir = Path(run_dir), Path(report_dir)
+    doc = json.loads((run_dir / "summary.json").read_text())
+    cells = []
+    for s in doc.get("scenarios", []):
+        name = str(s["scenario"])
+        data = load_scenario(run_dir / "scenarios" / name)
+        page = report_dir / "scenarios" / f"{name}.html"
+        page.parent.mkdir(parents=True, exist_ok=True)
+        page.write_text(render_scenario(data), encoding="utf-8")
+        cells.append(IndexCell(name=name, verdict=data.verdict, worst=worst_metric(data),
+                               href=f"scenarios/{name}.html", axes=dict(s.get("axes") or {}),
+                               line=divergence_line(data.summary)))  # fmt: skip
+    shutil.copyfile(run_dir / "summary.json", report_dir / "summary.json")
+    (report_dir / CELLS_FILE).write_text(json.dumps([asdict(c) for c in cells], indent=1))
+    index = report_dir / "index.html"
+    index.write_text(render_index(f"gtp-parity run {run_dir.name}", cells, str(doc.get("verdict", "error"))),
+                     encoding="utf-8")  # fmt: skip
+    return index
+
+
+def write_combined_index(report_root: Path, title: str, since: float = 0.0) -> Path | None:
+    """Index the reports under ``report_root/*/`` (each written by :func:`write_index`, at or
+    after the time ``since``) in one grid, linking into each. The pytest plugin's session index."""
+    report_root = Path(report_root)
+    cells = []
+    for cells_file in sorted(report_root.glob(f"*/{CELLS_FILE}")):
+        if cells_file.stat().st_mtime < since:
+            continue
+        sub = cells_file.parent.name
+        for c in json.loads(cells_file.read_text()):
+            cells.append(IndexCell(**{**c, "href": f"{sub}/{c['href']}", "group": sub}))
+    if not cells:
+        return None
+    index = report_root / "index.html"
+    index.write_text(render_index(title, cells, _worst(cells)), encoding="utf-8")
+    return index

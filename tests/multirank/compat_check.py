@@ -1,0 +1,64 @@
+"""Run under torchrun (world 4): the CPU compatibility layer's collectives against plain
+torch.distributed, and the harness's sample-to-rank mapping against megatron-core's groups.
+Writes a JSON report to argv[1] (one file per rank)."""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from harness.backends.megatron import compat
+from harness.data import coord, rank_sample_ids
+from harness.scenario import DataConfig, Side
+
+
+def main(report_path):
+    compat.install()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    report = {"rank": rank, "checks": {}}
+    checks = report["checks"]
+    sub = dist.new_group([0, 1])
+    for name, group, members in (("world", None, list(range(world))), ("pair", sub, [0, 1])):
+        if rank not in members:
+            continue
+        n = len(members)
+        x = torch.arange(6, dtype=torch.float32).view(3, 2) + 10 * rank
+        out, handle = compat.gather_along_first_dim(x, group)
+        ref = [torch.empty_like(x) for _ in range(n)]
+        dist.all_gather(ref, x, group=group)
+        checks[f"gather-{name}"] = bool(handle is None and torch.equal(out, torch.cat(ref)))
+        out, handle = compat.gather_along_first_dim(x, group, async_op=True)
+        handle.wait()
+        checks[f"gather-async-{name}"] = torch.equal(out, torch.cat(ref))
+        y = torch.arange(4 * n, dtype=torch.float32).view(2 * n, 2) * (rank + 1)
+        rs, _ = compat.reduce_scatter_along_first_dim(y, group)
+        full = y.clone()
+        dist.all_reduce(full, group=group)
+        me = members.index(rank)
+        checks[f"reduce-scatter-{name}"] = torch.equal(rs, full.chunk(n)[me])
+        z = torch.full((3,), float(rank + 1))
+        dist.all_reduce(z, op=dist.ReduceOp.AVG, group=group)
+        checks[f"avg-{name}"] = torch.allclose(z, torch.full((3,), sum(m + 1 for m in members) / n))
+    # Mapping: the harness's data rank equals megatron-core's GTP-inclusive data-parallel rank.
+    from megatron.core import parallel_state as ps
+
+    for tp, g in ((2, 2), (1, 2), (1, 4)):
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, gtp_remat_size=g)
+        side = Side(world_size=world, tp=tp, gtp=g)
+        c = coord(rank, side)
+        key = f"tp{tp}-gtp{g}-dp{side.replicate_dp}"
+        checks[f"data-rank-{key}"] = c["data"] == ps.get_data_parallel_rank()
+        checks[f"data-size-{key}"] = side.data_ranks == ps.get_data_parallel_world_size()
+        checks[f"gtp-rank-{key}"] = c["gtp"] == ps.get_gtp_weight_remat_rank()
+        checks[f"tp-rank-{key}"] = c["tp"] == ps.get_tensor_model_parallel_rank()
+        report[f"samples-{key}"] = rank_sample_ids(1, rank, side, DataConfig(global_batch_size=8))
+        ps.destroy_model_parallel()
+    with open(f"{report_path}.rank{rank}.json", "w") as f:
+        json.dump(report, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,59 @@
+"""The CPU compatibility layer: its collectives match torch.distributed's, the mapping of
+samples to ranks matches megatron-core's groups, and it refuses an unknown megatron-core."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compat") / "report"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+         str(ROOT / "tests/multirank/compat_check.py"), str(out)],
+        env=env, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(4)]
+
+
+@pytest.mark.multirank
+def test_collective_stand_ins_match_torch_distributed(reports):
+    for rep in reports:
+        failed = [k for k, ok in rep["checks"].items() if not ok]
+        assert not failed, f"rank {rep['rank']}: {failed}"
+    assert "gather-pair" in reports[0]["checks"] and "gather-pair" not in reports[2]["checks"]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("key, expected", [
+    # rank = tp + TP * (g + G * dp); data rank = rank // TP; data rank d reads [d*mbs, (d+1)*mbs).
+    ("tp2-gtp2-dp1", [[[0], [2], [4], [6]], [[0], [2], [4], [6]], [[1], [3], [5], [7]], [[1], [3], [5], [7]]]),
+    ("tp1-gtp2-dp2", [[[0], [4]], [[1], [5]], [[2], [6]], [[3], [7]]]),
+])
+def test_sample_to_rank_mapping(reports, key, expected):
+    assert [rep[f"samples-{key}"] for rep in reports] == expected
+
+
+def test_version_guard(monkeypatch):
+    from harness.backends.megatron import compat
+
+    monkeypatch.setattr(compat, "version", lambda name: "0.18.0")
+    with pytest.raises(compat.CompatError, match="0.19.2"):
+        compat.check_version()
+
+
+def test_inactive_when_cuda_is_available():
+    code = ("import torch; torch.cuda.is_available = lambda: True\n"
+            "from harness.backends.megatron import compat\n"
+            "assert compat.install() is False and torch.cuda.Event is not compat._Event")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})

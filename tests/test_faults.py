@@ -1,0 +1,54 @@
+"""Planted faults: the localizer names the right step, phase, tensor, ranks and signature."""
+
+import fnmatch
+
+import pytest
+
+from harness.faults import CATALOG
+from tests.helpers import ASSETS, run, summary
+
+pytestmark = pytest.mark.multirank
+
+
+@pytest.fixture(scope="module")
+def fault_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("faults")
+    code, doc = run(ASSETS / "faults.toml", out, parallel=2)
+    assert code == 1, doc  # every scenario fails: each plants a fault
+    return out
+
+
+@pytest.mark.parametrize("fault", sorted(CATALOG))
+def test_first_divergence_matches_the_planted_fault(fault_run, fault):
+    s = summary(fault_run, f"fault-{fault}")
+    fd = s["first_divergence"]
+    expect = CATALOG[fault].expect
+    assert s["verdict"] == "fail"
+    assert fd["step"] == expect["step"], fd
+    assert fd["kind"] == expect["kind"], fd
+    assert fnmatch.fnmatchcase(fd["tensor"], expect["tensor"]), fd
+    assert fd["signature"] == expect["signature"], fd
+
+
+def test_fault_specifics(fault_run):
+    fd = {f: summary(fault_run, f"fault-{f}")["first_divergence"] for f in CATALOG}
+    # Backward runs in reverse layer order: the output layer's gradient is reduced first.
+    assert fd["gtp-rs-no-prescale"]["tensor"] == "output_layer.weight"
+    assert fd["gtp-rs-no-prescale"]["phase"] == "backward"
+    swap = fd["gtp-ag-swap-shards"]
+    assert swap["tensor"] == "embedding.word_embeddings.weight" and swap["phase"] == "weights"
+    assert swap["permutation"]["permutation"] == [1, 0]
+    drift = fd["gtp-ln-grad-not-reduced"]
+    assert drift["tensor"].endswith("layernorm.bias") and sorted(drift["ranks"]) == [0, 1]
+    leak = fd["gtp-pad-leak"]
+    assert leak["ranks"] == [1] and leak["region"]["rows"][1] == 96  # last GTP rank, padded rows
+    assert fd["gtp-peers-same-sample"]["region"]["duplicated"] and fd["gtp-peers-same-sample"]["region"]["missing"]
+    assert fd["optimizer-skips-weight"]["phase"] == "optimizer"
+    assert fd["loss-report-wrong-group"]["phase"] == "loss"
+    assert fd["grad-norm-double-count"]["norm_ratio"] > 1
+
+
+def test_planted_faults_leave_installed_code_untouched(fault_run):
+    # Each fault patches in the worker and undoes it; a clean side in the same launch passed.
+    s = summary(fault_run, "fault-gtp-rs-no-prescale")
+    assert s["checked"]["param"] > 0 and s["invariants"]["replica"] == []

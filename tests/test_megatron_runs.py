@@ -1,0 +1,138 @@
+"""Real megatron-core GTP runs on CPU: the tiny scenario (GTP 2 vs off, fp32, SGD, padded
+shards) twice, and the seed configuration of the Bridge/MLM comparison."""
+
+import math
+
+import pytest
+import torch
+
+from harness import trace
+from harness.assemble import assemble_trace
+from harness.data import rank_sample_ids
+from tests.helpers import ASSETS, ROOT, results, run, summary
+
+TINY = "tiny-tp1-gtp2-fp32-sgd"
+pytestmark = pytest.mark.multirank
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(tmp_path_factory):
+    outs = []
+    for i in range(2):
+        out = tmp_path_factory.mktemp(f"tiny{i}")
+        code, doc = run(ASSETS / "tiny.toml", out)
+        assert code == 0, doc
+        outs.append(out)
+    return outs
+
+
+@pytest.fixture(scope="module")
+def tiny_traces(tiny_runs):
+    paths = summary(tiny_runs[0], TINY)["traces"]
+    return {role: trace.read(p) for role, p in paths.items()}
+
+
+def test_two_runs_are_bitwise_identical(tiny_runs):
+    for role in ("reference", "candidate", "golden"):
+        a, b = (trace.read(summary(o, TINY)["traces"][role]) for o in tiny_runs)
+        files_a = sorted(p.relative_to(a.path) for p in a.path.rglob("*.safetensors"))
+        files_b = sorted(p.relative_to(b.path) for p in b.path.rglob("*.safetensors"))
+        assert files_a == files_b and files_a
+        for f in files_a:
+            assert (a.path / f).read_bytes() == (b.path / f).read_bytes(), f"{role}: {f} differs"
+        assert [(s["step"], s["name"], s["value"]) for s in a.scalars] == \
+               [(s["step"], s["name"], s["value"]) for s in b.scalars]
+
+
+def test_step0_logical_weights_equal_on_every_side(tiny_runs):
+    df = results(tiny_runs[0], TINY)
+    step0 = df[df["step"] == 0]
+    assert len(step0) == 2 + 8 * 2 + 2 + 1  # every parameter of the 2-layer GPT
+    assert step0["bitwise_equal"].all() and (step0["policy"] == "exact").all()
+
+
+def test_gtp_on_vs_off_fp32_equal_per_sample_losses_at_step1(tiny_runs):
+    df = results(tiny_runs[0], TINY)
+    losses = df[(df["step"] == 1) & (df["kind"] == "loss")]
+    assert len(losses) == 4  # global batch 4, aligned by sample id
+    assert losses["bitwise_equal"].all()
+    logits = df[(df["step"] == 1) & (df["kind"] == "logits")]
+    assert logits["bitwise_equal"].all()
+
+
+def test_gtp_grads_within_a_few_ulp_of_gtp_off(tiny_runs):
+    df = results(tiny_runs[0], TINY)
+    grads = df[(df["step"] == 1) & (df["kind"] == "main_grad")]
+    assert len(grads) == 21
+    # Only the reduction order differs: errors of at most a few ULPs of each tensor's scale
+    # (element-wise ULPs of near-cancelled entries are not a meaningful bound).
+    assert grads["scaled_ulp"].max() <= 4, grads[["tensor", "scaled_ulp"]].to_string()
+    assert not grads["bitwise_equal"].all()  # the GTP reduce-scatter really reorders the sum
+    assert summary(tiny_runs[0], TINY)["verdict"] == "pass"
+
+
+def test_golden_fp64_vs_megatron_tp1_fp32_logits_and_loss(tiny_traces):
+    gold, ref = assemble_trace(tiny_traces["golden"]), assemble_trace(tiny_traces["reference"])
+    g, r = gold.samples[(1, "logits", "output_layer")], ref.samples[(1, "logits", "output_layer")]
+    assert sorted(g) == sorted(r) == [0, 1, 2, 3]
+    for sid in g:
+        torch.testing.assert_close(r[sid].double(), g[sid], rtol=1.3e-6, atol=1e-5)
+    loss = {s["step"]: s["value"] for s in tiny_traces["golden"].scalars if s["name"] == "reduced_loss"}
+    ref_loss = {s["step"]: s["value"] for s in tiny_traces["reference"].scalars
+                if s["name"] == "reduced_loss" and s["rank"] == 0}
+    assert math.isclose(loss[1], ref_loss[1], rel_tol=1.3e-6, abs_tol=1e-5)
+
+
+def test_sample_to_rank_mapping_recorded_tp1_gtp2(tiny_traces):
+    cand = tiny_traces["candidate"]
+    from harness import scenario
+
+    side = scenario.load(ASSETS / "tiny.toml")[0].candidate
+    data = scenario.load(ASSETS / "tiny.toml")[0].data
+    for rank in (0, 1):
+        read = [e.sample_ids for e in cand.entries if e.kind == "input" and e.rank == rank and e.step == 1]
+        assert [list(i) for i in read] == rank_sample_ids(1, rank, side, data)
+        assert cand.infos[rank]["data_parallel_size"] == 2  # GTP peers are data ranks
+        assert cand.infos[rank]["data_parallel_rank"] == rank
+    assert read == [(1,), (3,)]
+
+
+def test_gtp_params_present_and_classified(tiny_traces):
+    cand, ref = tiny_traces["candidate"], tiny_traces["reference"]
+    gtp = cand.infos[0]["gtp_params"]
+    assert set(gtp) == {"embedding.word_embeddings.weight", "output_layer.weight"} | {
+        f"decoder.layers.{i}.{m}.weight" for i in (0, 1)
+        for m in ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")}
+    assert set(gtp.values()) == {"GTP_ungraphed"}
+    assert ref.infos[0]["gtp_params"] == {}
+    # vocab 72 and FFN 80 pad to multiples of 16 x 2 = 32: the layouts record it.
+    pads = {e.name: e.layout.pads.get("gtp") for e in cand.entries if e.kind == "param" and e.step == 0}
+    assert pads["embedding.word_embeddings.weight"] == 24 and pads["decoder.layers.0.mlp.linear_fc1.weight"] == 16
+
+
+@pytest.fixture(scope="module")
+def seed_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("seed")
+    code, doc = run(ROOT / "scenarios/bridge_seed_bf16.toml", out)
+    return out, code, doc
+
+
+def test_seed_configuration_runs_three_finite_steps(seed_run):
+    out, code, doc = seed_run
+    name = "bridge-seed-tp1-gtp2-bf16"
+    s = summary(out, name)
+    assert s["verdict"] in ("pass", "fail") and code in (0, 1)
+    import pandas as pd
+
+    steps = pd.read_csv(out / "scenarios" / name / "steps.csv")
+    for side in ("reference", "candidate", "golden"):
+        rows = steps[steps["side"] == side].sort_values("step")
+        assert list(rows["step"]) == [1, 2, 3]
+        assert rows["reduced_loss"].map(math.isfinite).all()
+        assert abs(rows["reduced_loss"].iloc[0] - math.log(128)) < 0.1
+    # Megatron-LM's LR sequence as logged (3e-4, 1.65e-4, 3e-5), applied one step later.
+    cand = steps[steps["side"] == "candidate"].sort_values("step")
+    assert cand["lr_logged"].round(8).tolist() == [3e-4, 1.65e-4, 3e-5]
+    assert cand["lr"].round(8).tolist() == [0.0, 3e-4, 1.65e-4]
+    cand_trace = trace.read(s["traces"]["candidate"])
+    assert len(cand_trace.infos[0]["gtp_params"]) == 10
