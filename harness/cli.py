@@ -67,6 +67,12 @@ def _cmd_compare(args) -> int:
                           Path(args.golden) if args.golden else None, Path(args.out))  # fmt: skip
 
 
+def _cmd_conformance(args) -> int:
+    from harness.conformance.cli import main as conformance_main
+
+    return conformance_main(args.rest)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="gtp-parity", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -92,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("scenarios", nargs="+")
     v.set_defaults(fn=_cmd_validate)
 
+    k = sub.add_parser("conformance", help="check a DistributedWeight implementer (see --help)",
+                       add_help=False)
+    k.add_argument("rest", nargs=argparse.REMAINDER)
+    k.set_defaults(fn=_cmd_conformance)
+
     i = sub.add_parser("inject", help="list the planted faults")
     i.add_argument("--list", action="store_true", required=True)
     i.set_defaults(fn=_cmd_inject)
@@ -99,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["conformance"]:  # the kit parses its own arguments, --help included
+        return _cmd_conformance(argparse.Namespace(rest=argv[1:]))
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)

@@ -3,12 +3,11 @@
 - ``@pytest.mark.parity("scenario.toml", inject=[...], expect="pass", signature=None)``:
   run the scenario (or matrix) before the test body; the test fails with the first divergence
   unless every scenario's verdict is ``expect`` (and, for ``expect="fail"``, the signature).
-- fixture ``parity``: ``parity(path=None, inject=None, inject_side="candidate") -> dict``
-  runs a scenario or matrix file into the test's own temporary folder and returns the run
-  summary (``{"scenarios": [...], "verdict": ...}``, plus ``run_dir``); without a path it
-  returns the marker's run.
-- ``--parity-report DIR``: also write each run's HTML report under ``DIR/<test id>/`` and an
-  index of them all at ``DIR/index.html``.
+- fixture ``parity``: ``parity(path=None, inject=None, inject_side="candidate") -> dict`` runs
+  a scenario or matrix file into the test's own folder and returns the run summary (``scenarios``,
+  ``verdict``, ``run_dir``); without a path, the marker's run.
+- ``--parity-report DIR``: also write each run's HTML report under ``DIR/<test id>/``, indexed
+  at ``DIR/index.html``.
 - ``--parity-matrix FILE``: collect each scenario of a matrix file as a test item that fails
   with the first divergence (alone when no test path is given).
 
@@ -43,7 +42,9 @@ _RUNNER = pytest.StashKey["ParityRunner"]()
 def pytest_addoption(parser):
     group = parser.getgroup("gtp-parity", "tensor-level parity scenarios")
     for name, (metavar, help_text) in OPTIONS.items():
-        group.addoption("--" + name.replace("_", "-"), dest=name, metavar=metavar, default=None, help=help_text)
+        group.addoption(
+            "--" + name.replace("_", "-"), dest=name, metavar=metavar, default=None, help=help_text
+        )
         parser.addini(name, help_text, default=None)
 
 
@@ -91,8 +92,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "parity(path, inject=None, inject_side='candidate', expect='pass', "
                             "signature=None): run a gtp-parity scenario or matrix; fail unless its verdict is expect")  # fmt: skip
     config.addinivalue_line("markers", "parity_matrix: a scenario collected from --parity-matrix")
-    if (Path(__file__).parent / "conformance" / "pytest_plugin.py").exists():
-        config.pluginmanager.import_plugin("harness.conformance.pytest_plugin")
+    _register_conformance(config.pluginmanager)
     state = ParityState(config)
     config.stash[_STATE] = state
     if state.matrix is not None:
@@ -107,6 +107,15 @@ def pytest_configure(config):
         config.pluginmanager.register(state.agreement, "gtp_parity_rank_agreement")
         if state.rank != 0 and getattr(config.option, "xmlpath", None):
             config.option.xmlpath = None  # one JUnit file: rank 0 writes it
+
+
+def _register_conformance(pm) -> None:
+    """The conformance kit's plugin, unless already loaded (its own entry point, or -p)."""
+    if (Path(__file__).parent / "conformance" / "pytest_plugin.py").exists():
+        import harness.conformance.pytest_plugin as kit
+
+        if not pm.is_registered(kit) and not pm.is_blocked("gtp_parity_conformance"):
+            pm.register(kit, "gtp_parity_conformance")
 
 
 def pytest_sessionfinish(session):
@@ -175,7 +184,11 @@ class ParityRunner:
 
     def resolve(self, path) -> Path:
         p = Path(path)
-        tried = [p] if p.is_absolute() else [Path.cwd() / p, self.node.path.parent / p, self.node.config.rootpath / p]
+        tried = (
+            [p]
+            if p.is_absolute()
+            else [Path.cwd() / p, self.node.path.parent / p, self.node.config.rootpath / p]
+        )
         for candidate in tried:
             if candidate.is_file():
                 return candidate
@@ -209,21 +222,6 @@ def _parity_marker(request):
         request.node.stash[_RUNNER] = request.getfixturevalue("parity")
 
 
-def expectation_failures(summary: dict, expect: str = "pass", signature: str | None = None) -> list[str]:
-    """Why a run does not meet the expectation, one line per scenario ([] if it does)."""
-    from harness.report.model import divergence_line
-
-    out = []
-    for s in summary.get("scenarios", []):
-        verdict, fd = s.get("verdict"), s.get("first_divergence") or {}
-        if verdict != expect:
-            what = divergence_line(s) if verdict != "pass" else f"{s.get('scenario')}: parity holds"
-            out.append(what + ("" if expect == "pass" else f" (expected verdict {expect})"))
-        elif signature is not None and fd.get("signature") != signature:
-            out.append(f"expected signature {signature}, got {divergence_line(s)}")
-    return out
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_call(item):
     if (marker := item.get_closest_marker("parity")) is None or _RUNNER not in item.stash:
@@ -232,9 +230,10 @@ def pytest_runtest_call(item):
     if not marker.args or expect not in ("pass", "fail") or set(marker.kwargs) - set(MARKER_KWARGS):
         pytest.fail("@pytest.mark.parity(path, inject=None, expect='pass'|'fail', signature=None): "
                     f"got args {marker.args} kwargs {marker.kwargs}", pytrace=False)  # fmt: skip
+    from harness.report.model import expectation_failures
+
     summary = item.stash[_RUNNER]()
-    problems = expectation_failures(summary, expect, marker.kwargs.get("signature"))
-    if problems:
+    if problems := expectation_failures(summary, expect, marker.kwargs.get("signature")):
         pytest.fail("\n".join(problems), pytrace=False)
 
 
@@ -263,6 +262,8 @@ class ScenarioCase(pytest.Function):
 
 
 def _run_matrix_scenario(request, tmp_path_factory):
+    from harness.report.model import expectation_failures
+
     state: ParityState = request.config.stash[_STATE]
     item = request.node
     if item.name not in state.matrix_runs:
@@ -277,8 +278,7 @@ def _run_matrix_scenario(request, tmp_path_factory):
         summary = execute(state, todo, out, report, parallel=1 if state.worker else 2)
         for s in summary["scenarios"]:
             state.matrix_runs[s["scenario"]] = s
-    problems = expectation_failures({"scenarios": [state.matrix_runs[item.name]]})
-    if problems:
+    if problems := expectation_failures({"scenarios": [state.matrix_runs[item.name]]}):
         pytest.fail("\n".join(problems), pytrace=False)
 
 
@@ -299,31 +299,29 @@ class RankAgreement:
         self.broken: str | None = None
 
     @staticmethod
-    def start(rank: int, world: int, timeout_s: float) -> "RankAgreement":
+    def start(rank: int, world: int, timeout_s: float) -> RankAgreement:
         import torch.distributed as dist
 
         owned = not dist.is_initialized()
         if owned:
             dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
-        group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))  # whatever the default
         return RankAgreement(dist.get_rank(), dist.get_world_size(), timeout_s, owned, group)
 
-    def _sum(self, values: list[int], group=None) -> list[int]:
+    def _gather(self, mine: int) -> list[int]:
+        """Every rank's value (each rank fills its own slot of a summed vector)."""
         import torch
         import torch.distributed as dist
 
-        t = torch.tensor(values, dtype=torch.int64)
-        dist.all_reduce(t, group=group or self.group)
+        t = torch.zeros(self.world, dtype=torch.int64)
+        t[self.rank] = mine
+        dist.all_reduce(t, group=self.group)
         return t.tolist()
 
     @pytest.hookimpl(wrapper=True)
     def pytest_collection_modifyitems(self, items):
         result = yield
-        mine = zlib.crc32("\n".join(i.nodeid for i in items).encode())
-        seen = [0] * self.world
-        seen[self.rank] = mine
-        seen = self._sum(seen)
-        if len(set(seen)) != 1:
+        if len(set(self._gather(zlib.crc32("\n".join(i.nodeid for i in items).encode())))) != 1:
             raise pytest.UsageError(f"the ranks collected different tests (rank {self.rank}: {len(items)} "
                                     "items); run the same pytest command on every rank")  # fmt: skip
         return result
@@ -337,10 +335,8 @@ class RankAgreement:
 
     def agree(self, report) -> None:
         code = 2 if report.failed else 1 if report.skipped else 0
-        codes = [0] * self.world
-        codes[self.rank] = code
         try:
-            codes = self._sum(codes)
+            codes = self._gather(code)
         except Exception as e:  # a rank hung past the timeout or died
             self.broken = f"{type(e).__name__}: {e}"
             report.outcome = "failed"
@@ -352,7 +348,7 @@ class RankAgreement:
         failed = [r for r, c in enumerate(codes) if c == 2]
         skipped = [r for r, c in enumerate(codes) if c == 1]
         if report.failed:
-            report.sections.append(("gtp-parity ranks", f"{report.when} failed on ranks {failed} of {self.world}"))
+            report.sections.append(("gtp-parity ranks", f"failed on ranks {failed} of {self.world}"))
             return
         if hasattr(report, "wasxfail"):
             del report.wasxfail
@@ -368,21 +364,20 @@ class RankAgreement:
         import torch.distributed as dist
 
         if self.broken is not None:
-            raise RuntimeError(f"the ranks lost contact earlier ({self.broken}); not running on rank {self.rank}")
+            raise RuntimeError(f"the ranks lost contact earlier ({self.broken}); not running here")
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=budget_s))
         failure = None
         try:
+            data = b""
             if self.rank == 0:
                 try:
                     doc = {"ok": produce()}
                 except Exception as e:
                     failure, doc = e, {"error": f"{type(e).__name__}: {e}"}
                 data = json.dumps(doc).encode()
-                size = torch.tensor([len(data)], dtype=torch.int64)
-            else:
-                size = torch.zeros(1, dtype=torch.int64)
+            size = torch.tensor([len(data)], dtype=torch.int64)
             dist.broadcast(size, src=0, group=group)
-            buf = torch.tensor(list(data), dtype=torch.uint8) if self.rank == 0 else torch.empty(int(size), dtype=torch.uint8)
+            buf = torch.frombuffer(bytearray(data or b" " * int(size)), dtype=torch.uint8)
             dist.broadcast(buf, src=0, group=group)
             doc = json.loads(bytes(buf.tolist()).decode())
         finally:

@@ -127,10 +127,12 @@ def test_mcore_fails_only_the_prefetch_alias_on_repeated_shapes(world4):
     assert {f.rank for f in failures} == {0, 1, 2, 3}
 
 
-def test_mcore_grouped_weights_are_skipped_with_the_reason(world4):
+def test_mcore_grouped_weights_conform_on_their_double_buffered_chain(world4):
+    # Routed-expert weights classified into MCore's grouped chains alternate two gather buffers
+    # per shape, so the prefetch alias of plain chains does not reach them.
     grouped = [r for r in world4[MCORE].records if "grouped" in r.case]
-    assert grouped and all(r.status == "skip" for r in grouped)
-    assert all("_coalescing_manager" in r.reason for r in grouped)
+    assert grouped and all(r.status == "pass" for r in grouped), [
+        (r.clause, r.case) for r in grouped if r.status != "pass"]
 
 
 def test_reference_passes_every_clause_in_every_case(world4):

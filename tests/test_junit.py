@@ -8,7 +8,9 @@ from pathlib import Path
 
 from harness.report import divergence_line, write_junit
 
-_spec = importlib.util.spec_from_file_location("report_synthetic", Path(__file__).parent / "assets" / "report" / "synthetic.py")
+_spec = importlib.util.spec_from_file_location(
+    "report_synthetic", Path(__file__).parent / "assets" / "report" / "synthetic.py"
+)
 synthetic = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(synthetic)
 
@@ -20,7 +22,11 @@ def test_one_testcase_per_scenario(tmp_path):
     run = synthetic.write_run(tmp_path / "run", specs)
     path = write_junit(run, tmp_path / "out" / "junit.xml")
     root = ET.parse(path).getroot()
-    assert root.tag == "testsuites" and (root.get("tests"), root.get("failures"), root.get("errors")) == ("3", "1", "1")
+    assert root.tag == "testsuites" and (root.get("tests"), root.get("failures"), root.get("errors")) == (
+        "3",
+        "1",
+        "1",
+    )
     suite = root.find("testsuite")
     cases = {c.get("name"): c for c in suite.findall("testcase")}
     assert list(cases) == ["ok", "bad", "crash"]
@@ -38,7 +44,9 @@ def test_one_testcase_per_scenario(tmp_path):
 
     error = cases["crash"].find("error")
     assert cases["crash"].find("failure") is None
-    assert error.get("message").startswith("crash: run failed: candidate: rank 1 exited with code 1 at step 2")
+    assert error.get("message").startswith(
+        "crash: run failed: candidate: rank 1 exited with code 1 at step 2"
+    )
     assert "candidate:\nrank 1 exited" in error.text
 
 

@@ -86,7 +86,10 @@ def test_fixture_unknown_fault(parity):
 
 def plugin_args() -> list[str]:
     """``-p harness.pytest_plugin`` unless the package's pytest11 entry point loads it already."""
-    loaded = any(ep.value.startswith("harness.pytest_plugin") for ep in importlib.metadata.entry_points(group="pytest11"))
+    loaded = any(
+        ep.value.startswith("harness.pytest_plugin")
+        for ep in importlib.metadata.entry_points(group="pytest11")
+    )
     return [] if loaded else ["-p", "harness.pytest_plugin"]
 
 
@@ -117,7 +120,9 @@ def test_marker_and_fixture(project):
     result.assert_outcomes(passed=4, failed=2)
     got = outcomes(project.path)
     unexpected = got["test_marked_fault_unexpected"][-1][2]
-    assert unexpected.startswith(f"{SCENARIO}: first divergence at step 1 backward main_grad output_layer.weight")
+    assert unexpected.startswith(
+        f"{SCENARIO}: first divergence at step 1 backward main_grad output_layer.weight"
+    )
     assert "ratio-G" in unexpected
     assert "expected signature pad-rows, got" in got["test_marked_wrong_signature"][-1][2]
     rep = project.path / "rep"
@@ -172,7 +177,9 @@ def test_bad_option_values_name_their_source(project):
     result.stderr.fnmatch_lines(["*--parity-matrix: nope.toml: no such file*"])
     project.makeini("[pytest]\nparity_dist_timeout = soon\n")
     result = project.runpytest_subprocess(*plugin_args())
-    result.stderr.fnmatch_lines(["*ini option parity_dist_timeout in *tox.ini: 'soon' is not a positive number*"])
+    result.stderr.fnmatch_lines(
+        ["*ini option parity_dist_timeout in *tox.ini: 'soon' is not a positive number*"]
+    )
 
 
 DIST_TESTS = """
@@ -222,16 +229,23 @@ def test_under_torchrun_a_failure_on_one_rank_fails_all(project, monkeypatch):
 @pytest.mark.multirank
 def test_real_scenario_fails_with_its_first_divergence(pytester):
     shutil.copy(ASSETS / "tiny.toml", pytester.path / "tiny.toml")
-    pytester.makepyfile(test_real="""
+    pytester.makepyfile(
+        test_real="""
         import pytest
 
         @pytest.mark.parity("tiny.toml", inject=["gtp-rs-no-prescale"])
         def test_gtp_grads():
             pass
-    """)
+    """
+    )
     result = pytester.runpytest_subprocess(*plugin_args(), "--parity-report", "rep", timeout=600)
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines([f"{SCENARIO}: first divergence at step 1 *", f"FAILED test_real.py::test_gtp_grads - Failed: {SCENARIO}*"])
+    result.stdout.fnmatch_lines(
+        [
+            f"{SCENARIO}: first divergence at step 1 *",
+            f"FAILED test_real.py::test_gtp_grads - Failed: {SCENARIO}*",
+        ]
+    )
     page = pytester.path / "rep" / "test_real.py_test_gtp_grads" / "scenarios" / f"{SCENARIO}.html"
     html = page.read_text()
     assert 'class="verdict fail"' in html and '<svg class="blocks"' in html

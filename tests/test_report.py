@@ -10,8 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from harness.report import compare_to_baseline, update_baseline, write_index, write_scenario_page
-from harness.report import blocks, model
+from harness.report import (
+    blocks,
+    compare_to_baseline,
+    model,
+    update_baseline,
+    write_index,
+    write_scenario_page,
+)
 
 ASSETS = Path(__file__).parent / "assets" / "report"
 _spec = importlib.util.spec_from_file_location("report_synthetic", ASSETS / "synthetic.py")
@@ -21,9 +27,19 @@ _spec.loader.exec_module(synthetic)
 ODD = '<script>alert("x")</script>&layer'
 SPECS = [
     {"name": "tp1-fp32", "verdict": "pass", "axes": {"topology": "tp1-gtp2", "precision": "fp32"}},
-    {"name": "tp1-bf16", "verdict": "fail", "axes": {"topology": "tp1-gtp2", "precision": "bf16"}, "odd_name": ODD},
+    {
+        "name": "tp1-bf16",
+        "verdict": "fail",
+        "axes": {"topology": "tp1-gtp2", "precision": "bf16"},
+        "odd_name": ODD,
+    },
     {"name": "tp2-fp32", "verdict": "error", "axes": {"topology": "tp2-gtp2", "precision": "fp32"}},
-    {"name": "tp2-bf16", "verdict": "fail", "axes": {"topology": "tp2-gtp2", "precision": "bf16"}, "tensor": ODD},
+    {
+        "name": "tp2-bf16",
+        "verdict": "fail",
+        "axes": {"topology": "tp2-gtp2", "precision": "bf16"},
+        "tensor": ODD,
+    },
 ]
 
 
@@ -53,7 +69,7 @@ def test_index_writes_pages_summary_and_grid(run, report):
     assert header[1:] == ["fp32", "bf16"]  # last axis: columns
     rows = re.findall(r"<tr><td class=\"t\">(.*?)</td>(.*?)</tr>", grid)
     assert [r[0] for r in rows] == ["tp1-gtp2", "tp2-gtp2"]
-    cells = dict(zip(("tp1-fp32", "tp1-bf16"), re.findall(r'<td class="(\w+)">', rows[0][1])))
+    cells = dict(zip(("tp1-fp32", "tp1-bf16"), re.findall(r'<td class="(\w+)">', rows[0][1]), strict=True))
     assert cells == {"tp1-fp32": "pass", "tp1-bf16": "fail"}
     assert re.findall(r'<td class="(\w+)">', rows[1][1]) == ["error", "fail"]
     assert 'href="scenarios/tp2-fp32.html"' in grid
@@ -80,7 +96,9 @@ def test_trace_strings_are_escaped(report):
 def test_failing_page_shows_divergence_curves_heatmap_table(report):
     html = page(report, "tp1-bf16")
     verdict = re.search(r'<p class="verdict fail" id="verdict">(.*?)</p>', html).group(1)
-    assert verdict.startswith("FAIL: 4 of 13 comparisons fail; the first is step 1 backward output_layer.weight")
+    assert verdict.startswith(
+        "FAIL: 4 of 13 comparisons fail; the first is step 1 backward output_layer.weight"
+    )
     assert "a mean over the GTP group became a sum" in html
     assert "rows 0-48 (GTP block 0)" in html
     for title in ("reduced loss", "grad norm", "learning rate (applied)", "max error vs golden (log)"):
@@ -105,7 +123,9 @@ def test_shard_picture_marks_the_worst_block_and_hatches_pads(run):
     pic = blocks.picture(data)
     assert (pic.rows, pic.cols) == (96, 64)
     assert [(b.row0, b.row1, b.ranks, b.pad_rows, b.marked) for b in pic.blocks] == [
-        (0, 48, (0,), 0, True), (48, 96, (1,), 24, False)]
+        (0, 48, (0,), 0, True),
+        (48, 96, (1,), 24, False),
+    ]
     assert pic.worst == (24, 58)
 
 
@@ -116,7 +136,11 @@ def test_shard_blocks_tp_and_gtp():
     pic = blocks.build("w", layout, coords, {"rank": 3, "rows": [40, 48]})
     # Each TP block of 40 rows is padded to 48 and cut in two GTP blocks of 24.
     assert [(b.tp, b.gtp, b.row0, b.row1, b.ranks, b.pad_rows) for b in pic.blocks] == [
-        (0, 0, 0, 24, (0,), 0), (0, 1, 24, 48, (1,), 8), (1, 0, 48, 72, (2,), 0), (1, 1, 72, 96, (3,), 8)]
+        (0, 0, 0, 24, (0,), 0),
+        (0, 1, 24, 48, (1,), 8),
+        (1, 0, 48, 72, (2,), 0),
+        (1, 1, 72, 96, (3,), 8),
+    ]
     assert [b.marked for b in pic.blocks] == [False, False, False, True]
     assert pic.region == (88, 96, 0, 8)
     pic = blocks.build("w", {**layout, "placements": {"tp": "S(1)", "gtp": "S(0)"}, "logical_shape": [40, 8]},
@@ -152,8 +176,10 @@ def test_divergence_line_is_one_line(run):
     doc = json.loads((run / "summary.json").read_text())
     lines = {s["scenario"]: model.divergence_line(s) for s in doc["scenarios"]}
     assert lines["tp1-fp32"] == "tp1-fp32: parity holds"
-    assert lines["tp1-bf16"].startswith("tp1-bf16: first divergence at step 1 backward main_grad "
-                                        "output_layer.weight on ranks [0] [rows 0-48 (GTP block 0)")
+    assert lines["tp1-bf16"].startswith(
+        "tp1-bf16: first divergence at step 1 backward main_grad "
+        "output_layer.weight on ranks [0] [rows 0-48 (GTP block 0)"
+    )
     assert "ratio-G" in lines["tp1-bf16"] and "max_rel 1" in lines["tp1-bf16"]
     assert lines["tp2-fp32"].startswith("tp2-fp32: run failed: candidate: rank 1 exited")
     assert all("\n" not in line for line in lines.values())
@@ -162,7 +188,10 @@ def test_divergence_line_is_one_line(run):
 def test_scenario_page_alone(run, tmp_path):
     out = write_scenario_page(run / "scenarios" / "tp1-fp32", tmp_path / "deep" / "p.html")
     html = out.read_text()
-    assert 'class="verdict pass"' in html and "PASS: all 13 comparisons hold under the noise-floor policy" in html
+    assert (
+        'class="verdict pass"' in html
+        and "PASS: all 13 comparisons hold under the noise-floor policy" in html
+    )
 
 
 def _edit_steps(path: Path, side: str, step: int, column: str, value: float) -> None:

@@ -76,6 +76,11 @@ def gtp_sharded_param(
         gtp.wrap_module_params_gtp(module, names, gtp_group, is_grouped=group_size > 1)
         for name in names:
             weight = getattr(module, name)
+            if group_size > 1:
+                # Classify as MCore classifies a routed expert's fc1 in layer `start // group_size`
+                # (classify_gtp_chains does this by name): the grouped chain, double-buffered.
+                weight.chain_id = gtp._classify_param_chain(
+                    f"decoder.layers.{start // group_size}.mlp.experts.linear_fc1.{name}")
             weight.main_grad = torch.zeros(weight.shape, dtype=main_grad_dtype, device=device)
             weights.append(weight)
     return weights

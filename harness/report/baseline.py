@@ -42,7 +42,7 @@ def baseline_doc(scenario_dir: Path) -> dict:
         "verdict": data.verdict,
         "steps": data.steps,
         "provenance": {
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "config_hash": config_hash(data.summary, data.manifests),
             "config": data.summary.get("config"),
             "versions": {r: m.get("versions") for r, m in data.manifests.items()},
@@ -76,7 +76,9 @@ def compare_steps(name: str, base: list[dict], now: list[dict]) -> list[str]:
     out = []
     for k in sorted(b.keys() | n.keys()):
         if k not in n or k not in b:
-            out.append(f"{name}: {k[0]} step {k[1]} is {'missing from the run' if k not in n else 'new (not in the baseline)'}")
+            out.append(
+                f"{name}: {k[0]} step {k[1]} is {'missing from the run' if k not in n else 'new (not in the baseline)'}"
+            )
             continue
         for col in sorted((b[k].keys() | n[k].keys()) - {"side", "step"}):
             if not _close(b[k].get(col), n[k].get(col)):
@@ -106,7 +108,9 @@ def compare_to_baseline(run_dir: Path, baseline_dir: Path) -> list[str]:
                         f"({base.get('provenance', {}).get('config_hash')} -> {now['provenance']['config_hash']})")  # fmt: skip
         msgs += compare_steps(name, base.get("steps", []), now["steps"])
         if len(msgs) > MAX_MESSAGES_PER_SCENARIO:
-            msgs = msgs[:MAX_MESSAGES_PER_SCENARIO] + [f"{name}: ... and {len(msgs) - MAX_MESSAGES_PER_SCENARIO} more"]
+            msgs = msgs[:MAX_MESSAGES_PER_SCENARIO] + [
+                f"{name}: ... and {len(msgs) - MAX_MESSAGES_PER_SCENARIO} more"
+            ]
         out += msgs
     for path in sorted(baseline_dir.glob("*.json")):
         if path.stem not in names:

@@ -62,7 +62,11 @@ def find_layout(trace_dir: Path, step: int, kind: str, name: str) -> dict | None
                 continue
             if (e.get("step"), e.get("kind")) == (step, kind) and exact is None:
                 exact = layout
-            if sharded is None and e.get("kind") in ("param", "param_before", "main_grad") and _sharded(layout):
+            if (
+                sharded is None
+                and e.get("kind") in ("param", "param_before", "main_grad")
+                and _sharded(layout)
+            ):
                 sharded = layout
         if exact is not None and (_sharded(exact) or sharded is not None):
             break
@@ -96,7 +100,9 @@ def picture(data: ScenarioData) -> Picture | None:
     return build(str(fd["tensor"]), layout, coords, fd.get("region") or {}, fd.get("permutation"))
 
 
-def build(tensor: str, layout: dict, coords: dict[int, dict], region: dict, permutation: dict | None = None) -> Picture:
+def build(
+    tensor: str, layout: dict, coords: dict[int, dict], region: dict, permutation: dict | None = None
+) -> Picture:
     """Blocks of a logical tensor under ``layout``; mark what ``region`` names."""
     shape = tuple(int(n) for n in layout["logical_shape"])
     R, C = shape[0], (math.prod(shape[1:]) if len(shape) > 1 else 1)
@@ -122,8 +128,11 @@ def build(tensor: str, layout: dict, coords: dict[int, dict], region: dict, perm
             ranks = tuple(sorted(r for r, c in coords.items()
                                  if (tp == 1 or c.get("tp") == i) and (g == 1 or c.get("gtp") == j)))  # fmt: skip
             pad_rows = max(0, min((j + 1) * chunk, L + pad) - max(j * chunk, L))
-            hit = (shard.get("tp", i) == i and shard.get("gtp", j) == j) if shard else (
-                bool(named) and set(ranks) <= named and len(named) < len(coords))
+            hit = (
+                (shard.get("tp", i) == i and shard.get("gtp", j) == j)
+                if shard
+                else (bool(named) and set(ranks) <= named and len(named) < len(coords))
+            )
             pic.blocks.append(Block(top, top + chunk, left, left + col_w, i, j, ranks, pad_rows, hit))
     idx = region.get("worst_index")
     if idx:

@@ -75,7 +75,9 @@ def grid(cells: list[IndexCell]) -> tuple[list[str], list[str], dict[tuple[str, 
 def render_index(title: str, cells: list[IndexCell], verdict: str) -> str:
     rows, cols, table = grid(cells)
     axes = [a for a in _axes(cells) if all(a in c.axes for c in cells)]
-    corner = " \u00b7 ".join(axes[:-1] if len(axes) > 1 else axes) + (f" \\ {axes[-1]}" if len(axes) > 1 else "")
+    corner = " \u00b7 ".join(axes[:-1] if len(axes) > 1 else axes) + (
+        f" \\ {axes[-1]}" if len(axes) > 1 else ""
+    )
     head = f'<th class="t">{esc(corner or "scenario")}</th>' + "".join(f"<th>{esc(c)}</th>" for c in cols)
     body = []
     for r in rows:

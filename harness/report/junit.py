@@ -45,7 +45,9 @@ def junit_tree(doc: dict, suite: str = "gtp-parity", run_name: str = "run") -> E
     classname = _classname(scenarios, run_name)
     failures = sum(s.get("verdict") == "fail" for s in scenarios)
     errors = sum(s.get("verdict") == "error" for s in scenarios)
-    root = ET.Element("testsuites", name=suite, tests=str(len(scenarios)), failures=str(failures), errors=str(errors))
+    root = ET.Element(
+        "testsuites", name=suite, tests=str(len(scenarios)), failures=str(failures), errors=str(errors)
+    )
     ts = ET.SubElement(root, "testsuite", name=suite, tests=str(len(scenarios)), failures=str(failures),
                        errors=str(errors), skipped="0")  # fmt: skip
     for s in scenarios:
@@ -57,7 +59,9 @@ def junit_tree(doc: dict, suite: str = "gtp-parity", run_name: str = "run") -> E
                 ET.SubElement(props, "property", name=_clean(k), value=_clean(v))
         if s.get("verdict") == "fail":
             fd = s.get("first_divergence") or {}
-            el = ET.SubElement(case, "failure", message=_clean(divergence_line(s)), type=_clean(fd.get("signature", "")))
+            el = ET.SubElement(
+                case, "failure", message=_clean(divergence_line(s)), type=_clean(fd.get("signature", ""))
+            )
             el.text = _clean(_details(s))
         elif s.get("verdict") != "pass":
             el = ET.SubElement(case, "error", message=_clean(divergence_line(s)), type="run-failed")
@@ -71,5 +75,7 @@ def write_junit(run_dir: Path, path: Path) -> Path:
     doc = json.loads((Path(run_dir) / "summary.json").read_text())
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    junit_tree(doc, f"gtp-parity {Path(run_dir).name}", Path(run_dir).name).write(path, encoding="utf-8", xml_declaration=True)
+    junit_tree(doc, f"gtp-parity {Path(run_dir).name}", Path(run_dir).name).write(
+        path, encoding="utf-8", xml_declaration=True
+    )
     return path

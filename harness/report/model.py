@@ -153,6 +153,20 @@ def divergence_line(summary: dict) -> str:
     )  # fmt: skip
 
 
+def expectation_failures(summary: dict, expect: str = "pass", signature: str | None = None) -> list[str]:
+    """Why a run summary does not meet the expected verdict (and signature), one line per
+    scenario ([] if it does)."""
+    out = []
+    for s in summary.get("scenarios", []):
+        verdict, fd = s.get("verdict"), s.get("first_divergence") or {}
+        if verdict != expect:
+            what = divergence_line(s) if verdict != "pass" else f"{s.get('scenario')}: parity holds"
+            out.append(what + ("" if expect == "pass" else f" (expected verdict {expect})"))
+        elif signature is not None and fd.get("signature") != signature:
+            out.append(f"expected signature {signature}, got {divergence_line(s)}")
+    return out
+
+
 def verdict_line(data: ScenarioData) -> str:
     """The verdict in one sentence."""
     s = data.summary
@@ -187,7 +201,10 @@ def _finite(v) -> bool:
 def drift(results: list[dict]) -> dict[str, list[tuple[float, float]]]:
     """Per step, the largest error of any tensor against the golden, for each side."""
     out = {}
-    for label, column in (("candidate vs golden", "cand_err_golden"), ("reference vs golden", "ref_err_golden")):
+    for label, column in (
+        ("candidate vs golden", "cand_err_golden"),
+        ("reference vs golden", "ref_err_golden"),
+    ):
         per_step: dict[int, float] = {}
         for row in results:
             v = row.get(column)

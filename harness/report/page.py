@@ -12,8 +12,17 @@ import json
 import math
 
 from harness.report import blocks, svg
-from harness.report.model import (ROLES, ScenarioData, divergence_line, drift, fmt, heatmap, region_text,
-                                  step_series, verdict_line)  # fmt: skip
+from harness.report.model import (
+    ROLES,
+    ScenarioData,
+    divergence_line,
+    drift,
+    fmt,
+    heatmap,
+    region_text,
+    step_series,  # fmt: skip
+    verdict_line,
+)
 from harness.report.static import CSS, JS
 from harness.report.svg import esc
 
@@ -40,7 +49,7 @@ def document(title: str, body: str) -> str:
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
-        "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; "
+        '<meta http-equiv="Content-Security-Policy" content="default-src \'none\'; '
         "style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:\">"
         f"<title>{esc(title)}</title><style>{CSS}</style></head>\n<body>\n{body}\n<script>{JS}</script></body></html>\n"
     )
@@ -67,7 +76,9 @@ def _divergence(data: ScenarioData) -> str:
              ("signature", f"<b>{esc(fd.get('signature'))}</b>: {esc(_explain(fd))}")]  # fmt: skip
     for extra in ("permutation", "norm_ratio"):
         if fd.get(extra) is not None:
-            pairs.append((extra, esc(json.dumps(fd[extra]) if isinstance(fd[extra], dict) else fmt(fd[extra]))))
+            pairs.append(
+                (extra, esc(json.dumps(fd[extra]) if isinstance(fd[extra], dict) else fmt(fd[extra])))
+            )
     metrics = [(k, esc(fmt(m[k], 6))) for k in METRIC_KEYS if m.get(k) is not None]
     return (f'<h2>First divergence</h2><p class="mono" id="divergence">{esc(divergence_line(s))}</p>'
             + _kv(pairs) + ("<h3>Metrics</h3>" + _kv(metrics) if metrics else ""))  # fmt: skip
@@ -88,7 +99,8 @@ def _where(data: ScenarioData) -> str:
     pic = blocks.picture(data)
     if pic is None:
         why = {"input": "sample ids have no shards", "scalar": "a scalar", "loss": "a per-sample loss"}.get(
-            fd.get("kind"), "no sharded layout recorded for it in the candidate trace")
+            fd.get("kind"), "no sharded layout recorded for it in the candidate trace"
+        )
         return f"<h2>Where in the tensor</h2><p>No shard picture: <code>{esc(fd.get('tensor'))}</code> is {esc(why)}.</p>"
     note = f"<p>{esc(pic.note)}</p>" if pic.note else ""
     return ("<h2>Where in the tensor</h2><p class=\"small\">Logical tensor cut into its (TP, GTP) shard blocks as "
@@ -115,7 +127,7 @@ def _invariants(data: ScenarioData) -> str:
                   f"</code> {esc({k: x for k, x in v.items() if k not in ('step', 'kind', 'tensor')})}</li>"
                   for name, v in items[:50])  # fmt: skip
     more = f"<p>... and {len(items) - 50} more</p>" if len(items) > 50 else ""
-    return f"<h2>Invariant violations in the candidate ({len(items)})</h2><ul class=\"mono\">{lis}</ul>{more}"
+    return f'<h2>Invariant violations in the candidate ({len(items)})</h2><ul class="mono">{lis}</ul>{more}'
 
 
 def _cell(key: str, value) -> str:

@@ -27,8 +27,13 @@ def _ticks(lo: float, hi: float, n: int = 4) -> list[float]:
     return [lo + (hi - lo) * k / n for k in range(n + 1)]
 
 
-def line_chart(title: str, series: dict[str, list[tuple[float, float]]], log_y: bool = False,
-               width: int = 340, height: int = 200) -> str:
+def line_chart(
+    title: str,
+    series: dict[str, list[tuple[float, float]]],
+    log_y: bool = False,
+    width: int = 340,
+    height: int = 200,
+) -> str:
     """Lines of (x, y) points, one per series, with a legend; log_y drops y <= 0."""
     left, right, top, bottom = 62, 10, 22, 44
     pts = {k: [(x, y) for x, y in v if math.isfinite(y) and (y > 0 or not log_y)] for k, v in series.items()}
@@ -43,7 +48,10 @@ def line_chart(title: str, series: dict[str, list[tuple[float, float]]], log_y: 
     x0, x1 = min(xs), max(xs)
     y0, y1 = min(ys), max(ys)
     if y1 - y0 < 1e-12 * max(1.0, abs(y1)):
-        y0, y1 = y0 - (1 if log_y else max(abs(y0) * 1e-3, 1e-12)), y1 + (1 if log_y else max(abs(y1) * 1e-3, 1e-12))
+        y0, y1 = (
+            y0 - (1 if log_y else max(abs(y0) * 1e-3, 1e-12)),
+            y1 + (1 if log_y else max(abs(y1) * 1e-3, 1e-12)),
+        )
     w, h = width - left - right, height - top - bottom
 
     def sx(x):
@@ -65,8 +73,12 @@ def line_chart(title: str, series: dict[str, list[tuple[float, float]]], log_y: 
         out.append(f'<line x1="{left}" x2="{left + w}" y1="{yy:.1f}" y2="{yy:.1f}" class="grid"/>'
                    f'<text x="{left - 4}" y="{yy + 4:.1f}" class="tick" text-anchor="end">{esc(label)}</text>')  # fmt: skip
     for x in sorted(set(xs)):
-        out.append(f'<text x="{sx(x):.1f}" y="{top + h + 14}" class="tick" text-anchor="middle">{fmt(int(x))}</text>')
-    out.append(f'<text x="{left + w / 2:.0f}" y="{top + h + 27}" class="tick" text-anchor="middle">step</text>')
+        out.append(
+            f'<text x="{sx(x):.1f}" y="{top + h + 14}" class="tick" text-anchor="middle">{fmt(int(x))}</text>'
+        )
+    out.append(
+        f'<text x="{left + w / 2:.0f}" y="{top + h + 27}" class="tick" text-anchor="middle">step</text>'
+    )
     for k, (label, v) in enumerate(pts.items()):
         color, dash = COLORS.get(label, "#777"), DASHES.get(label, "")
         path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in v)
@@ -105,7 +117,9 @@ def heatmap_svg(hm: Heatmap) -> str:
         out.append(f'<text x="{gx}" y="14" class="tick">{esc(group)}</text>')
         for si, step in enumerate(hm.steps):
             x = gx + si * cw
-            out.append(f'<text x="{x + cw / 2}" y="{top - 6}" class="tick" text-anchor="middle">{step}</text>')
+            out.append(
+                f'<text x="{x + cw / 2}" y="{top - 6}" class="tick" text-anchor="middle">{step}</text>'
+            )
             for li, layer in enumerate(hm.layers):
                 y = top + li * ch
                 cell = hm.cells.get((layer, group, step))
@@ -120,7 +134,9 @@ def heatmap_svg(hm: Heatmap) -> str:
                     f"{esc(cell.worst)}); {cell.failed} of {cell.count} fail</title></rect>"
                 )
     for li, layer in enumerate(hm.layers):
-        out.append(f'<text x="{left - 6}" y="{top + li * ch + 13}" class="tick" text-anchor="end">{esc(layer)}</text>')
+        out.append(
+            f'<text x="{left - 6}" y="{top + li * ch + 13}" class="tick" text-anchor="end">{esc(layer)}</text>'
+        )
     out.append("</svg>")
     return "".join(out)
 

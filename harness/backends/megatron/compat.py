@@ -72,8 +72,13 @@ _CURRENT_STREAM = _Stream()
 # --- the TE collectives GTP imports, on torch.distributed (signatures of TE's distributed.py) ---
 
 
-def gather_along_first_dim(inp, process_group, async_op=False, quantizer=None, output_tensor=None):
-    """All-gather ``inp`` along dim 0 in group-rank order; returns (output, handle or None)."""
+def gather_along_first_dim(
+    inp, process_group, async_op=False, quantizer=None, output_tensor=None, external_coalescing=False
+):
+    """All-gather ``inp`` along dim 0 in group-rank order; returns (output, handle or None).
+
+    ``external_coalescing`` (the caller batches several gathers) needs nothing on gloo, which
+    runs the gathers one by one (see :func:`_coalescing_manager`)."""
     if quantizer is not None:
         raise CompatError("quantized GTP all-gather needs Transformer Engine on a GPU")
     world = dist.get_world_size(process_group)
@@ -107,6 +112,28 @@ def round_up_to_nearest_multiple(value, multiple):
 
 class _NoQuantizedTensor:
     """Stands in for TE's quantized tensor classes: no CPU tensor is ever an instance."""
+
+
+class _Done:
+    """A completed collective's handle."""
+
+    def wait(self):
+        return True
+
+
+def _wrap_coalescing(original):
+    # Gloo has no coalesced collectives: run the calls inside the block one by one (each is
+    # already complete when it returns) and hand back a handle that is already done.
+    @contextlib.contextmanager
+    def coalescing_manager(group=None, device=None, async_ops=False):
+        if dist.get_backend(group) != "gloo":
+            with original(group=group, device=device, async_ops=async_ops) as cm:
+                yield cm
+            return
+        yield _Done()
+
+    coalescing_manager._gtp_parity_coalescing = True
+    return coalescing_manager
 
 
 # --- ReduceOp.AVG exists only on NCCL: gloo gets SUM followed by a divide ---
@@ -194,6 +221,8 @@ def install() -> bool:
     cuda.manual_seed_all = lambda seed: None
     torch.Tensor.cuda = lambda self, *a, **k: self
     torch.Tensor.type = _type_names_as_cuda(torch.Tensor.type)
+    if not getattr(dist._coalescing_manager, "_gtp_parity_coalescing", False):
+        dist._coalescing_manager = _wrap_coalescing(dist._coalescing_manager)
     for name in ("all_reduce", "reduce_scatter_tensor"):
         fn = getattr(dist, name)
         if not getattr(fn, "_gtp_parity_avg", False):
@@ -222,6 +251,7 @@ def install() -> bool:
     gtp.MXFP8TensorStorage = _NoQuantizedTensor
     gtp.NVFP4TensorStorage = _NoQuantizedTensor
     gtp.MXFP8Quantizer = _NoQuantizedTensor
+    gtp._NVFP4AllGatherAsyncHandle = _NoQuantizedTensor
     gtp.HAVE_TE = True
     gtp_api.HAVE_GTP = True
 
