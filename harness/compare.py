@@ -41,6 +41,17 @@ DTYPE_TOLS = {
     torch.float16: (1e-3, 1e-5),
 }
 SCALAR_NAMES = ("reduced_loss", "grad_norm", "lr", "skipped")
+# Transformer Engine's tolerances for quantized tensors (dtype_tols; the E4M3 row for FP8
+# recipes, E2M1 for NVFP4), used to tell a precision loss from a wrong result.
+RECIPE_TOLS = {
+    "delayed": (0.125, 0.0675), "float8_current_scaling": (0.125, 0.0675), "mxfp8": (0.125, 0.0675),
+    "float8_block_scaling": (0.125, 0.0675), "nvfp4": (0.25, 0.125),
+}  # fmt: skip
+
+
+def within_tolerance(ref: torch.Tensor, cand: torch.Tensor, rtol: float, atol: float) -> bool:
+    r, c = ref.double(), cand.double()
+    return bool(((c - r).abs() <= atol + rtol * r.abs()).all())
 
 
 def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

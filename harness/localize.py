@@ -37,6 +37,9 @@ SIGNATURES = {
     "misrouted-samples": "ranks read the wrong samples (duplicated or missing sample ids)",
     "loss-report-only": "every tensor agrees, only the reported (reduced) loss differs",
     "grad-norm-only": "gradients agree, only the grad norm differs: double counting in the norm",
+    "precision-loss": "within the format's tolerance of the reference, but further from the fp64 "
+                      "golden than the reference's noise floor allows: precision lost (e.g. an "
+                      "amax not reduced, a reduction in lower precision)",
     "mismatch": "values differ beyond the policy with no recognised pattern",
 }
 
@@ -211,6 +214,7 @@ def summarize(df: pd.DataFrame, logical: dict, traces: dict, policy) -> dict:
     """Verdict, first divergence with signature and region, counts per kind."""
     df = order(df)
     cand = logical["candidate"]
+    logical = {**logical, "_recipe": traces["candidate"].manifest.get("recipe", "none")}
     mesh = traces["candidate"].manifest.get("mesh", {})
     checked = {k: int(n) for k, n in df.groupby("kind").size().items()} if not df.empty else {}
     failing = df[~df["passed"].astype(bool)] if not df.empty else df
@@ -301,4 +305,15 @@ def _signature(first: dict, df: pd.DataFrame, logical: dict, mesh: dict, key) ->
     perm = _permutation_signature(r, c, mesh, tol, owner["layout"] if owner else None)
     if perm:
         return "permuted-blocks", {"permutation": perm}
+    if first.get("policy") == "noise-floor":
+        from harness.compare import DTYPE_TOLS, RECIPE_TOLS, within_tolerance
+
+        recipe = logical_recipe(logical)
+        rtol, atol = RECIPE_TOLS.get(recipe) or DTYPE_TOLS.get(c.dtype, DTYPE_TOLS[torch.float32])
+        if within_tolerance(r, c, rtol, atol):
+            return "precision-loss", {"tolerance": {"rtol": rtol, "atol": atol, "recipe": recipe}}
     return "mismatch", {}
+
+
+def logical_recipe(logical: dict) -> str:
+    return logical.get("_recipe", "none")

@@ -90,7 +90,8 @@ class ParityState:
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
     config.addinivalue_line("markers", "parity(path, inject=None, inject_side='candidate', expect='pass', "
-                            "signature=None): run a gtp-parity scenario or matrix; fail unless its verdict is expect")  # fmt: skip
+                            "signature=None): run a gtp-parity scenario or matrix; fail unless its verdict "
+                            "is expect")  # fmt: skip
     config.addinivalue_line("markers", "parity_matrix: a scenario collected from --parity-matrix")
     _register_conformance(config.pluginmanager)
     state = ParityState(config)
@@ -145,8 +146,8 @@ def load_scenarios(path: Path, inject=None, inject_side: str = "candidate") -> l
     for name in inject:
         if (problem := check_name(name)) is not None:
             raise BadInput("inject", problem)
-    return [dataclasses.replace(s, **{inject_side: dataclasses.replace(s.sides[inject_side], inject=tuple(inject))})
-            for s in scenarios]  # fmt: skip
+    planted = {s.name: dataclasses.replace(s.sides[inject_side], inject=tuple(inject)) for s in scenarios}
+    return [dataclasses.replace(s, **{inject_side: planted[s.name]}) for s in scenarios]
 
 
 def _safe(text: str) -> str:
@@ -270,8 +271,8 @@ def _run_matrix_scenario(request, tmp_path_factory):
         scenarios = {s.name: s for s in load_scenarios(item.path)}
         # One run shares launches between the scenarios this process will run; an xdist worker
         # runs only its own (the others may go to other workers).
-        wanted = [item.name] if state.worker else [i.name for i in item.session.items
-                                                   if isinstance(i, ScenarioCase) and i.path == item.path]  # fmt: skip
+        mine = [i.name for i in item.session.items if isinstance(i, ScenarioCase) and i.path == item.path]
+        wanted = [item.name] if state.worker else mine
         todo = [scenarios[n] for n in wanted if n not in state.matrix_runs]
         out = tmp_path_factory.mktemp("parity-matrix", numbered=True)
         report = "matrix-" + _safe(item.path.stem) + (f"-{_safe(item.name)}" if state.worker else "")
@@ -340,8 +341,9 @@ class RankAgreement:
         except Exception as e:  # a rank hung past the timeout or died
             self.broken = f"{type(e).__name__}: {e}"
             report.outcome = "failed"
-            report.longrepr = (f"rank {self.rank}: the other ranks did not report the {report.when} outcome within "
-                               f"{self.timeout_s:g} s (a rank hung, crashed or ran other tests): {self.broken}")  # fmt: skip
+            report.longrepr = (f"rank {self.rank}: the other ranks did not report the {report.when} outcome "
+                               f"within {self.timeout_s:g} s (a rank hung, crashed or ran other tests): "
+                               f"{self.broken}")  # fmt: skip
             return
         if len(set(codes)) == 1:
             return
@@ -353,10 +355,11 @@ class RankAgreement:
         if hasattr(report, "wasxfail"):
             del report.wasxfail
         report.outcome = "failed"
-        report.longrepr = (f"{report.when} failed on rank(s) {failed} of {self.world} (this is rank {self.rank}, "
-                           f"where it {'was skipped' if code == 1 else 'passed'}); see the failing rank's output"
-                           if failed else f"{report.when} skipped on rank(s) {skipped} only (this is rank "
-                           f"{self.rank}): the ranks must take the same path")  # fmt: skip
+        here = "was skipped" if code == 1 else "passed"
+        report.longrepr = (f"{report.when} failed on rank(s) {failed} of {self.world} (this is rank "
+                           f"{self.rank}, where it {here}); see the failing rank's output" if failed else
+                           f"{report.when} skipped on rank(s) {skipped} only (this is rank {self.rank}): "
+                           "the ranks must take the same path")  # fmt: skip
 
     def from_rank0(self, produce, budget_s: float) -> dict:
         """Rank 0 calls ``produce``; every rank returns its result (JSON over gloo, no pickle)."""

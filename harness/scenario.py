@@ -32,6 +32,8 @@ PRECISIONS = {
     "torch": frozenset({"fp64", "fp32"}),
 }
 OPTIMIZERS = frozenset({"adam", "sgd"})
+# "none" or a key of harness.quant.RECIPES (kept literal here: parsing needs no torch).
+RECIPE_NAMES = frozenset({"none", "delayed", "float8_current_scaling", "mxfp8", "float8_block_scaling", "nvfp4"})
 LR_DECAY_STYLES = frozenset({"constant", "linear", "cosine"})
 CAPTURE_KINDS = frozenset(
     {"input", "activation", "logits", "loss", "param", "main_grad", "optimizer", "scalar"}
@@ -90,6 +92,10 @@ class Side:
     """Replicate data-parallel size; derived as world / (TP * G) when omitted."""
     precision: str = "fp32"
     """Parameter and compute precision: fp32 or bf16 (megatron); fp64 or fp32 (torch)."""
+    recipe: str = "none"
+    """Quantization recipe of the linear GEMMs: none, delayed, float8_current_scaling, mxfp8,
+    float8_block_scaling or nvfp4 (Transformer Engine's recipes). The megatron backend needs
+    Transformer Engine for any recipe; the torch backend emulates them (harness.quant)."""
     gtp_pad_alignment: int = 16
     """GTP pads dim 0 to a multiple of alignment * G (MCore's ``pad_for_alignment``)."""
     steps: int = 3
@@ -142,7 +148,8 @@ class Side:
 
     def label(self) -> str:
         gtp = f"gtp{self.gtp}" if self.gtp > 1 else "gtpoff"
-        return f"{self.backend}-w{self.world_size}-tp{self.tp}-{gtp}-{self.precision}"
+        recipe = "" if self.recipe == "none" else f"-{self.recipe}"
+        return f"{self.backend}-w{self.world_size}-tp{self.tp}-{gtp}-{self.precision}{recipe}"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -306,6 +313,8 @@ def validate(s: Scenario) -> None:
                 f"{side.precision!r} is not supported by the {side.backend} backend; "
                 f"one of {sorted(PRECISIONS[side.backend])}",
             )
+        if side.recipe not in RECIPE_NAMES:
+            raise BadInput(f"{where}.recipe", f"unknown recipe {side.recipe!r}; one of {sorted(RECIPE_NAMES)}")
         if side.optimizer not in OPTIMIZERS:
             raise BadInput(f"{where}.optimizer", f"unknown optimizer {side.optimizer!r}; one of {sorted(OPTIMIZERS)}")
         if side.lr_decay_style not in LR_DECAY_STYLES:

@@ -15,10 +15,31 @@ from harness.scenario import Scenario
 from harness.trace import write_json
 
 
+def skip_reason(s: Scenario) -> str | None:
+    """Why this machine cannot run the scenario, or None. Such a scenario is reported as
+    skipped with the reason, never run halfway and never passed."""
+    for role, side in s.sides.items():
+        if side.backend == "megatron" and side.recipe != "none":
+            try:
+                import transformer_engine  # noqa: F401
+            except ImportError:
+                return f"[{role}] uses recipe {side.recipe!r} on the megatron backend: Transformer Engine is not importable"
+            return f"[{role}] uses recipe {side.recipe!r}: the megatron backend runs recipes only through Transformer Engine, which it does not drive yet"
+    return None
+
+
 def run_scenarios(scenarios: list[Scenario], out: Path, parallel: int = 2, verbose: bool = False) -> int:
     """Run, compare and summarize every scenario; return the exit code of the worst."""
     say = print if verbose else (lambda *a, **k: None)
     out.mkdir(parents=True, exist_ok=True)
+    skipped = []
+    for s in scenarios:
+        if (reason := skip_reason(s)) is not None:
+            doc = {"scenario": s.name, "verdict": "skip", "reason": reason, "axes": dict(s.axes)}
+            write_json(out / "scenarios" / s.name / "summary.json", doc)
+            say(f"== {s.name}: skipped: {reason}")
+            skipped.append(doc)
+    scenarios = [s for s in scenarios if skip_reason(s) is None]
     by_scenario = plan(scenarios, out)
     say(f"gtp-parity: {len(scenarios)} scenario(s), "
         f"{len({j.key for r in by_scenario.values() for j in r.values()})} distinct side(s) -> {out}")  # fmt: skip
@@ -41,13 +62,16 @@ def run_scenarios(scenarios: list[Scenario], out: Path, parallel: int = 2, verbo
         results.append(summary)
         if summary["verdict"] != "pass":
             worst = max(worst, EXIT_PARITY_FAIL)
+    results += skipped
     write_json(out / "summary.json", {"scenarios": results, "verdict": _overall(results)})
     return worst
 
 
 def _overall(results: list[dict]) -> str:
     verdicts = {r["verdict"] for r in results}
-    return "error" if "error" in verdicts else "fail" if "fail" in verdicts else "pass"
+    if "error" in verdicts or "fail" in verdicts:
+        return "error" if "error" in verdicts else "fail"
+    return "pass" if "pass" in verdicts else "skip"
 
 
 def compare_scenario(s: Scenario | None, paths: dict[str, Path], sdir: Path, say=print) -> dict:

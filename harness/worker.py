@@ -75,7 +75,7 @@ def run_job(job: Job, rank: int, world: int) -> None:
             coords={r: data_mod.coord(r, side) for r in range(world)},
             mesh=mesh,
             meta={"side": side.label(), "key": job.key, "backend": side.backend,
-                  "precision": side.precision, "steps": side.steps},  # fmt: skip
+                  "precision": side.precision, "recipe": side.recipe, "steps": side.steps},  # fmt: skip
         )
 
 

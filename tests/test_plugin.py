@@ -38,7 +38,8 @@ OUTCOMES = {{}}
 
 def pytest_runtest_logreport(report):
     if report.failed or report.when == "call":
-        OUTCOMES.setdefault(report.nodeid, []).append([report.when, report.outcome, str(report.longrepr or "")])
+        text = str(report.longrepr or "")
+        OUTCOMES.setdefault(report.nodeid, []).append([report.when, report.outcome, text])
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -107,9 +108,11 @@ def outcomes(path: Path, rank: str = "none") -> dict:
 
 def test_options_have_ini_twins_with_one_help(project):
     out = " ".join(project.runpytest_subprocess(*plugin_args(), "--help").stdout.str().split())
-    for flag, ini, text in (("--parity-report=DIR", "parity_report", "write the HTML report of every parity run"),
-                            ("--parity-matrix=FILE", "parity_matrix", "collect each scenario of this matrix"),
-                            ("--parity-dist-timeout=SECONDS", "parity_dist_timeout", "seconds the ranks wait")):  # fmt: skip
+    for flag, ini, text in (
+        ("--parity-report=DIR", "parity_report", "write the HTML report of every parity run"),
+        ("--parity-matrix=FILE", "parity_matrix", "collect each scenario of this matrix"),
+        ("--parity-dist-timeout=SECONDS", "parity_dist_timeout", "seconds the ranks wait"),
+    ):
         assert flag in out and ini in out
         assert out.count(text) == 2, text
 

@@ -165,3 +165,23 @@ def test_shipped_scenarios_are_valid():
     assert {(1, 2), (1, 4), (2, 1), (2, 2), (2, 4)} <= topo
     assert {s.candidate.precision for s in default} == {"fp32", "bf16"}
     assert {s.candidate.optimizer for s in default} == {"adam", "sgd"}
+
+
+def test_recipe_names_match_the_emulated_recipes():
+    from harness.quant import RECIPES
+
+    assert scenario.RECIPE_NAMES == {"none", *RECIPES}
+
+
+def test_megatron_recipe_without_te_is_skipped_with_the_reason(tmp_path):
+    import json
+
+    from harness.session import run_scenarios
+
+    (s,) = scenario.load(write(tmp_path, with_lines(candidate='recipe = "mxfp8"')))
+    assert run_scenarios([s], tmp_path / "out") == 0
+    doc = json.loads((tmp_path / "out" / "summary.json").read_text())
+    (only,) = doc["scenarios"]
+    assert doc["verdict"] == "skip" and only["verdict"] == "skip"
+    assert "Transformer Engine is not importable" in only["reason"]
+    assert not (tmp_path / "out" / "traces").exists()  # nothing was launched

@@ -120,13 +120,15 @@ def build(
         shard = {a: coords[region["rank"]].get(a) for a in ("tp", "gtp")}
     named = set(region.get("ranks") or ([region["rank"]] if region.get("rank") is not None else []))
     pic = Picture(tensor=tensor, logical_shape=shape, rows=row_split * (L + pad), cols=C,
-                  placements=dict(layout.get("placements", {})), pads=dict(layout.get("pads", {})))  # fmt: skip
+                  placements=dict(layout.get("placements", {})),
+                  pads=dict(layout.get("pads", {})))  # fmt: skip
     for i in range(tp):
         for j in range(g):
             top = (i * (L + pad) if tp_dim == 0 else 0) + j * chunk
             left = i * col_w if tp_dim not in (None, 0) else 0
             ranks = tuple(sorted(r for r, c in coords.items()
-                                 if (tp == 1 or c.get("tp") == i) and (g == 1 or c.get("gtp") == j)))  # fmt: skip
+                                 if (tp == 1 or c.get("tp") == i)
+                                 and (g == 1 or c.get("gtp") == j)))  # fmt: skip
             pad_rows = max(0, min((j + 1) * chunk, L + pad) - max(j * chunk, L))
             hit = (
                 (shard.get("tp", i) == i and shard.get("gtp", j) == j)

@@ -84,26 +84,32 @@ def render_index(title: str, cells: list[IndexCell], verdict: str) -> str:
         tds = []
         for col in cols:
             here = table.get((r, col), [])
-            if not here:
-                tds.append("<td></td>")
-                continue
-            links = "".join(
-                f'<a href="{esc(c.href)}" title="{esc(c.line)}"><span class="cell-verdict">{esc(c.verdict)}</span>'
-                f'<br><span class="small">{esc(c.worst)}</span></a>' for c in here)  # fmt: skip
-            tds.append(f'<td class="{esc(here[0].verdict if len(here) == 1 else _worst(here))}">{links}</td>')
+            verdict_here = _worst(here) if here else ""
+            tds.append(f'<td class="{esc(verdict_here)}">{"".join(map(_link, here))}</td>')
         body.append(f'<tr><td class="t">{esc(r)}</td>{"".join(tds)}</tr>')
     counts = {v: sum(c.verdict == v for c in cells) for v in ("pass", "fail", "error")}
     summary = ", ".join(f"{n} {v}" for v, n in counts.items() if n)
-    lines = "".join(f'<tr class="{esc(c.verdict)}"><td class="t"><a href="{esc(c.href)}">{esc(c.label)}</a></td>'
-                    f'<td class="t">{esc(c.verdict)}</td><td class="t mono">{esc(c.line)}</td></tr>' for c in cells)  # fmt: skip
-    html = (f"<h1>{esc(title)}</h1>"
-            f'<p class="verdict {esc(verdict)}" id="verdict">{esc(verdict.upper())}: {len(cells)} scenario(s), '
-            f"{esc(summary)}</p>"
-            f'<h2>Matrix</h2><table class="grid" id="matrix"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}'
-            "</tbody></table><h2>Scenarios</h2><table class=\"grid\" id=\"scenarios\"><thead><tr>"
-            f'<th class="t">scenario</th><th class="t">verdict</th><th class="t">first divergence</th></tr></thead>'
-            f"<tbody>{lines}</tbody></table>")  # fmt: skip
+    listing = "".join(
+        f'<tr class="{esc(c.verdict)}"><td class="t"><a href="{esc(c.href)}">{esc(c.label)}</a></td>'
+        f'<td class="t">{esc(c.verdict)}</td><td class="t mono">{esc(c.line)}</td></tr>'
+        for c in cells
+    )
+    html = "".join([
+        f"<h1>{esc(title)}</h1>",
+        f'<p class="verdict {esc(verdict)}" id="verdict">',
+        f"{esc(verdict.upper())}: {len(cells)} scenario(s), {esc(summary)}</p>",
+        f'<h2>Matrix</h2><table class="grid" id="matrix"><thead><tr>{head}</tr></thead>',
+        f'<tbody>{"".join(body)}</tbody></table>',
+        '<h2>Scenarios</h2><table class="grid" id="scenarios"><thead><tr><th class="t">scenario</th>',
+        '<th class="t">verdict</th><th class="t">first divergence</th></tr></thead>',
+        f"<tbody>{listing}</tbody></table>",
+    ])  # fmt: skip
     return document(f"{verdict.upper()} {title} - gtp-parity", html)
+
+
+def _link(c: IndexCell) -> str:
+    return (f'<a href="{esc(c.href)}" title="{esc(c.line)}"><span class="cell-verdict">{esc(c.verdict)}'
+            f'</span><br><span class="small">{esc(c.worst)}</span></a>')  # fmt: skip
 
 
 def _worst(cells: list[IndexCell]) -> str:

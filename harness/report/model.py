@@ -88,7 +88,8 @@ def load_scenario(folder: Path) -> ScenarioData:
     summary = json.loads((folder / "summary.json").read_text())
     run_dir = folder.parent.parent
     data = ScenarioData(name=str(summary.get("scenario", folder.name)), folder=folder, summary=summary,
-                        steps=read_csv(folder / "steps.csv"), results=read_csv(folder / "results.csv"))  # fmt: skip
+                        steps=read_csv(folder / "steps.csv"),
+                        results=read_csv(folder / "results.csv"))  # fmt: skip
     for role, path in (summary.get("traces") or {}).items():
         trace = resolve_trace(path, run_dir)
         if trace is not None:
@@ -176,8 +177,8 @@ def verdict_line(data: ScenarioData) -> str:
         return f"PASS: all {total} comparisons hold under the {policy} policy"
     if data.verdict == "fail":
         fd = s.get("first_divergence") or {}
-        return (f"FAIL: {s.get('failing', '?')} of {total} comparisons fail; the first is step {fd.get('step')} "
-                f"{fd.get('phase')} {fd.get('tensor')} ({fd.get('signature')})")  # fmt: skip
+        return (f"FAIL: {s.get('failing', '?')} of {total} comparisons fail; the first is step "
+                f"{fd.get('step')} {fd.get('phase')} {fd.get('tensor')} ({fd.get('signature')})")  # fmt: skip
     return f"ERROR: a run failed ({', '.join(s.get('error') or {}) or 'unknown side'}); nothing was compared"
 
 

@@ -23,7 +23,6 @@ from harness.report.model import (
     step_series,  # fmt: skip
     verdict_line,
 )
-from harness.report.static import CSS, JS
 from harness.report.svg import esc
 
 TABLE_COLUMNS = [
@@ -92,30 +91,46 @@ def _explain(fd: dict) -> str:
     return SIGNATURES.get(fd.get("signature"), "")
 
 
+NO_PICTURE = {"input": "sample ids have no shards", "scalar": "a scalar", "loss": "a per-sample loss"}
+PICTURE_NOTE = ('<p class="small">The logical tensor cut into its (TP, GTP) shard blocks as the candidate '
+                "holds them; red: the block holding the worst element or the faulty region; hatched: GTP pad "
+                "rows; dot: the worst element.</p>")  # fmt: skip
+DRIFT_NOTE = ('<p class="small">Per step, the largest absolute error of any compared tensor against the '
+              "golden run, for each side.</p>")  # fmt: skip
+HEAT_NOTE = ('<p class="small">One column per step within each kind; colour: {unit}; grey: bitwise equal '
+             "to the reference; outlined: a comparison in the cell fails. Hover a cell for its worst "
+             "tensor.</p>")  # fmt: skip
+NONE = "\u2013"
+
+
 def _where(data: ScenarioData) -> str:
     fd = data.summary.get("first_divergence")
     if not fd:
         return ""
     pic = blocks.picture(data)
+    head = "<h2>Where in the tensor</h2>"
     if pic is None:
-        why = {"input": "sample ids have no shards", "scalar": "a scalar", "loss": "a per-sample loss"}.get(
-            fd.get("kind"), "no sharded layout recorded for it in the candidate trace"
-        )
-        return f"<h2>Where in the tensor</h2><p>No shard picture: <code>{esc(fd.get('tensor'))}</code> is {esc(why)}.</p>"
+        why = NO_PICTURE.get(fd.get("kind"), "without a sharded layout in the candidate trace")
+        return f"{head}<p>No shard picture: <code>{esc(fd.get('tensor'))}</code> is {esc(why)}.</p>"
     note = f"<p>{esc(pic.note)}</p>" if pic.note else ""
-    return ("<h2>Where in the tensor</h2><p class=\"small\">Logical tensor cut into its (TP, GTP) shard blocks as "
-            "the candidate holds them; red: the block holding the worst element or faulty region; hatched: GTP "
-            "pad rows; dot: the worst element.</p>" + svg.blocks_svg(pic) + note)  # fmt: skip
+    return head + PICTURE_NOTE + svg.blocks_svg(pic) + note
 
 
 def _curves(data: ScenarioData) -> str:
-    charts = [svg.line_chart("reduced loss", step_series(data.steps, "reduced_loss")),
-              svg.line_chart("grad norm", step_series(data.steps, "grad_norm")),
-              svg.line_chart("learning rate (applied)", step_series(data.steps, "lr"))]  # fmt: skip
+    charts = [
+        svg.line_chart("reduced loss", step_series(data.steps, "reduced_loss")),
+        svg.line_chart("grad norm", step_series(data.steps, "grad_norm")),
+        svg.line_chart("learning rate (applied)", step_series(data.steps, "lr")),
+    ]
     drift_chart = svg.line_chart("max error vs golden (log)", drift(data.results), log_y=True, width=420)
-    return ('<h2>Per-step scalars</h2><div class="charts">' + "".join(charts) + "</div>"
-            + "<h2>Drift against the golden</h2><p class=\"small\">Per step, the largest absolute error of any "
-            "compared tensor against the golden run, for each side.</p>" + drift_chart)  # fmt: skip
+    return (f'<h2>Per-step scalars</h2><div class="charts">{"".join(charts)}</div>'
+            f"<h2>Drift against the golden</h2>{DRIFT_NOTE}{drift_chart}")  # fmt: skip
+
+
+def _heatmap(data: ScenarioData) -> str:
+    hm = heatmap(data.results)
+    body = svg.heatmap_svg(hm) if hm.cells else "<p>No tensor comparisons.</p>"
+    return "<h2>Error by layer, kind and step</h2>" + HEAT_NOTE.format(unit=HEAT_NOTES[hm.unit]) + body
 
 
 def _invariants(data: ScenarioData) -> str:
@@ -123,15 +138,18 @@ def _invariants(data: ScenarioData) -> str:
     items = [(name, v) for name, vs in inv.items() for v in vs]
     if not items:
         return ""
-    lis = "".join(f"<li>{esc(name)}: step {esc(v.get('step'))} {esc(v.get('kind'))} <code>{esc(v.get('tensor'))}"
-                  f"</code> {esc({k: x for k, x in v.items() if k not in ('step', 'kind', 'tensor')})}</li>"
-                  for name, v in items[:50])  # fmt: skip
+    lis = []
+    for name, v in items[:50]:
+        rest = {k: x for k, x in v.items() if k not in ("step", "kind", "tensor")}
+        lis.append(f"<li>{esc(name)}: step {esc(v.get('step'))} {esc(v.get('kind'))} "
+                   f"<code>{esc(v.get('tensor'))}</code> {esc(rest)}</li>")  # fmt: skip
     more = f"<p>... and {len(items) - 50} more</p>" if len(items) > 50 else ""
-    return f'<h2>Invariant violations in the candidate ({len(items)})</h2><ul class="mono">{lis}</ul>{more}'
+    title = f"<h2>Invariant violations in the candidate ({len(items)})</h2>"
+    return f'{title}<ul class="mono">{"".join(lis)}</ul>{more}'
 
 
 def _cell(key: str, value) -> str:
-    if key in TEXT_COLUMNS or value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+    if key in TEXT_COLUMNS or isinstance(value, bool) or not isinstance(value, (int, float)):
         text = "ok" if value is True else "FAIL" if value is False else fmt(value)
         return f'<td class="t">{esc(text)}</td>' if key in TEXT_COLUMNS else f"<td>{esc(text)}</td>"
     v = "NaN" if isinstance(value, float) and math.isnan(value) else repr(value)
@@ -139,6 +157,7 @@ def _cell(key: str, value) -> str:
 
 
 def results_table(results: list[dict]) -> str:
+    """Every comparison, one row each; the page's script sorts and filters it."""
     kinds = sorted({str(r.get("kind")) for r in results})
     head = "".join(f'<th class="t">{esc(t)}</th>' if k in TEXT_COLUMNS else f"<th>{esc(t)}</th>"
                    for k, t in TABLE_COLUMNS)  # fmt: skip
@@ -146,52 +165,132 @@ def results_table(results: list[dict]) -> str:
     for r in results:
         ok = r.get("passed") is not False
         cells = "".join(_cell(k, r.get(k)) for k, _ in TABLE_COLUMNS)
-        rows.append(f'<tr data-kind="{esc(r.get("kind"))}" data-passed="{int(ok)}"'
-                    f'{"" if ok else " class=\"failed\""}>{cells}</tr>')  # fmt: skip
+        cls = "" if ok else ' class="failed"'
+        rows.append(f'<tr data-kind="{esc(r.get("kind"))}" data-passed="{int(ok)}"{cls}>{cells}</tr>')
     options = "".join(f'<option value="{esc(k)}">{esc(k)}</option>' for k in kinds)
-    return (f"<h2>Every comparison ({len(results)})</h2><div class=\"controls\">"
-            '<input id="filter" type="search" placeholder="filter: words in any column" size="40">'
-            f'<select id="kind"><option value="">all kinds</option>{options}</select>'
-            '<label><input id="failing" type="checkbox"> failing only</label><span id="count" class="small"></span>'
-            f'</div><table id="results"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>')  # fmt: skip
+    return "".join([
+        f'<h2>Every comparison ({len(results)})</h2><div class="controls">',
+        '<input id="filter" type="search" placeholder="filter: words in any column" size="40">',
+        f'<select id="kind"><option value="">all kinds</option>{options}</select>',
+        '<label><input id="failing" type="checkbox"> failing only</label>',
+        '<span id="count" class="small"></span></div>',
+        f'<table id="results"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>',
+    ])  # fmt: skip
+
+
+def _listing(items) -> str:
+    return esc(", ".join(f"{k} {v}" for k, v in items) or NONE)
 
 
 def _provenance(data: ScenarioData) -> str:
     s = data.summary
     cfg = s.get("config") or {}
-    pairs = [("scenario", esc(data.name)), ("source", esc(cfg.get("source", "\u2013"))),
-             ("description", esc(cfg.get("description") or "\u2013")),
-             ("policy", esc(", ".join(f"{k} {v}" for k, v in (s.get("policy") or {}).items()) or "\u2013")),
-             ("matrix axes", esc(", ".join(f"{k} = {v}" for k, v in (s.get("axes") or {}).items()) or "\u2013")),
-             ("checked", esc(", ".join(f"{k} {v}" for k, v in sorted((s.get("checked") or {}).items())) or "\u2013"))]  # fmt: skip
-    head = "".join(f'<th class="t">{h}</th>' for h in ("side", "label", "mesh (tp, gtp, dp)", "world", "python",
-                                                       "torch", "megatron-core", "transformer-engine", "trace"))  # fmt: skip
+    pairs = [
+        ("scenario", esc(data.name)),
+        ("source", esc(cfg.get("source", NONE))),
+        ("description", esc(cfg.get("description") or NONE)),
+        ("policy", _listing((s.get("policy") or {}).items())),
+        ("matrix axes", _listing((k, f"= {v}") for k, v in (s.get("axes") or {}).items())),
+        ("checked", _listing(sorted((s.get("checked") or {}).items()))),
+    ]
+    columns = ("side", "label", "mesh (tp, gtp, dp)", "world", "python", "torch", "megatron-core",
+               "transformer-engine", "trace")  # fmt: skip
+    head = "".join(f'<th class="t">{h}</th>' for h in columns)
     rows = []
     for role in ROLES:
         man = data.manifests.get(role, {})
         mesh = man.get("mesh") or {}
         ver = man.get("versions") or {}
-        cells = [role, cfg.get(role, man.get("side", "\u2013")),
-                 f"{mesh.get('tp', '?')}, {mesh.get('gtp', '?')}, {mesh.get('dp', '?')}" if mesh else "\u2013",
-                 man.get("world_size", "\u2013"), *(ver.get(k) or "\u2013" for k in
-                 ("python", "torch", "megatron-core", "transformer-engine")),
-                 (s.get("traces") or {}).get(role) or "\u2013"]  # fmt: skip
+        cells = [
+            role,
+            cfg.get(role, man.get("side", NONE)),
+            ", ".join(str(mesh.get(a, "?")) for a in ("tp", "gtp", "dp")) if mesh else NONE,
+            man.get("world_size", NONE),
+            *(ver.get(k) or NONE for k in ("python", "torch", "megatron-core", "transformer-engine")),
+            (s.get("traces") or {}).get(role) or NONE,
+        ]
         rows.append("<tr>" + "".join(f'<td class="t">{esc(c)}</td>' for c in cells) + "</tr>")
-    return ("<h2>Scenario, topology and versions</h2>" + _kv(pairs)
-            + f'<table class="prov"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>')  # fmt: skip
+    table = f'<table class="prov"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
+    return "<h2>Scenario, topology and versions</h2>" + _kv(pairs) + table
 
 
 def render_scenario(data: ScenarioData) -> str:
     """The whole page of one scenario."""
-    parts = [f"<h1>{esc(data.name)}</h1>",
-             f'<p class="verdict {esc(data.verdict)}" id="verdict">{esc(verdict_line(data))}</p>',
-             _divergence(data)]  # fmt: skip
+    parts = [
+        f"<h1>{esc(data.name)}</h1>",
+        f'<p class="verdict {esc(data.verdict)}" id="verdict">{esc(verdict_line(data))}</p>',
+        _divergence(data),
+    ]
     if data.verdict != "error":
-        hm = heatmap(data.results)
-        parts += [_where(data), _curves(data), "<h2>Error by layer, kind and step</h2>"
-                  + f'<p class="small">One column per step within each kind; colour: {HEAT_NOTES[hm.unit]}; grey: '
-                  "bitwise equal to the reference; outlined: a comparison in the cell fails. Hover a cell for "
-                  "its worst tensor.</p>" + (svg.heatmap_svg(hm) if hm.cells else "<p>No tensor comparisons.</p>"),
-                  _invariants(data), results_table(data.results)]  # fmt: skip
+        parts += [_where(data), _curves(data), _heatmap(data), _invariants(data), results_table(data.results)]
     parts.append(_provenance(data))
     return document(f"{data.verdict.upper()} {data.name} - gtp-parity", "\n".join(p for p in parts if p))
+
+
+# --- the inline stylesheet and script (no external resource of any kind) ---------------------
+
+CSS = """
+body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;margin:1.2em 2em;color:#222;
+max-width:1400px}
+h1{font-size:1.45em;margin:.2em 0}h2{font-size:1.15em;margin:1.4em 0 .4em;border-bottom:1px solid #ddd}
+code,pre,.mono{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12.5px}
+pre{background:#f6f6f6;padding:.6em;overflow:auto;white-space:pre-wrap}
+.verdict{font-size:1.1em;font-weight:600;padding:.5em .8em;border-radius:4px;margin:.4em 0}
+.pass{background:#d3f0d8;color:#124d1f}.fail{background:#fbd5d0;color:#7a1408}.error{background:#fde9b8;color:#6b4a00}
+dl.kv{display:grid;grid-template-columns:max-content 1fr;gap:.15em 1em;margin:.3em 0}dl.kv dt{color:#666}
+dl.kv dd{margin:0}.charts{display:flex;flex-wrap:wrap;gap:1em}.muted{fill:#888;color:#888}
+svg text.ct{font-weight:600;font-size:12px}svg text.tick{font-size:10.5px;fill:#444}
+svg rect.frame{fill:none;stroke:#bbb}svg line.grid{stroke:#eee}svg rect.bad{stroke:#900;stroke-width:2}
+table{border-collapse:collapse;font-size:12.5px}
+th,td{padding:2px 7px;border-bottom:1px solid #eee;text-align:right;white-space:nowrap}
+th{background:#f3f3f3;cursor:pointer;position:sticky;top:0;user-select:none}
+td.t,th.t{text-align:left}tr.failed td{background:#fff1ef}th.sorted-asc::after{content:" \\25B2"}
+th.sorted-desc::after{content:" \\25BC"}.controls{margin:.4em 0;display:flex;gap:1em;align-items:center}
+.grid td,.grid th{text-align:center;border:1px solid #ddd;padding:6px 10px;white-space:normal}
+.grid td.t{text-align:left}
+.grid td a{color:inherit;text-decoration:none;display:block}.small{font-size:12px;color:#555}
+.cell-verdict{font-weight:600;text-transform:uppercase}
+"""
+
+JS = """
+(function(){
+  var table=document.getElementById('results');
+  if(!table){document.body.setAttribute('data-ready','1');return;}
+  var body=table.tBodies[0], rows=Array.prototype.slice.call(body.rows);
+  var q=document.getElementById('filter'), kind=document.getElementById('kind'),
+      failing=document.getElementById('failing'), count=document.getElementById('count');
+  function apply(){
+    var words=q.value.toLowerCase().split(/\\s+/).filter(Boolean), shown=0;
+    rows.forEach(function(r){
+      var text=r.textContent.toLowerCase();
+      var ok=words.every(function(w){return text.indexOf(w)>=0;})
+        && (!kind.value || r.getAttribute('data-kind')===kind.value)
+        && (!failing.checked || r.getAttribute('data-passed')==='0');
+      r.style.display=ok?'':'none'; if(ok){shown++;}
+    });
+    count.textContent=shown+' of '+rows.length+' comparisons shown';
+  }
+  function key(td){var v=td.getAttribute('data-v');return v===null?td.textContent:parseFloat(v);}
+  Array.prototype.forEach.call(table.tHead.rows[0].cells,function(th,i){
+    th.addEventListener('click',function(){
+      var asc=!th.classList.contains('sorted-asc');
+      Array.prototype.forEach.call(table.tHead.rows[0].cells,function(c){c.classList.remove('sorted-asc','sorted-desc');});
+      th.classList.add(asc?'sorted-asc':'sorted-desc');
+      rows.sort(function(a,b){
+        var x=key(a.cells[i]),y=key(b.cells[i]);
+        if(typeof x==='number'&&typeof y==='number'){
+          if(isNaN(x)){return isNaN(y)?0:1;} if(isNaN(y)){return -1;} return asc?x-y:y-x;}
+        return asc?String(x).localeCompare(String(y)):String(y).localeCompare(String(x));
+      });
+      rows.forEach(function(r){body.appendChild(r);});
+    });
+  });
+  var params=new URLSearchParams(location.hash.slice(1));
+  if(params.get('q')){q.value=params.get('q');}
+  if(params.get('kind')){kind.value=params.get('kind');}
+  if(params.get('failing')==='1'){failing.checked=true;}
+  [q,kind,failing].forEach(function(el){el.addEventListener('input',apply);el.addEventListener('change',apply);});
+  apply();
+  document.body.setAttribute('data-ready','1');
+})();
+"""

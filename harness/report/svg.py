@@ -21,6 +21,11 @@ def esc(text) -> str:
     return escape(str(text), quote=True)
 
 
+def text(x: float, y: float, content: str, anchor: str = "start", cls: str = "tick") -> str:
+    """An SVG text element; ``content`` is escaped."""
+    return f'<text x="{x:.1f}" y="{y:.1f}" class="{cls}" text-anchor="{anchor}">{esc(content)}</text>'
+
+
 def _ticks(lo: float, hi: float, n: int = 4) -> list[float]:
     if hi <= lo:
         return [lo]
@@ -70,15 +75,11 @@ def line_chart(
     for t in ticks:
         yy = top + h - h * (t - y0) / (y1 - y0)
         label = f"1e{int(t)}" if log_y else f"{t:.6g}"
-        out.append(f'<line x1="{left}" x2="{left + w}" y1="{yy:.1f}" y2="{yy:.1f}" class="grid"/>'
-                   f'<text x="{left - 4}" y="{yy + 4:.1f}" class="tick" text-anchor="end">{esc(label)}</text>')  # fmt: skip
+        out.append(f'<line x1="{left}" x2="{left + w}" y1="{yy:.1f}" y2="{yy:.1f}" class="grid"/>')
+        out.append(text(left - 4, yy + 4, label, "end"))
     for x in sorted(set(xs)):
-        out.append(
-            f'<text x="{sx(x):.1f}" y="{top + h + 14}" class="tick" text-anchor="middle">{fmt(int(x))}</text>'
-        )
-    out.append(
-        f'<text x="{left + w / 2:.0f}" y="{top + h + 27}" class="tick" text-anchor="middle">step</text>'
-    )
+        out.append(text(sx(x), top + h + 14, fmt(int(x)), "middle"))
+    out.append(text(left + w / 2, top + h + 27, "step", "middle"))
     for k, (label, v) in enumerate(pts.items()):
         color, dash = COLORS.get(label, "#777"), DASHES.get(label, "")
         path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in v)
@@ -134,9 +135,7 @@ def heatmap_svg(hm: Heatmap) -> str:
                     f"{esc(cell.worst)}); {cell.failed} of {cell.count} fail</title></rect>"
                 )
     for li, layer in enumerate(hm.layers):
-        out.append(
-            f'<text x="{left - 6}" y="{top + li * ch + 13}" class="tick" text-anchor="end">{esc(layer)}</text>'
-        )
+        out.append(text(left - 6, top + li * ch + 13, layer, "end"))
     out.append("</svg>")
     return "".join(out)
 
@@ -150,39 +149,42 @@ def blocks_svg(pic: Picture, max_side: int = 260) -> str:
     w, h = cols * sx_, rows * sy_
     left, top = 10, 10
     width, height = int(left + w + 170), int(top + h + 20)
-    out = [f'<svg class="blocks" role="img" width="{width}" height="{height}" viewBox="0 0 {width} {height}">',
-           f"<title>shard blocks of {esc(pic.tensor)}</title>",
+    out = [f'<svg class="blocks" role="img" width="{width}" height="{height}" '
+           f'viewBox="0 0 {width} {height}"><title>shard blocks of {esc(pic.tensor)}</title>',
            '<defs><pattern id="hatch" width="6" height="6" patternUnits="userSpaceOnUse" '
            'patternTransform="rotate(45)"><rect width="6" height="6" fill="#fff"/>'
            '<line x1="0" y1="0" x2="0" y2="6" stroke="#999" stroke-width="2"/></pattern></defs>']  # fmt: skip
     for b in pic.blocks:
         x, y = left + b.col0 * sx_, top + b.row0 * sy_
         bw, bh = (b.col1 - b.col0) * sx_, (b.row1 - b.row0) * sy_
-        fill = "#f7c6c0" if b.marked else "#dfe8f5"
+        fill, cls = ("#f7c6c0", "marked") if b.marked else ("#dfe8f5", "block")
+        pads = f", {b.pad_rows} pad rows" if b.pad_rows else ""
         out.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{bw:.1f}" height="{bh:.1f}" fill="{fill}" '
-                   f'stroke="#333" class="{"marked" if b.marked else "block"}"><title>TP {b.tp}, GTP {b.gtp}: '
-                   f"ranks {list(b.ranks)}, rows {b.row0}-{b.row1}"
-                   f"{f', {b.pad_rows} pad rows' if b.pad_rows else ''}</title></rect>")  # fmt: skip
+                   f'stroke="#333" class="{cls}"><title>TP {b.tp}, GTP {b.gtp}: ranks {list(b.ranks)}, '
+                   f"rows {b.row0}-{b.row1}{pads}</title></rect>")  # fmt: skip
         if b.pad_rows:
             py = y + bh - b.pad_rows * sy_
             out.append(f'<rect x="{x:.1f}" y="{py:.1f}" width="{bw:.1f}" height="{b.pad_rows * sy_:.1f}" '
-                       'fill="url(#hatch)" stroke="#333" class="pad"><title>GTP pad rows</title></rect>')  # fmt: skip
+                       'fill="url(#hatch)" stroke="#333" class="pad">'
+                       "<title>GTP pad rows</title></rect>")  # fmt: skip
         label = f"tp{b.tp} gtp{b.gtp}: r{','.join(map(str, b.ranks))}"
-        out.append(f'<text x="{x + 3:.1f}" y="{y + 12:.1f}" class="tick">{esc(label)}</text>')
+        out.append(text(x + 3, y + 12, label))
     if pic.region is not None:
         r0, r1, c0, c1 = pic.region
-        out.append(f'<rect x="{left + c0 * sx_:.1f}" y="{top + r0 * sy_:.1f}" width="{(c1 - c0) * sx_:.1f}" '
-                   f'height="{(r1 - r0) * sy_:.1f}" fill="none" stroke="#c00" stroke-width="2.5" class="region">'
+        out.append(f'<rect x="{left + c0 * sx_:.1f}" y="{top + r0 * sy_:.1f}" '
+                   f'width="{(c1 - c0) * sx_:.1f}" height="{(r1 - r0) * sy_:.1f}" fill="none" '
+                   'stroke="#c00" stroke-width="2.5" class="region">'
                    f"<title>faulty rows {r0}-{r1}</title></rect>")  # fmt: skip
     if pic.worst is not None:
         cx, cy = left + (pic.worst[1] + 0.5) * sx_, top + (pic.worst[0] + 0.5) * sy_
+        where = f"drawn row {pic.worst[0]}, column {pic.worst[1]}"
         out.append(f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="4" fill="#c00" stroke="#fff" class="worst">'
-                   f"<title>worst element (drawn row {pic.worst[0]}, column {pic.worst[1]})</title></circle>")  # fmt: skip
+                   f"<title>worst element ({where})</title></circle>")  # fmt: skip
     tx = left + w + 12
     legend = [f"logical {list(pic.logical_shape)}",
               "placements " + ", ".join(f"{a} {p}" for a, p in sorted(pic.placements.items())),
               "GTP pad rows " + str(pic.pads.get("gtp", 0))]  # fmt: skip
     for k, line in enumerate(legend):
-        out.append(f'<text x="{tx:.0f}" y="{top + 12 + 16 * k}" class="tick">{esc(line)}</text>')
+        out.append(text(tx, top + 12 + 16 * k, line))
     out.append("</svg>")
     return "".join(out)

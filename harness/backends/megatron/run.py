@@ -43,6 +43,8 @@ def _build(job: Job):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     side, m = job.side, job.model
+    if side.recipe != "none":
+        raise NotImplementedError(f"recipe {side.recipe!r} needs the Transformer Engine path of this backend")
     ps.initialize_model_parallel(tensor_model_parallel_size=side.tp, gtp_remat_size=side.gtp)
     model_parallel_cuda_manual_seed(side.seed)
     torch.manual_seed(side.seed)

@@ -1,6 +1,11 @@
-"""Baselines: a run's per-scenario verdicts and step scalars, kept to compare later runs with.
+"""Gating in CI: JUnit XML of a run, and baselines to compare later runs with.
 
-A baseline folder holds one ``<scenario>.json`` per scenario: its verdict, its steps table
+JUnit: one testcase per scenario. A failing scenario carries a ``<failure>`` whose message is
+the first divergence in one line (type: its signature) and whose text adds the metrics; a
+scenario whose run failed carries an ``<error>`` naming the side and the launcher's message.
+Matrix axes become properties.
+
+Baselines: a folder with one ``<scenario>.json`` per scenario: its verdict, its steps table
 (every side's per-step loss, grad norm, LR, ...) and provenance (versions from the traces'
 manifests, the date, a hash of the scenario's configuration). It is written only by an
 explicit :func:`update_baseline`; :func:`compare_to_baseline` lists what changed.
@@ -12,9 +17,80 @@ import datetime
 import hashlib
 import json
 import math
+import re
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from harness.report.model import ROLES, load_scenario
+from harness.report.model import ROLES, divergence_line, fmt, load_scenario
+
+# XML 1.0 forbids most control characters, even escaped; launcher logs can contain them.
+_INVALID_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
+
+
+def _clean(text) -> str:
+    return _INVALID_XML.sub("?", str(text))
+
+
+def _classname(scenarios: list[dict], fallback: str) -> str:
+    """``gtp_parity.<scenario file stem>``, the same for every case of a run (a failed run's
+    summary has no config: it takes its siblings')."""
+    sources = [str((s.get("config") or {}).get("source", "")).split(" (")[0] for s in scenarios]
+    stem = next((Path(src).stem for src in sources if src), fallback)
+    return "gtp_parity." + re.sub(r"[^A-Za-z0-9_]+", "_", stem)
+
+
+def _details(summary: dict) -> str:
+    fd = summary.get("first_divergence") or {}
+    lines = [divergence_line(summary), ""]
+    lines += [f"{k}: {fmt(v, 8)}" for k, v in (fd.get("metrics") or {}).items() if v is not None]
+    lines += ["", f"failing comparisons: {summary.get('failing')}", f"region: {json.dumps(fd.get('region'))}"]
+    lines += [f"{role} trace: {path}" for role, path in (summary.get("traces") or {}).items()]
+    return "\n".join(lines)
+
+
+def junit_tree(doc: dict, suite: str = "gtp-parity", run_name: str = "run") -> ET.ElementTree:
+    """The JUnit document of a run summary (``RUN/summary.json``)."""
+    scenarios = doc.get("scenarios", [])
+    classname = _classname(scenarios, run_name)
+    failures = sum(s.get("verdict") == "fail" for s in scenarios)
+    errors = sum(s.get("verdict") == "error" for s in scenarios)
+    root = ET.Element(
+        "testsuites", name=suite, tests=str(len(scenarios)), failures=str(failures), errors=str(errors)
+    )
+    ts = ET.SubElement(root, "testsuite", name=suite, tests=str(len(scenarios)), failures=str(failures),
+                       errors=str(errors), skipped="0")  # fmt: skip
+    for s in scenarios:
+        case = ET.SubElement(ts, "testcase", classname=classname, name=_clean(s.get("scenario", "?")))
+        axes = s.get("axes") or {}
+        if axes:
+            props = ET.SubElement(case, "properties")
+            for k, v in axes.items():
+                ET.SubElement(props, "property", name=_clean(k), value=_clean(v))
+        if s.get("verdict") == "fail":
+            fd = s.get("first_divergence") or {}
+            el = ET.SubElement(
+                case, "failure", message=_clean(divergence_line(s)), type=_clean(fd.get("signature", ""))
+            )
+            el.text = _clean(_details(s))
+        elif s.get("verdict") != "pass":
+            el = ET.SubElement(case, "error", message=_clean(divergence_line(s)), type="run-failed")
+            el.text = _clean("\n\n".join(f"{role}:\n{msg}" for role, msg in (s.get("error") or {}).items()))
+    ET.indent(root)
+    return ET.ElementTree(root)
+
+
+def write_junit(run_dir: Path, path: Path) -> Path:
+    """Write the JUnit XML of ``run_dir/summary.json`` to ``path``."""
+    doc = json.loads((Path(run_dir) / "summary.json").read_text())
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    junit_tree(doc, f"gtp-parity {Path(run_dir).name}", Path(run_dir).name).write(
+        path, encoding="utf-8", xml_declaration=True
+    )
+    return path
+
+
+# --- baselines -----------------------------------------------------------------------------
 
 FP32_RTOL, FP32_ATOL = 1.3e-6, 1e-5
 """Step scalars may move this much (Transformer Engine's fp32 tolerances) without a message."""
@@ -77,7 +153,8 @@ def compare_steps(name: str, base: list[dict], now: list[dict]) -> list[str]:
     for k in sorted(b.keys() | n.keys()):
         if k not in n or k not in b:
             out.append(
-                f"{name}: {k[0]} step {k[1]} is {'missing from the run' if k not in n else 'new (not in the baseline)'}"
+                f"{name}: {k[0]} step {k[1]} is "
+                + ("missing from the run" if k not in n else "new (not in the baseline)")
             )
             continue
         for col in sorted((b[k].keys() | n[k].keys()) - {"side", "step"}):
@@ -105,7 +182,8 @@ def compare_to_baseline(run_dir: Path, baseline_dir: Path) -> list[str]:
             msgs.append(f"{name}: verdict {base.get('verdict')} in the baseline, {now['verdict']} now")
         if base.get("provenance", {}).get("config_hash") != now["provenance"]["config_hash"]:
             msgs.append(f"{name}: the scenario's configuration changed since the baseline "
-                        f"({base.get('provenance', {}).get('config_hash')} -> {now['provenance']['config_hash']})")  # fmt: skip
+                        f"({base.get('provenance', {}).get('config_hash')} -> "
+                        f"{now['provenance']['config_hash']})")  # fmt: skip
         msgs += compare_steps(name, base.get("steps", []), now["steps"])
         if len(msgs) > MAX_MESSAGES_PER_SCENARIO:
             msgs = msgs[:MAX_MESSAGES_PER_SCENARIO] + [
