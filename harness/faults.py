@@ -202,11 +202,11 @@ def after_step(ctx: Context) -> None:
         with torch.no_grad():
             p.copy_(before)
         # The fp32 master must stay stale too, or the next step would resurrect the update.
-        for g16, g32 in zip(getattr(ctx.optimizer, "float16_groups", []),
-                            getattr(ctx.optimizer, "fp32_from_float16_groups", [])):  # fmt: skip
-            for p16, p32 in zip(g16, g32):
-                if p16 is p:
-                    p32.data.copy_(before.float())
+        for part in getattr(ctx.optimizer, "chained_optimizers", None) or [ctx.optimizer]:
+            for g16, g32 in zip(getattr(part, "float16_groups", []), getattr(part, "fp32_from_float16_groups", [])):
+                for p16, p32 in zip(g16, g32):
+                    if p16 is p:
+                        p32.data.copy_(before.float())
 
 
 def loss_report_group(ctx: Context, group):

@@ -90,8 +90,7 @@ class ParityState:
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
     config.addinivalue_line("markers", "parity(path, inject=None, inject_side='candidate', expect='pass', "
-                            "signature=None): run a gtp-parity scenario or matrix; fail unless its verdict "
-                            "is expect")  # fmt: skip
+                            "signature=None): run a gtp-parity scenario, expect its verdict")  # fmt: skip
     config.addinivalue_line("markers", "parity_matrix: a scenario collected from --parity-matrix")
     _register_conformance(config.pluginmanager)
     state = ParityState(config)
@@ -392,7 +391,10 @@ class RankAgreement:
         return doc["ok"]
 
     def pytest_unconfigure(self, config):
+        """Leave together: torchrun stops every rank as soon as one exits with an error."""
         import torch.distributed as dist
 
+        if self.broken is None:
+            dist.barrier(group=self.group)
         if self.owned and dist.is_initialized():
             dist.destroy_process_group()

@@ -12,6 +12,7 @@ import importlib.metadata
 import json
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -33,18 +34,13 @@ _spec = importlib.util.spec_from_file_location("report_synthetic", {str(SYNTHETI
 synthetic = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(synthetic)
 harness.session.run_scenarios = synthetic.fake_run_scenarios
-OUTCOMES = {{}}
 
 
 def pytest_runtest_logreport(report):
-    if report.failed or report.when == "call":
-        text = str(report.longrepr or "")
-        OUTCOMES.setdefault(report.nodeid, []).append([report.when, report.outcome, text])
-
-
-def pytest_sessionfinish(session, exitstatus):
-    with open(f"outcomes-rank{{os.environ.get('RANK', 'none')}}.json", "w") as f:
-        json.dump({{"exitstatus": int(exitstatus), "outcomes": OUTCOMES}}, f)
+    if report.failed or report.when == "call":  # written at once: a rank may be stopped later
+        line = [report.nodeid, report.when, report.outcome, str(report.longrepr or "")]
+        with open(f"outcomes-rank{{os.environ.get('RANK', 'none')}}.jsonl", "a") as f:
+            print(json.dumps(line), file=f)
 """
 
 MARKED_TESTS = """
@@ -101,9 +97,13 @@ def project(pytester):
     return pytester
 
 
-def outcomes(path: Path, rank: str = "none") -> dict:
-    doc = json.loads((path / f"outcomes-rank{rank}.json").read_text())
-    return {nodeid.split("::")[-1]: steps for nodeid, steps in doc["outcomes"].items()}
+def outcomes(path: Path, rank: str = "none") -> dict[str, list[list[str]]]:
+    """Test name -> [when, outcome, message] of its call and of every failed phase."""
+    out: dict[str, list[list[str]]] = {}
+    for line in (path / f"outcomes-rank{rank}.jsonl").read_text().splitlines():
+        nodeid, *report = json.loads(line)
+        out.setdefault(nodeid.split("::")[-1], []).append(report)
+    return out
 
 
 def test_options_have_ini_twins_with_one_help(project):
@@ -187,6 +187,7 @@ def test_bad_option_values_name_their_source(project):
 
 DIST_TESTS = """
 import os
+import time
 
 
 def test_ok():
@@ -204,6 +205,11 @@ def test_scenario_from_rank0(parity):
 
 def test_after():
     pass
+
+
+def test_zz_rank1_hangs():
+    if os.environ["RANK"] == "1":
+        time.sleep(300)
 """
 
 
@@ -211,19 +217,24 @@ def test_under_torchrun_a_failure_on_one_rank_fails_all(project, monkeypatch):
     project.makepyfile(test_dist=DIST_TESTS)
     log = project.path / "runs.jsonl"
     monkeypatch.setenv("FAKE_RUN_LOG", str(log))
+    start = time.monotonic()
     result = project.run(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
                          "-m", "pytest", *plugin_args(), "-p", "no:cacheprovider", "--parity-report", "rep",
-                         "test_dist.py", timeout=240)  # fmt: skip
-    assert result.ret != 0
+                         "--parity-dist-timeout", "40", "test_dist.py", timeout=280)  # fmt: skip
+    assert result.ret != 0 and time.monotonic() - start < 250  # rank 1's 300 s hang did not hold rank 0
     for rank in ("0", "1"):
         got = outcomes(project.path, rank)
+        got.pop("test_zz_rank1_hangs", None)  # rank 1 is stopped while it sleeps
         failed = sorted(name for name, steps in got.items() if any(s[1] == "failed" for s in steps))
         passed = sorted(name for name, steps in got.items() if ["call", "passed"] in [s[:2] for s in steps])
         assert failed == ["test_fails_on_rank1"], (rank, got)
         assert passed == ["test_after", "test_ok", "test_scenario_from_rank0"], (rank, got)
-    rank0_message = outcomes(project.path, "0")["test_fails_on_rank1"][-1][2]
-    assert "call failed on rank(s) [1] of 2 (this is rank 0, where it passed)" in rank0_message
+    rank0 = outcomes(project.path, "0")
+    message = rank0["test_fails_on_rank1"][-1][2]
+    assert "call failed on rank(s) [1] of 2 (this is rank 0, where it passed)" in message
     assert "planted failure on rank 1" in outcomes(project.path, "1")["test_fails_on_rank1"][-1][2]
+    hang = rank0["test_zz_rank1_hangs"][-1]
+    assert hang[:2] == ["call", "failed"] and "did not report the call outcome within 40 s" in hang[2]
     runs = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["rank"] for r in runs] == ["0"]  # only rank 0 launched the scenario
     assert (project.path / "rep" / "index.html").is_file()

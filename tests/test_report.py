@@ -233,3 +233,20 @@ def test_baseline_round_trip_and_differences(tmp_path):
     msgs = compare_to_baseline(run, base)
     assert any(m.startswith("tp1-bf16: no baseline") for m in msgs)
     assert "gone: in the baseline but not in this run" in msgs
+
+
+def test_grid_rows_first_axis_columns_the_others():
+    from harness.report.index import IndexCell, grid
+
+    topologies, precisions, optimizers = ("tp1-gtp2", "tp2-gtp2"), ("fp32", "bf16"), ("adam", "sgd")
+    combos = [(t, p, o) for t in topologies for p in precisions for o in optimizers]
+    cells = [IndexCell(f"{t}-{p}-{o}", "pass", "", "", {"topology": t, "precision": p, "optimizer": o}, "")
+             for t, p, o in combos]  # fmt: skip
+    corner, rows, cols, table = grid(cells)
+    assert corner == "topology \\ precision \u00b7 optimizer"
+    assert rows == ["tp1-gtp2", "tp2-gtp2"]
+    assert cols == ["fp32 \u00b7 adam", "fp32 \u00b7 sgd", "bf16 \u00b7 adam", "bf16 \u00b7 sgd"]
+    assert [c.name for c in table[("tp2-gtp2", "bf16 \u00b7 sgd")]] == ["tp2-gtp2-bf16-sgd"]
+    one_axis = [IndexCell(n, "pass", "", "", {"fault": f}, "") for n, f in (("a", "x"), ("b", "y"))]
+    corner, rows, cols, _ = grid(one_axis)
+    assert (corner, rows, cols) == ("fault", ["x", "y"], ["verdict"])

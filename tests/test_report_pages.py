@@ -7,8 +7,10 @@ Chromium is Debian's ``chromium`` (CI installs it); without it the browser check
 from __future__ import annotations
 
 import csv
+import fcntl
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -77,11 +79,17 @@ def test_synthetic_pages_in_browser(synthetic_report, tmp_path):
 
 @pytest.fixture(scope="module")
 def faults_run(tmp_path_factory) -> Path:
+    """One real run of the planted faults, shared by the xdist workers (the first one runs it)."""
     from harness import scenario
     from harness.session import run_scenarios
 
-    out = tmp_path_factory.mktemp("faults-run")
-    run_scenarios(scenario.load(ASSETS / "faults.toml"), out, parallel=2)
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    out = root / "faults-run"
+    with open(root / "faults-run.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "summary.json").exists():
+            run_scenarios(scenario.load(ASSETS / "faults.toml"), out, parallel=2)
     return out
 
 

@@ -1,8 +1,8 @@
 """The run index: a grid of scenarios by matrix axes, coloured by verdict, linking to pages.
 
-Rows and columns come from the ``axes`` of the scenario summaries: one axis gives one row per
-value; two or more give the last axis as columns and the others, combined, as rows. A run
-without axes lists its scenarios one per row.
+Rows and columns come from the ``axes`` of the scenario summaries: the first axis gives the
+rows, the others, combined, the columns (topology x precision . optimizer); one axis gives one
+row per value. A run without axes lists its scenarios one per row.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import json
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 from harness.report.model import divergence_line, load_scenario, worst_metric
 from harness.report.page import document, render_scenario
@@ -53,32 +54,29 @@ def _values(cells: list[IndexCell], axis: str) -> list[str]:
     return seen
 
 
-def grid(cells: list[IndexCell]) -> tuple[list[str], list[str], dict[tuple[str, str], list[IndexCell]]]:
-    """(row labels, column labels, (row, column) -> cells) of the matrix."""
+SEP = " \u00b7 "
+
+
+def grid(cells: list[IndexCell]) -> tuple[str, list[str], list[str], dict[tuple[str, str], list[IndexCell]]]:
+    """(corner label, row labels, column labels, (row, column) -> cells) of the matrix."""
     axes = [a for a in _axes(cells) if all(a in c.axes for c in cells)]
+    table: dict[tuple[str, str], list[IndexCell]] = {}
     if not axes:
-        table: dict[tuple[str, str], list[IndexCell]] = {}
         for c in cells:
             table.setdefault((c.label, "verdict"), []).append(c)
-        return list(dict.fromkeys(c.label for c in cells)), ["verdict"], table
-    row_axes, col_axis = (axes, None) if len(axes) == 1 else (axes[:-1], axes[-1])
-    rows = [" \u00b7 ".join(combo) for combo in itertools.product(*(_values(cells, a) for a in row_axes))]
-    cols = _values(cells, col_axis) if col_axis else ["verdict"]
-    table = {}
+        return "scenario", list(dict.fromkeys(c.label for c in cells)), ["verdict"], table
+    row_axis, col_axes = axes[0], axes[1:]
+    cols = [SEP.join(combo) for combo in itertools.product(*(_values(cells, a) for a in col_axes))]
     for c in cells:
-        key = (" \u00b7 ".join(c.axes[a] for a in row_axes), c.axes[col_axis] if col_axis else "verdict")
-        table.setdefault(key, []).append(c)
-    rows = [r for r in rows if any((r, col) in table for col in cols)]
-    return rows, cols, table
+        table.setdefault((c.axes[row_axis], SEP.join(c.axes[a] for a in col_axes) or "verdict"), []).append(c)
+    cols = [col for col in cols if any(k[1] == col for k in table)] or ["verdict"]
+    corner = row_axis + (f" \\ {SEP.join(col_axes)}" if col_axes else "")
+    return corner, _values(cells, row_axis), cols, table
 
 
 def render_index(title: str, cells: list[IndexCell], verdict: str) -> str:
-    rows, cols, table = grid(cells)
-    axes = [a for a in _axes(cells) if all(a in c.axes for c in cells)]
-    corner = " \u00b7 ".join(axes[:-1] if len(axes) > 1 else axes) + (
-        f" \\ {axes[-1]}" if len(axes) > 1 else ""
-    )
-    head = f'<th class="t">{esc(corner or "scenario")}</th>' + "".join(f"<th>{esc(c)}</th>" for c in cols)
+    corner, rows, cols, table = grid(cells)
+    head = f'<th class="t">{esc(corner)}</th>' + "".join(f"<th>{esc(c)}</th>" for c in cols)
     body = []
     for r in rows:
         tds = []
@@ -138,9 +136,10 @@ def write_index(run_dir: Path, report_dir: Path) -> Path:
         page.parent.mkdir(parents=True, exist_ok=True)
         page.write_text(render_scenario(data), encoding="utf-8")
         cells.append(IndexCell(name=name, verdict=data.verdict, worst=worst_metric(data),
-                               href=f"scenarios/{name}.html", axes=dict(s.get("axes") or {}),
+                               href=f"scenarios/{quote(name)}.html", axes=dict(s.get("axes") or {}),
                                line=divergence_line(data.summary)))  # fmt: skip
-    shutil.copyfile(run_dir / "summary.json", report_dir / "summary.json")
+    if (report_dir / "summary.json").resolve() != (run_dir / "summary.json").resolve():
+        shutil.copyfile(run_dir / "summary.json", report_dir / "summary.json")
     (report_dir / CELLS_FILE).write_text(json.dumps([asdict(c) for c in cells], indent=1))
     index = report_dir / "index.html"
     index.write_text(render_index(f"gtp-parity run {run_dir.name}", cells, str(doc.get("verdict", "error"))),

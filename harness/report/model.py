@@ -69,14 +69,12 @@ def read_csv(path: Path) -> list[dict]:
 
 
 def resolve_trace(path: str | None, run_dir: Path) -> Path | None:
-    """A trace folder named in a summary: as written, else under the run's ``traces/``.
-
-    Summaries store the path the run was given, which is relative to where it was started.
-    """
+    """A trace folder named in a summary: the run's own ``traces/<name>`` if there, else the
+    path as written (summaries store paths relative to where the run was started)."""
     if not path:
         return None
     p = Path(path)
-    for candidate in (p, run_dir / p, run_dir / "traces" / p.name):
+    for candidate in (run_dir / "traces" / p.name, p, run_dir / p):
         if (candidate / "manifest.json").exists():
             return candidate
     return None

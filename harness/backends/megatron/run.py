@@ -332,22 +332,28 @@ def _get(module, dotted: str):
     return module
 
 
+def _parts(opt) -> list:
+    """The optimizers behind MCore's wrapper (one per param group family when chained)."""
+    return list(getattr(opt, "chained_optimizers", None) or [opt])
+
+
 def _capture_optimizer_state(cap: Capture, opt, named, layout_of_name) -> None:
     """Adam/SGD state and fp32 master weights per parameter, in the parameter's layout."""
     if not cap.wants("optimizer"):
         return
-    inner = getattr(opt, "optimizer", opt)
-    masters = {}
-    if hasattr(opt, "float16_groups"):  # mixed precision: fp32 master copies
-        for g16, g32 in zip(opt.float16_groups, opt.fp32_from_float16_groups):
-            for p16, p32 in zip(g16, g32):
+    masters, states = {}, {}
+    for part in _parts(opt):
+        for g16, g32 in zip(getattr(part, "float16_groups", []), getattr(part, "fp32_from_float16_groups", [])):
+            for p16, p32 in zip(g16, g32):  # mixed precision: the fp32 master copies
                 masters[id(p16)] = p32
+        states.update({id(p): st for p, st in part.optimizer.state.items()})
     for name, p in named:
         master = masters.get(id(p), p)
-        state = inner.state.get(master, {})
+        state = states.get(id(master), {})
         layout = layout_of_name(name, p)
         if master is not p:
             cap.tensor("master", name, master.view(p.shape), layout=layout)
         for key in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
-            if key in state and state[key] is not None:
-                cap.tensor(key if key != "momentum_buffer" else "exp_avg", name, state[key].view(p.shape), layout=layout)
+            if state.get(key) is not None:
+                kind = "exp_avg" if key == "momentum_buffer" else key
+                cap.tensor(kind, name, state[key].view(p.shape), layout=layout)

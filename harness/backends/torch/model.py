@@ -4,6 +4,12 @@ Same math as ``GPTModel`` with ``get_gpt_layer_local_spec()``: learned absolute 
 pre-LayerNorm blocks, fused QKV with rows ordered per query group (q, k, v per head here),
 softmax((q k^T) / sqrt(d_head)) with the causal mask filled with -10000 in fp32, GeLU MLP,
 no linear biases, untied output layer, hidden states laid out [s, b, h].
+
+In one process every layer is plain ``F.linear`` / ``F.embedding`` on the full weights (the
+golden model). Distributed, the model is built with its TP-local head count and a
+:class:`harness.backends.torch.parallel.Parallel` context is attached to the linear layers and
+the word embedding (``module.parallel``): it owns their GEMMs and lookups, with the TP and GTP
+communication and the FP8 quantization around them.
 """
 
 from __future__ import annotations
@@ -19,13 +25,43 @@ from harness.scenario import ModelConfig
 LAYERNORM_EPS = 1e-5
 
 
-class SelfAttention(nn.Module):
-    def __init__(self, m: ModelConfig):
+class Linear(nn.Module):
+    """A bias-free linear layer: ``F.linear`` alone, or the attached parallel context's GEMM."""
+
+    def __init__(self, in_features: int, out_features: int, kind: str):
         super().__init__()
-        self.heads = m.num_attention_heads
+        self.kind = kind
+        """``column`` (TP cuts the output dim) or ``row`` (TP cuts the input dim)."""
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.parallel = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parallel is None:
+            return F.linear(x, self.weight)
+        return self.parallel.linear(self, x)
+
+
+class WordEmbedding(nn.Module):
+    """The token embedding table: ``F.embedding`` alone, or the vocab-parallel lookup."""
+
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+        self.parallel = None
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.parallel is None:
+            return F.embedding(tokens, self.weight)
+        return self.parallel.embed(self, tokens)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, m: ModelConfig, tp: int = 1):
+        super().__init__()
+        self.heads = m.num_attention_heads // tp  # heads of this TP rank
         self.head_dim = m.hidden_size // m.num_attention_heads
-        self.linear_proj = nn.Linear(m.hidden_size, m.hidden_size, bias=False)
-        self.linear_qkv = nn.Linear(m.hidden_size, 3 * m.hidden_size, bias=False)
+        self.linear_proj = Linear(m.hidden_size, m.hidden_size, "row")
+        self.linear_qkv = Linear(m.hidden_size, 3 * m.hidden_size, "column")
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         s, b, _ = x.shape
@@ -43,18 +79,18 @@ class SelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, m: ModelConfig):
         super().__init__()
-        self.linear_fc1 = nn.Linear(m.hidden_size, m.ffn_hidden_size, bias=False)
-        self.linear_fc2 = nn.Linear(m.ffn_hidden_size, m.hidden_size, bias=False)
+        self.linear_fc1 = Linear(m.hidden_size, m.ffn_hidden_size, "column")
+        self.linear_fc2 = Linear(m.ffn_hidden_size, m.hidden_size, "row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(F.gelu(self.linear_fc1(x)))
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, m: ModelConfig):
+    def __init__(self, m: ModelConfig, tp: int = 1):
         super().__init__()
         self.input_layernorm = nn.LayerNorm(m.hidden_size, eps=LAYERNORM_EPS)
-        self.self_attention = SelfAttention(m)
+        self.self_attention = SelfAttention(m, tp)
         self.pre_mlp_layernorm = nn.LayerNorm(m.hidden_size, eps=LAYERNORM_EPS)
         self.mlp = MLP(m)
 
@@ -66,7 +102,7 @@ class TransformerLayer(nn.Module):
 class Embedding(nn.Module):
     def __init__(self, m: ModelConfig):
         super().__init__()
-        self.word_embeddings = nn.Embedding(m.vocab_size, m.hidden_size)
+        self.word_embeddings = WordEmbedding(m.vocab_size, m.hidden_size)
         self.position_embeddings = nn.Embedding(m.seq_length, m.hidden_size)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -76,9 +112,9 @@ class Embedding(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, m: ModelConfig):
+    def __init__(self, m: ModelConfig, tp: int = 1):
         super().__init__()
-        self.layers = nn.ModuleList(TransformerLayer(m) for _ in range(m.num_layers))
+        self.layers = nn.ModuleList(TransformerLayer(m, tp) for _ in range(m.num_layers))
         self.final_layernorm = nn.LayerNorm(m.hidden_size, eps=LAYERNORM_EPS)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -88,13 +124,17 @@ class Decoder(nn.Module):
 
 
 class GPT(nn.Module):
-    """Returns logits [s, b, vocab], as GPTModel does without labels."""
+    """Returns logits [s, b, vocab / tp], as GPTModel does without labels.
 
-    def __init__(self, m: ModelConfig):
+    Parameters are created at their logical shapes; a distributed run replaces them by the
+    rank's shards (see ``harness.backends.torch.parallel.shard_model``).
+    """
+
+    def __init__(self, m: ModelConfig, tp: int = 1):
         super().__init__()
         self.embedding = Embedding(m)
-        self.decoder = Decoder(m)
-        self.output_layer = nn.Linear(m.hidden_size, m.vocab_size, bias=False)
+        self.decoder = Decoder(m, tp)
+        self.output_layer = Linear(m.hidden_size, m.vocab_size, "column")
         self.register_buffer(
             "causal_mask", torch.triu(torch.ones(m.seq_length, m.seq_length, dtype=torch.bool), 1),
             persistent=False,
