@@ -144,6 +144,14 @@ CATALOG: dict[str, Fault] = {
             {"step": 1, "kind": "scalar", "tensor": "grad_norm", "signature": "grad-norm-only"},
             _double_count_norm,
         ),
+        Fault(
+            "fp8-unreduced-amax", "precision loss",
+            "FP8 quantized all-gather of GTP weights (torch backend): each shard is quantized with "
+            "its own per-tensor amax, not the amax reduced over the GTP group, and the gathered "
+            "weight is decoded with the local scale (TE assumes the scales are equal)",
+            {"step": 1, "kind": "activation", "tensor": "decoder.layers.0.self_attention",
+             "signature": "precision-loss"},
+        ),
     ]
 }
 
@@ -207,6 +215,12 @@ def after_step(ctx: Context) -> None:
                 for p16, p32 in zip(g16, g32):
                     if p16 is p:
                         p32.data.copy_(before.float())
+
+
+def amax_reduction_group(ctx: Context, group):
+    """Group a GTP weight shard's per-tensor amax is reduced over before the quantized
+    all-gather (torch backend); None under ``fp8-unreduced-amax``."""
+    return None if "fp8-unreduced-amax" in ctx.active else group
 
 
 def loss_report_group(ctx: Context, group):

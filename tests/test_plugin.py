@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import shutil
 import sys
 import time
@@ -83,11 +84,11 @@ def test_fixture_unknown_fault(parity):
 
 def plugin_args() -> list[str]:
     """``-p harness.pytest_plugin`` unless the package's pytest11 entry point loads it already."""
-    loaded = any(
-        ep.value.startswith("harness.pytest_plugin")
-        for ep in importlib.metadata.entry_points(group="pytest11")
+    registered = any(
+        ep.value == "harness.pytest_plugin" for ep in importlib.metadata.entry_points(group="pytest11")
     )
-    return [] if loaded else ["-p", "harness.pytest_plugin"]
+    autoload = not os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD")
+    return [] if registered and autoload else ["-p", "harness.pytest_plugin"]
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ import csv
 import importlib.util
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -250,3 +251,13 @@ def test_grid_rows_first_axis_columns_the_others():
     one_axis = [IndexCell(n, "pass", "", "", {"fault": f}, "") for n, f in (("a", "x"), ("b", "y"))]
     corner, rows, cols, _ = grid(one_axis)
     assert (corner, rows, cols) == ("fault", ["x", "y"], ["verdict"])
+
+
+def test_a_moved_run_folder_reads_its_own_traces(run, tmp_path):
+    moved = tmp_path / "moved"
+    shutil.copytree(run, moved)
+    manifest = moved / "traces" / "candidate-gtp2" / "manifest.json"
+    manifest.write_text(manifest.read_text().replace("0.19.2", "9.9.9"))
+    data = model.load_scenario(moved / "scenarios" / "tp1-bf16")
+    assert data.trace_dirs["candidate"] == moved / "traces" / "candidate-gtp2"
+    assert data.manifests["candidate"]["versions"]["megatron-core"] == "9.9.9"

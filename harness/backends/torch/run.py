@@ -1,63 +1,40 @@
-"""The ``torch`` backend: the golden model, one process, fp64 or fp32.
+"""The ``torch`` backend: the golden model in one process, or TP x GTP x DP with FP8 recipes.
 
-It trains the same objective as a megatron-core run of any topology: the token mean of the
-cross entropy over the whole global batch, AdamW (decoupled weight decay, as MCore's Adam)
-or SGD with MCore's parameter groups (no weight decay on 1-D params and biases), global
-grad-norm clipping with MCore's ``max_norm / (norm + 1e-6)`` coefficient, and Megatron-LM's
-LR schedule counted in samples, written out here independently so it checks MCore's too.
+One process without a recipe, it is the golden model (fp64 or fp32): the token mean of the
+cross entropy over the whole global batch in one forward, full tensors, the optimizer and
+schedule of :mod:`.optim`. Any other side (several ranks, or a quantization recipe) runs the
+distributed path (:mod:`.distributed`): megatron-core's layouts, reductions, data
+distribution and loss normalization, on torch.distributed.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
 from harness import data as data_mod
 from harness.backends import Job
-from harness.backends.torch.model import GPT, token_losses
 from harness.capture import Capture
 from harness.gpt import canonical_state, layout_of, param_specs
-from harness.scenario import Side
+
+from .model import GPT, token_losses
+from .optim import build_optimizer, clip, lr_at
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
 
-
-def lr_at(side: Side, step: int, global_batch: int) -> float:
-    """LR applied by the optimizer at ``step`` (1-based), as Megatron-LM schedules it.
-
-    Megatron-LM steps the scheduler after the optimizer, in samples, so step ``s`` uses
-    the LR of ``(s - 1) * global_batch`` samples (0 for the first warmup step).
-    """
-    n = (step - 1) * global_batch
-    warmup = side.lr_warmup_steps * global_batch
-    decay = (side.lr_decay_steps or side.steps) * global_batch
-    if warmup > 0 and n <= warmup:
-        return side.lr * n / warmup
-    if side.lr_decay_style == "constant":
-        return side.lr
-    if n > decay:
-        return side.min_lr
-    ratio = (n - warmup) / (decay - warmup)
-    coeff = 1.0 - ratio if side.lr_decay_style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
-    return side.min_lr + coeff * (side.lr - side.min_lr)
-
-
-def build_optimizer(side: Side, model: torch.nn.Module) -> torch.optim.Optimizer:
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        (no_decay if p.dim() == 1 or name.endswith(".bias") else decay).append(p)
-    groups = [{"params": decay, "weight_decay": side.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]  # fmt: skip
-    if side.optimizer == "adam":
-        return torch.optim.AdamW(groups, lr=side.lr, betas=(side.adam_beta1, side.adam_beta2), eps=side.adam_eps)
-    return torch.optim.SGD(groups, lr=side.lr, momentum=side.sgd_momentum)
+__all__ = ["DTYPES", "lr_at", "run"]
 
 
 def run(job: Job, cap: Capture) -> None:
+    if job.side.world_size == 1 and job.side.recipe == "none":
+        _run_golden(job, cap)
+    else:
+        from .distributed import run_distributed
+
+        run_distributed(job, cap)
+
+
+def _run_golden(job: Job, cap: Capture) -> None:
     side, m, d = job.side, job.model, job.data
-    if side.world_size != 1:
-        raise NotImplementedError("the torch backend runs in a single process")
     dtype = DTYPES[side.precision]
     model = GPT(m).to(dtype)
     state = canonical_state(m, side.seed)
@@ -68,13 +45,7 @@ def run(job: Job, cap: Capture) -> None:
     layouts = {n: layout_of(s, side) for n, s in specs.items()}
     named = list(model.named_parameters())
     layout_of_name = lambda name, p: layouts[name]  # noqa: E731
-    modules = {"embedding": model.embedding, "output_layer": model.output_layer,
-               "decoder.final_layernorm": model.decoder.final_layernorm}  # fmt: skip
-    for i, layer in enumerate(model.decoder.layers):
-        modules[f"decoder.layers.{i}"] = layer
-        for sub in ("input_layernorm", "self_attention", "pre_mlp_layernorm", "mlp"):
-            modules[f"decoder.layers.{i}.{sub}"] = getattr(layer, sub)
-    cap.attach(modules, vocab_parallel=["output_layer"])
+    cap.attach(module_map(model), vocab_parallel=["output_layer"])
     opt = build_optimizer(side, model)
 
     cap.begin_step(0)
@@ -98,11 +69,7 @@ def run(job: Job, cap: Capture) -> None:
         cap.params("main_grad", named, layout_of_name, value=lambda p: p.grad)
         grads = [p.grad for p in model.parameters()]
         grad_norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads)).item()
-        if side.clip_grad > 0:
-            coeff = side.clip_grad / (grad_norm + 1e-6)
-            if coeff < 1.0:
-                for g in grads:
-                    g.mul_(coeff)
+        clip(grads, side.clip_grad, grad_norm)
         lr = lr_at(side, step, d.global_batch_size)
         for group in opt.param_groups:
             group["lr"] = lr
@@ -110,13 +77,7 @@ def run(job: Job, cap: Capture) -> None:
         cap.progress("optimizer")
         opt.step()
         cap.params("param", named, layout_of_name)
-        if cap.wants("optimizer"):
-            for name, p in named:
-                st = opt.state.get(p, {})
-                for key in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
-                    if st.get(key) is not None:
-                        cap.tensor("exp_avg" if key == "momentum_buffer" else key, name, st[key],
-                                   layout=layouts[name])  # fmt: skip
+        capture_optimizer_state(cap, opt, named, layout_of_name)
         cap.scalar("reduced_loss", loss.item())
         cap.scalar("grad_norm", grad_norm)
         cap.scalar("lr", lr)
@@ -124,3 +85,26 @@ def run(job: Job, cap: Capture) -> None:
         cap.scalar("num_zeros", float(sum(int((g == 0).sum()) for g in grads)))
         cap.scalar("skipped", 0.0)
         cap.end_step()
+
+
+def module_map(model: GPT) -> dict[str, torch.nn.Module]:
+    """The modules whose outputs are captured, by megatron-core's module names."""
+    modules = {"embedding": model.embedding, "output_layer": model.output_layer,
+               "decoder.final_layernorm": model.decoder.final_layernorm}  # fmt: skip
+    for i, layer in enumerate(model.decoder.layers):
+        modules[f"decoder.layers.{i}"] = layer
+        for sub in ("input_layernorm", "self_attention", "pre_mlp_layernorm", "mlp"):
+            modules[f"decoder.layers.{i}.{sub}"] = getattr(layer, sub)
+    return modules
+
+
+def capture_optimizer_state(cap: Capture, opt, named, layout_of_name) -> None:
+    """Adam moments or the SGD momentum (as ``exp_avg``) per parameter, in its layout."""
+    if not cap.wants("optimizer"):
+        return
+    for name, p in named:
+        st = opt.state.get(p, {})
+        for key in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
+            if st.get(key) is not None:
+                cap.tensor("exp_avg" if key == "momentum_buffer" else key, name, st[key],
+                           layout=layout_of_name(name, p))  # fmt: skip

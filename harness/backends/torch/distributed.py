@@ -1,0 +1,168 @@
+"""The torch backend's distributed training loop: TP x GTP x DP on torch.distributed.
+
+One step, as megatron-core and Megatron-LM run it (no pipelining):
+
+1. data: rank ``r`` reads ``rank_sample_ids(step, r)`` (GTP peers are data ranks), one
+   micro-batch at a time;
+2. forward/backward per micro-batch: vocab-parallel cross entropy, loss = token sum / tokens /
+   micro-batches (megatron-core's schedule); GTP weight grads reduce-scattered into
+   ``main_grad`` during backward, other grads added to ``main_grad`` after it (DDP's hook);
+3. finalize: ``main_grad *= 1/dp`` and SUM over the replicate-DP group (DDP), then an
+   average over the GTP group for params not GTP-sharded (``finalize_model_grads``): rank
+   (t, g, d) then holds its rows of the DP x G mean gradient;
+4. grad norm and zero count over every shard (replicated params counted once), clipping,
+   the optimizer on the shards, the loss summed over the data group (GTP x DP) for the log.
+
+Everything is recorded as the megatron backend records it: same kinds, canonical names,
+layouts and scalars.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from harness import data as data_mod
+from harness import faults
+from harness.backends import Job
+from harness.capture import Capture
+from harness.gpt import canonical_state, layout_of, param_specs
+
+from . import comm, fp8
+from .model import GPT
+from .optim import build_optimizer, clip, grad_stats, lr_at
+from .parallel import Parallel, shard_model, tp_local
+from .run import DTYPES, capture_optimizer_state, module_map
+
+# Planted faults this backend implements (the others patch megatron-core).
+SUPPORTED_FAULTS = frozenset({"fp8-unreduced-amax", "gtp-peers-same-sample", "gtp-pad-leak",
+                              "optimizer-skips-weight"})  # fmt: skip
+
+
+def run_distributed(job: Job, cap: Capture) -> None:
+    side, m = job.side, job.model
+    for name in side.inject:
+        if name in faults.CATALOG and name not in SUPPORTED_FAULTS:
+            raise ValueError(f"fault {name!r} is not implemented by the torch backend; "
+                             f"it implements {sorted(SUPPORTED_FAULTS)}")  # fmt: skip
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    coord = data_mod.coord(rank, side)
+    dtype = DTYPES[side.precision]
+    recipe = fp8.make_recipe(side.recipe) if side.recipe != "none" else None
+    specs = {s.name: s for s in param_specs(m)}
+    model = GPT(m, tp=side.tp)
+    named = list(model.named_parameters())
+    ctx = faults.Context(backend="torch", side=side, model=model, optimizer=None, rank=rank,
+                         coord=coord, named_params=named)  # fmt: skip
+    ctx.saved["data"] = job.data
+    faults.install(side.inject, ctx)
+    try:
+        groups = comm.groups_for(side)
+        par = shard_model(model, side, specs, canonical_state(m, side.seed), coord, dtype, recipe,
+                          weight_amax_group=faults.amax_reduction_group(ctx, groups.gtp))  # fmt: skip
+        _train(job, cap, model, par, ctx)
+    finally:
+        faults.uninstall()
+
+
+def _train(job: Job, cap: Capture, model: GPT, par: Parallel, ctx: faults.Context) -> None:
+    side, m, d = job.side, job.model, job.data
+    groups, coord, rank = par.groups, par.coord, ctx.rank
+    specs = {s.name: s for s in param_specs(m)}
+    layouts = {n: layout_of(s, side) for n, s in specs.items()}
+    named = ctx.named_params
+    layout_of_name = lambda name, p: layouts[name]  # noqa: E731
+    cap.attach(module_map(model), vocab_parallel=["output_layer"])
+    cap.info["gtp_params"] = {n: None for n, p in named if getattr(p, "is_gtp_weight_remat", False)}
+    cap.info["data_parallel_rank"] = coord["data"]
+    cap.info["data_parallel_size"] = side.data_ranks
+    opt = build_optimizer(side, model)
+    ctx.optimizer = opt
+
+    cap.begin_step(0)
+    cap.params("param", named, layout_of_name)
+    cap.end_step()
+    seen: set[str] = set()
+
+    def materialized(name: str, full: torch.Tensor) -> None:
+        if name not in seen:  # the first (forward) gather of the step
+            seen.add(name)
+            cap.tensor("materialized", name, full, layout=tp_local(layouts[name]))
+
+    par.on_gather = materialized
+    for step in range(1, side.steps + 1):
+        cap.begin_step(step)
+        seen.clear()
+        if side.gtp == 1:  # the weight each GEMM reads is the parameter itself
+            for name, p in named:
+                if specs[name].gtp:
+                    materialized(name, p)
+        faults.at_step(ctx, step)
+        ids = faults.route_samples(ctx, step, data_mod.rank_sample_ids(step, rank, side, d))
+        for _, p in named:
+            p.main_grad.zero_()
+            p.grad = None
+        cap.progress("forward_backward")
+        totals = [_micro_batch(cap, model, par, mb, mb_ids, len(ids), job) for mb, mb_ids in enumerate(ids)]
+        _finalize(named, groups)
+        faults.after_finalize(ctx)
+        cap.params("main_grad", named, layout_of_name, value=lambda p: p.main_grad)
+
+        grad_norm, num_zeros = grad_stats(named, layouts, coord, groups.model)
+        clip([p.main_grad for _, p in named], side.clip_grad, grad_norm)
+        lr = lr_at(side, step, d.global_batch_size)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        cap.params("param_before", named, layout_of_name)
+        cap.progress("optimizer")
+        faults.before_step(ctx)
+        for _, p in named:
+            p.grad = p.main_grad
+        opt.step()
+        faults.after_step(ctx)
+        cap.params("param", named, layout_of_name)
+        capture_optimizer_state(cap, opt, named, layout_of_name)
+
+        total = comm.all_reduce(torch.stack(totals).sum(0), groups.data)
+        cap.scalar("reduced_loss", (total[0] / total[1]).item())
+        cap.scalar("grad_norm", grad_norm)
+        cap.scalar("lr", lr)
+        cap.scalar("lr_logged", lr_at(side, step + 1, d.global_batch_size))
+        cap.scalar("num_zeros", num_zeros)
+        cap.scalar("skipped", 0.0)
+        cap.end_step()
+
+
+def _micro_batch(cap: Capture, model: GPT, par: Parallel, mb: int, ids: list[int], n_mb: int, job: Job):
+    """Forward and backward of one micro-batch; returns its (token-loss sum, tokens)."""
+    m, d = job.model, job.data
+    cap.micro_batch(mb, ids)
+    tokens, labels = data_mod.batch(d.seed, ids, m)
+    logits = model(tokens)  # [s, b, V/TP]
+    losses = comm.vocab_parallel_cross_entropy(logits, labels.t().contiguous(), par.groups.tp)
+    losses = losses.transpose(0, 1).contiguous()  # [b, s]
+    acc = torch.float64 if losses.dtype == torch.float64 else torch.float32
+    mask = torch.ones_like(labels, dtype=acc)
+    loss = torch.sum(losses.to(acc) * mask)
+    num_tokens = mask.sum().to(torch.int)
+    cap.scalar("loss", (loss / num_tokens).item(), micro_batch=mb, sample_ids=list(ids))
+    out = loss / torch.clamp(num_tokens, min=1) / n_mb
+    out.backward()
+    for p in model.parameters():
+        if p.grad is not None:  # DDP's hook: accumulate into main_grad, free .grad
+            p.main_grad.add_(p.grad)
+            p.grad = None
+    return torch.cat([loss.detach().view(1), num_tokens.to(acc).view(1)])
+
+
+def _finalize(named, groups: comm.Groups) -> None:
+    """DDP over the replicate-DP group, then the GTP average of replicated params."""
+    dp = comm.size(groups.dp)
+    if dp > 1:
+        for _, p in named:
+            p.main_grad.mul_(1.0 / dp)
+            comm.all_reduce(p.main_grad, groups.dp)
+    if comm.size(groups.gtp) > 1:
+        for _, p in named:
+            if not getattr(p, "is_gtp_weight_remat", False):
+                comm.all_reduce_avg(p.main_grad, groups.gtp)
