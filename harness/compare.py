@@ -175,12 +175,52 @@ def compare(traces: dict[str, Trace], policy: ComparePolicy | None = None) -> di
         rows.append({"step": step, "kind": kind, "tensor": name, "passed": passed, "policy": used,
                      "bound": bound, "dtype": str(c.dtype).replace("torch.", ""),
                      "shape": list(r.shape), "sample_ids": ids, **m})  # fmt: skip
+    rows += compare_fingerprints(ref, cand, traces)
     rows += _pool_loss_noise(_compare_scalars(traces, policy), policy)
     rows += localize.input_rows(ref, cand, traces)
     df = pd.DataFrame(rows)
     summary = localize.summarize(df, logical, traces, policy)
     summary["results"] = localize.order(df)
     return summary
+
+
+def compare_fingerprints(ref: Logical, cand: Logical, traces: dict[str, Trace]) -> list[dict]:
+    """Fingerprint-mode traces: bitwise equality per rank and the blocks that differ.
+
+    With equal meshes every rank's shard is compared by its hash, and a mismatch is located
+    to the dim-0 blocks whose checksums differ. Across different meshes only norms compare:
+    the logical L2 norm is rebuilt from the shards' norms (one replica per Replicate axis).
+    """
+    rows = []
+    same_mesh = traces["reference"].manifest.get("mesh") == traces["candidate"].manifest.get("mesh")
+    for key in sorted(set(ref.fingerprints) & set(cand.fingerprints)):
+        rf, cf = ref.fingerprints[key], cand.fingerprints[key]
+        row = {"step": key[0], "kind": key[1], "tensor": key[2], "policy": "fingerprint"}
+        if same_mesh:
+            differing = {r: [i for i, (a, b) in enumerate(zip(rf[r]["blocks"], cf[r]["blocks"]))
+                             if a["sha256"] != b["sha256"]]
+                         for r in sorted(set(rf) & set(cf)) if rf[r]["sha256"] != cf[r]["sha256"]}  # fmt: skip
+            row.update(passed=not differing, bitwise_equal=not differing, ranks=sorted(differing),
+                       differing_blocks={str(r): b for r, b in differing.items()})  # fmt: skip
+        else:
+            rn, cn = _fingerprint_norm(rf, traces["reference"]), _fingerprint_norm(cf, traces["candidate"])
+            rel = abs(cn - rn) / rn if rn else float(cn != 0)
+            row.update(passed=rel <= 1e-5, bitwise_equal=False, rel_l2_norm_diff=rel)
+        rows.append(row)
+    return rows
+
+
+def _fingerprint_norm(fps: dict[int, dict], trace: Trace) -> float:
+    coords = trace.coords()
+    # Replicated shards repeat: count the ranks of dp coordinate 0 once per (tp, gtp) pair.
+    seen, total = set(), 0.0
+    for rank, fp in sorted(fps.items()):
+        c = coords.get(rank, {"tp": 0, "gtp": 0, "dp": 0})
+        slot = (c["tp"], c["gtp"])
+        if c.get("dp", 0) == 0 and slot not in seen and fp.get("l2") is not None:
+            seen.add(slot)
+            total += fp["l2"] ** 2
+    return math.sqrt(total)
 
 
 def _compare_scalars(traces: dict[str, Trace], policy: ComparePolicy) -> list[dict]:

@@ -251,6 +251,9 @@ def test_grid_rows_first_axis_columns_the_others():
     one_axis = [IndexCell(n, "pass", "", "", {"fault": f}, "") for n, f in (("a", "x"), ("b", "y"))]
     corner, rows, cols, _ = grid(one_axis)
     assert (corner, rows, cols) == ("fault", ["x", "y"], ["verdict"])
+    # A scenario whose run failed is summarized without axes: it gets a row of its own.
+    corner, rows, cols, table = grid([*cells, IndexCell("crashed", "error", "", "", {}, "")])
+    assert rows[-1] == "crashed" and table[("crashed", cols[0])][0].verdict == "error" and len(cols) == 4
 
 
 def test_a_moved_run_folder_reads_its_own_traces(run, tmp_path):

@@ -137,3 +137,24 @@ def test_identical_traces_compare_equal(good, tmp_path):
 def test_layout_of_activation_is_per_sample(good):
     entry = next(e for e in trace.read(good).entries if e.kind == "activation")
     assert isinstance(entry.layout, Layout) and entry.sample_ids == (2, 3)
+
+
+def test_fingerprint_traces_compare_by_hash_and_name_the_block(tmp_path):
+    plain_loop_trace(tmp_path / "a", CapturePolicy(mode="fingerprint"))
+    plain_loop_trace(tmp_path / "b", CapturePolicy(mode="fingerprint"))
+    idx_path = tmp_path / "b" / "rank0" / "index.json"
+    idx = json.loads(idx_path.read_text())
+    for e in idx["tensors"]:
+        if e["kind"] == "param" and e["name"] == "0.weight" and e["step"] == 2:
+            e["fingerprint"]["sha256"] = "0" * 64
+            e["fingerprint"]["blocks"][1]["sha256"] = "f" * 16
+    idx_path.write_text(json.dumps(idx))
+    from harness.compare import compare
+
+    summary = compare({"reference": trace.read(tmp_path / "a"), "candidate": trace.read(tmp_path / "b")})
+    df = summary["results"]
+    fp = df[df["policy"] == "fingerprint"]
+    assert len(fp) > 0 and (~fp["passed"]).sum() == 1
+    bad = fp[~fp["passed"]].iloc[0]
+    assert bad["tensor"] == "0.weight" and bad["differing_blocks"] == {"0": [1]}
+    assert summary["first_divergence"]["tensor"] == "0.weight"

@@ -59,19 +59,25 @@ SEP = " \u00b7 "
 
 def grid(cells: list[IndexCell]) -> tuple[str, list[str], list[str], dict[tuple[str, str], list[IndexCell]]]:
     """(corner label, row labels, column labels, (row, column) -> cells) of the matrix."""
-    axes = [a for a in _axes(cells) if all(a in c.axes for c in cells)]
+    placed = [c for c in cells if c.axes]  # a run that failed may have been summarized without axes
+    axes = [a for a in _axes(placed) if all(a in c.axes for c in placed)]
     table: dict[tuple[str, str], list[IndexCell]] = {}
     if not axes:
         for c in cells:
             table.setdefault((c.label, "verdict"), []).append(c)
         return "scenario", list(dict.fromkeys(c.label for c in cells)), ["verdict"], table
     row_axis, col_axes = axes[0], axes[1:]
-    cols = [SEP.join(combo) for combo in itertools.product(*(_values(cells, a) for a in col_axes))]
-    for c in cells:
+    cols = [SEP.join(combo) for combo in itertools.product(*(_values(placed, a) for a in col_axes))]
+    rows = _values(placed, row_axis)
+    for c in placed:
         table.setdefault((c.axes[row_axis], SEP.join(c.axes[a] for a in col_axes) or "verdict"), []).append(c)
     cols = [col for col in cols if any(k[1] == col for k in table)] or ["verdict"]
+    for c in cells:
+        if not c.axes:
+            rows.append(c.label)
+            table.setdefault((c.label, cols[0]), []).append(c)
     corner = row_axis + (f" \\ {SEP.join(col_axes)}" if col_axes else "")
-    return corner, _values(cells, row_axis), cols, table
+    return corner, list(dict.fromkeys(rows)), cols, table
 
 
 def render_index(title: str, cells: list[IndexCell], verdict: str) -> str:

@@ -58,8 +58,9 @@ def run_distributed(job: Job, cap: Capture) -> None:
     faults.install(side.inject, ctx)
     try:
         groups = comm.groups_for(side)
+        reduce_amax = faults.amax_reduction_group(ctx, groups.gtp) is not None or groups.gtp is None
         par = shard_model(model, side, specs, canonical_state(m, side.seed), coord, dtype, recipe,
-                          weight_amax_group=faults.amax_reduction_group(ctx, groups.gtp))  # fmt: skip
+                          reduce_weight_amax=reduce_amax)  # fmt: skip
         _train(job, cap, model, par, ctx)
     finally:
         faults.uninstall()

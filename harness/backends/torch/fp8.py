@@ -52,15 +52,19 @@ def max_reducer(group) -> Optional[Callable[[torch.Tensor], None]]:
     return lambda amax: dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
 
 
-def layer_quantizers(recipe, *, amax_group, weight_group, seed: int) -> LinearQuantizers:
+def layer_quantizers(recipe, *, amax_group, gtp_group, gtp_weight: bool, reduce_weight_amax: bool = True,
+                     seed: int) -> LinearQuantizers:
     """One linear layer's quantizers with the amax reductions described in the module docstring.
 
-    ``weight_group`` is the group a GTP weight shard's per-tensor amax is reduced over (the
-    GTP group; None with GTP off or when a fault leaves it unreduced).
+    ``gtp_weight``: the layer's weight is a GTP shard. ``reduce_weight_amax=False`` leaves a
+    GTP shard's weight amax unreduced (the planted fault ``fp8-unreduced-amax``).
     """
     if recipe.name == "delayed":
-        return recipe.make_quantizers(amax_reduction=max_reducer(amax_group), seed=seed)
-    return recipe.make_quantizers(amax_reduction={"weight": max_reducer(weight_group)}, seed=seed)
+        weight_group = amax_group if reduce_weight_amax or not gtp_weight else None
+        groups = {"input": amax_group, "weight": weight_group, "grad_output": amax_group}
+    else:
+        groups = {"weight": gtp_group if gtp_weight and reduce_weight_amax else None}
+    return recipe.make_quantizers(amax_reduction={k: max_reducer(g) for k, g in groups.items()}, seed=seed)
 
 
 def layer_seed(seed: int, name: str, tp_rank: int, data_rank: int) -> int:
@@ -170,8 +174,3 @@ def update_weight_scale(quantizers: LinearQuantizers) -> None:
     inner = getattr(quantizers.weight, "inner", None)
     if isinstance(inner, DelayedScalingQuantizer):
         inner.update()
-
-
-def dequantized_weight(q: Quantized) -> torch.Tensor:
-    """The weight fprop reads (rowwise copy), in fp32."""
-    return q.rowwise.dequantize(torch.float32)

@@ -109,17 +109,15 @@ class Parallel:
 
 
 def shard_model(model: GPT, side: Side, specs: dict[str, ParamSpec], state: dict[str, torch.Tensor],
-                coord: dict, dtype: torch.dtype, recipe=None, weight_amax_group=...) -> Parallel:
+                coord: dict, dtype: torch.dtype, recipe=None, reduce_weight_amax: bool = True) -> Parallel:
     """Replace every parameter by this rank's shard and attach a :class:`Parallel` context.
 
-    ``weight_amax_group`` overrides the group a GTP shard's per-tensor amax is reduced over
-    (default: the GTP group); None leaves it unreduced.
+    ``reduce_weight_amax=False`` quantizes GTP weight shards with their own per-tensor amax
+    (the planted fault ``fp8-unreduced-amax``).
     """
     groups = comm.groups_for(side)
     par = Parallel(side=side, coord=coord, groups=groups, recipe=recipe)
     layouts = {n: layout_of(s, side) for n, s in specs.items()}
-    if weight_amax_group is ...:
-        weight_amax_group = groups.gtp
     for name, p in model.named_parameters():
         lay = layouts[name]
         with torch.no_grad():
@@ -137,8 +135,8 @@ def shard_model(model: GPT, side: Side, specs: dict[str, ParamSpec], state: dict
         st = LayerState(name=name, layout=lay, pad=lay.pads.get("gtp", 0) if "gtp" in lay.placements else 0)
         if recipe is not None and isinstance(module, Linear):
             st.quantizers = fp8.layer_quantizers(
-                recipe, amax_group=groups.amax,
-                weight_group=weight_amax_group if "gtp" in lay.placements else None,
+                recipe, amax_group=groups.amax, gtp_group=groups.gtp, gtp_weight="gtp" in lay.placements,
+                reduce_weight_amax=reduce_weight_amax,
                 seed=fp8.layer_seed(side.seed, name, coord["tp"], coord["data"]),
             )  # fmt: skip
             if "gtp" in lay.placements:
