@@ -60,6 +60,40 @@ def _with_fault(s, names: list[str], role: str):
     return dataclasses.replace(s, **{role: side})
 
 
+def _cmd_matrix(args) -> int:
+    from harness import report, scenario
+    from harness.errors import EXIT_PARITY_FAIL
+    from harness.session import run_scenarios
+
+    if args.update_baseline and not args.baseline:
+        raise BadInput("--update-baseline", "needs --baseline DIR to write to")
+    out, scenarios = Path(args.out), scenario.load(args.matrix)
+    code = run_scenarios(scenarios, out, parallel=args.jobs, verbose=True)
+    print(f"report: {report.write_index(out, Path(args.report))}")
+    junit = Path(args.junit) if args.junit else Path(args.report) / "junit.xml"
+    print(f"junit: {report.write_junit(out, junit)}")
+    if args.update_baseline:
+        print(f"baseline written: {report.update_baseline(out, Path(args.baseline))}")
+    elif args.baseline:
+        diffs = report.compare_to_baseline(out, Path(args.baseline))
+        for d in diffs:
+            print(f"baseline: {d}")
+        if diffs:
+            code = max(code, EXIT_PARITY_FAIL)
+    return code
+
+
+def _cmd_report(args) -> int:
+    from harness import report
+
+    if not (Path(args.run) / "summary.json").exists():
+        raise BadInput(args.run, "not a run folder (no summary.json)")
+    print(f"report: {report.write_index(Path(args.run), Path(args.out))}")
+    if args.junit:
+        print(f"junit: {report.write_junit(Path(args.run), Path(args.junit))}")
+    return 0
+
+
 def _cmd_compare(args) -> int:
     from harness.session import compare_traces
 
@@ -86,6 +120,23 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                    help="launches run at once (default: 2)")
     r.set_defaults(fn=_cmd_run)
+
+    m = sub.add_parser("matrix", help="run a matrix, write the HTML report and JUnit, gate on parity")
+    m.add_argument("matrix", nargs="?", default="scenarios/default.toml",
+                   help="scenario or matrix TOML file (default: scenarios/default.toml)")
+    m.add_argument("--out", default="runs/default", help="run folder (default: runs/default)")
+    m.add_argument("--report", default="reports", help="index.html, scenarios/<name>.html, summary.json, junit.xml")
+    m.add_argument("--junit", metavar="FILE", help="JUnit XML path (default: REPORT/junit.xml)")
+    m.add_argument("--baseline", metavar="DIR", help="fail if verdicts or step scalars differ from this baseline")
+    m.add_argument("--update-baseline", action="store_true", help="write --baseline from this run instead")
+    m.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="launches run at once")
+    m.set_defaults(fn=_cmd_matrix)
+
+    rp = sub.add_parser("report", help="rebuild the HTML report of an existing run folder")
+    rp.add_argument("run")
+    rp.add_argument("--out", default="reports")
+    rp.add_argument("--junit", metavar="FILE")
+    rp.set_defaults(fn=_cmd_report)
 
     c = sub.add_parser("compare", help="compare existing traces offline")
     c.add_argument("reference")

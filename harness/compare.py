@@ -284,6 +284,9 @@ def _scalar_row(step, name, r, c, g, policy) -> dict:
     gt = torch.tensor([g], dtype=torch.float64) if g is not None else None
     m = metrics(rt, ct)
     passed, used, bound = judge(policy, step, rt, ct, gt, m)
+    if g is not None:
+        m.setdefault("ref_err_golden", abs(r - g))
+        m.setdefault("cand_err_golden", abs(c - g))
     return {"step": step, "kind": "scalar", "tensor": name, "passed": passed, "policy": used,
             "bound": bound, "dtype": "float32", "shape": [], "ref_value": r, "cand_value": c,
             "golden_value": g, **m}  # fmt: skip

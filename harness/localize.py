@@ -256,6 +256,9 @@ def summarize(df: pd.DataFrame, logical: dict, traces: dict, policy) -> dict:
     ranks = first.get("ranks")
     if not isinstance(ranks, list):
         ranks = region.get("ranks")
+    if sig.startswith("ratio") or sig in ("missing-gradient", "stale-update"):
+        # A whole-tensor pattern: every rank holding the tensor shows it, not only the worst one.
+        ranks = sorted(int(r) for r in traces["candidate"].coords())
     doc.update(verdict="fail", first_divergence={
         "step": step, "phase": phase_of(kind, name), "kind": kind, "tensor": name,
         "ranks": ranks, "region": region, "signature": sig, "explanation": SIGNATURES.get(sig, ""),

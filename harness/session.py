@@ -35,7 +35,8 @@ def run_scenarios(scenarios: list[Scenario], out: Path, parallel: int = 2, verbo
     skipped = []
     for s in scenarios:
         if (reason := skip_reason(s)) is not None:
-            doc = {"scenario": s.name, "verdict": "skip", "reason": reason, "axes": dict(s.axes)}
+            doc = {"scenario": s.name, "verdict": "skip", "reason": reason, "axes": dict(s.axes),
+                   "config": _config(s)}
             write_json(out / "scenarios" / s.name / "summary.json", doc)
             say(f"== {s.name}: skipped: {reason}")
             skipped.append(doc)
@@ -51,8 +52,8 @@ def run_scenarios(scenarios: list[Scenario], out: Path, parallel: int = 2, verbo
         sdir = out / "scenarios" / s.name
         failed = {role: failures[j.key] for role, j in jobs.items() if j.key in failures}
         if failed:
-            summary = {"scenario": s.name, "verdict": "error", "error": failed,
-                       "traces": {r: j.trace_dir for r, j in jobs.items()}}  # fmt: skip
+            summary = {"scenario": s.name, "verdict": "error", "error": failed, "axes": dict(s.axes),
+                       "config": _config(s), "traces": {r: j.trace_dir for r, j in jobs.items()}}  # fmt: skip
             write_json(sdir / "summary.json", summary)
             say(f"\n== {s.name}: run failed\n" + "\n".join(f"  {r}: {m}" for r, m in failed.items()))
             worst = max(worst, EXIT_RUN_FAILED)
@@ -93,14 +94,17 @@ def compare_scenario(s: Scenario | None, paths: dict[str, Path], sdir: Path, say
     doc.update(scenario=name, traces={r: str(p) for r, p in paths.items()})
     if s is not None:
         doc["axes"] = dict(s.axes)
-        doc["config"] = {"source": s.source, "description": s.description,
-                         **{r: side.label() for r, side in s.sides.items()}}  # fmt: skip
+        doc["config"] = _config(s)
     write_json(sdir / "summary.json", doc)
     fd = doc.get("first_divergence")
     say(f"verdict: {doc['verdict'].upper()}" + (
         f"  first divergence: step {fd['step']} {fd['phase']} {fd['kind']} {fd['tensor']} "
         f"ranks {fd.get('ranks')} signature {fd['signature']}" if fd else ""))  # fmt: skip
     return doc
+
+
+def _config(s: Scenario) -> dict:
+    return {"source": s.source, "description": s.description, **{r: side.label() for r, side in s.sides.items()}}
 
 
 def compare_traces(ref: Path, cand: Path, golden: Path | None, out: Path) -> int:

@@ -95,7 +95,7 @@ NO_PICTURE = {"input": "sample ids have no shards", "scalar": "a scalar", "loss"
 PICTURE_NOTE = ('<p class="small">The logical tensor cut into its (TP, GTP) shard blocks as the candidate '
                 "holds them; red: the block holding the worst element or the faulty region; hatched: GTP pad "
                 "rows; dot: the worst element.</p>")  # fmt: skip
-DRIFT_NOTE = ('<p class="small">Per step, the largest absolute error of any compared tensor against the '
+DRIFT_NOTE = ('<p class="small">Per step, the largest RMS error of any compared tensor against the '
               "golden run, for each side.</p>")  # fmt: skip
 HEAT_NOTE = ('<p class="small">One column per step within each kind; colour: {unit}; grey: bitwise equal '
              "to the reference; outlined: a comparison in the cell fails. Hover a cell for its worst "
@@ -122,7 +122,7 @@ def _curves(data: ScenarioData) -> str:
         svg.line_chart("grad norm", step_series(data.steps, "grad_norm")),
         svg.line_chart("learning rate (applied)", step_series(data.steps, "lr")),
     ]
-    drift_chart = svg.line_chart("max error vs golden (log)", drift(data.results), log_y=True, width=420)
+    drift_chart = svg.line_chart("max RMS error vs golden (log)", drift(data.results), log_y=True, width=420)
     return (f'<h2>Per-step scalars</h2><div class="charts">{"".join(charts)}</div>'
             f"<h2>Drift against the golden</h2>{DRIFT_NOTE}{drift_chart}")  # fmt: skip
 

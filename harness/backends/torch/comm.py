@@ -57,13 +57,11 @@ def groups_for(side: Side) -> Groups:
     ``dist.new_group`` must be called by every rank for every group in the same order, so
     all groups of an axis are created even where this rank is not a member.
     """
+    if side.world_size == 1 or not dist.is_initialized():
+        return Groups(None, None, None, None, None, None)
     key = (side.world_size, side.tp, side.gtp)
     if key in _CACHE:
         return _CACHE[key]
-    if side.world_size == 1 or not dist.is_initialized():
-        groups = Groups(None, None, None, None, None, None)
-        _CACHE[key] = groups
-        return groups
     rank = dist.get_rank()
     tp, g, dp = side.tp, side.gtp, side.replicate_dp
     coords = [(t, gi, d) for d in range(dp) for gi in range(g) for t in range(tp)]

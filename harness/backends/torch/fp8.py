@@ -113,6 +113,12 @@ def prepare_gtp_weight(
     if isinstance(inner, Float8BlockQuantizer):
         wrapper.copies = inner.quantize(full.detach(), rowwise=True, columnwise=True)
         return
+    block = inner.spec("columnwise").block  # (rows, cols) of a block in the weight's orientation
+    if block is not None and shard.shape[0] % block[0]:
+        raise ValueError(
+            f"a GTP shard of {shard.shape[0]} rows splits the {block[0]}-row blocks of {type(inner).__name__}: "
+            f"pad GTP shards to a multiple of {block[0]} rows (gtp_pad_alignment)"
+        )
     mine = inner.quantize(shard.detach(), rowwise=True, columnwise=True)
     rows = full.shape[0]
     wrapper.copies = Quantized(
