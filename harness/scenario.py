@@ -29,7 +29,7 @@ from harness.errors import BadInput
 BACKENDS = frozenset({"megatron", "torch"})
 PRECISIONS = {
     "megatron": frozenset({"fp32", "bf16"}),
-    "torch": frozenset({"fp64", "fp32"}),
+    "torch": frozenset({"fp64", "fp32", "bf16"}),
 }
 OPTIMIZERS = frozenset({"adam", "sgd"})
 # "none" or a key of harness.quant.RECIPES (kept literal here: parsing needs no torch).
@@ -91,7 +91,7 @@ class Side:
     dp: int | None = None
     """Replicate data-parallel size; derived as world / (TP * G) when omitted."""
     precision: str = "fp32"
-    """Parameter and compute precision: fp32 or bf16 (megatron); fp64 or fp32 (torch)."""
+    """Parameter and compute precision: fp32 or bf16 (megatron); fp64, fp32 or bf16 (torch)."""
     recipe: str = "none"
     """Quantization recipe of the linear GEMMs: none, delayed, float8_current_scaling, mxfp8,
     float8_block_scaling or nvfp4 (Transformer Engine's recipes). The megatron backend needs
@@ -265,7 +265,8 @@ def parse_scenario(raw: dict, source: str) -> Scenario:
     train = raw.get("train", {})
     _build(Side, train, f"{source}: [train]")  # unknown keys in defaults are errors too
     # The golden side inherits training settings but not topology, precision or faults.
-    golden_defaults = {"backend": "torch", "precision": "fp64", "world_size": 1, "tp": 1, "gtp": 1}
+    golden_defaults = {"backend": "torch", "precision": "fp64", "world_size": 1, "tp": 1, "gtp": 1,
+                       "recipe": "none"}
     inherited = {k: v for k, v in train.items() if k not in {*golden_defaults, "dp", "inject"}}
     sides = {
         "reference": {**train, **raw["reference"]},
@@ -364,6 +365,18 @@ def validate(s: Scenario) -> None:
 
             if (problem := check_name(fault)) is not None:
                 raise BadInput(f"{where}.inject", problem)
+        if "fp8-unreduced-amax" in side.inject and (side.backend != "torch" or side.recipe == "none"):
+            raise BadInput(f"{where}.inject", "fp8-unreduced-amax needs the torch backend with a recipe")
+        if side.recipe in _RECIPE_BLOCK:
+            block = _RECIPE_BLOCK[side.recipe]
+            dims = {**{k: v for k, v in _gtp_dim0s(m, side.tp).items()},
+                    "hidden_size": m.hidden_size, "tokens per micro-batch": m.seq_length * d.micro_batch_size}
+            for key, dim in dims.items():
+                if dim % block:
+                    raise BadInput(f"{where}.recipe", f"{side.recipe} needs {key} ({dim}) to be a multiple of {block}")
+            if side.gtp > 1 and side.gtp_pad_alignment % block:
+                raise BadInput(f"{where}.gtp_pad_alignment",
+                               f"{side.recipe} needs GTP shards aligned to its {block}-row blocks")
         if name == "golden" and side.inject:
             raise BadInput(f"{where}.inject", "faults are planted in the reference or candidate, not the golden")
         unit = d.micro_batch_size * side.data_ranks
@@ -383,6 +396,10 @@ def validate(s: Scenario) -> None:
         raise BadInput(f"{src}: [capture].mode", "full or fingerprint")
     if s.compare.policy not in POLICIES:
         raise BadInput(f"{src}: [compare].policy", f"one of {sorted(POLICIES)}")
+
+
+# Block formats need whole blocks along both GEMM dims (TE pads nothing here).
+_RECIPE_BLOCK = {"mxfp8": 32, "nvfp4": 16}
 
 
 def _gtp_dim0s(m: ModelConfig, tp: int) -> dict[str, int]:

@@ -178,10 +178,26 @@ def test_megatron_recipe_without_te_is_skipped_with_the_reason(tmp_path):
 
     from harness.session import run_scenarios
 
-    (s,) = scenario.load(write(tmp_path, with_lines(candidate='recipe = "mxfp8"')))
+    (s,) = scenario.load(write(tmp_path, with_lines(candidate='recipe = "float8_current_scaling"')))
     assert run_scenarios([s], tmp_path / "out") == 0
     doc = json.loads((tmp_path / "out" / "summary.json").read_text())
     (only,) = doc["scenarios"]
     assert doc["verdict"] == "skip" and only["verdict"] == "skip"
     assert "Transformer Engine is not importable" in only["reason"]
     assert not (tmp_path / "out" / "traces").exists()  # nothing was launched
+
+
+@pytest.mark.parametrize("lines, where, rule", [
+    ({"candidate": 'backend = "torch"\nrecipe = "mxfp8"'}, "[candidate].recipe", "mxfp8 needs linear_fc1 (80) to be a multiple of 32"),
+    ({"candidate": 'inject = ["fp8-unreduced-amax"]'}, "[candidate].inject", "needs the torch backend with a recipe"),
+])
+def test_recipe_rules(tmp_path, lines, where, rule):
+    with pytest.raises(BadInput) as err:
+        scenario.load(write(tmp_path, with_lines(**lines)))
+    assert where in str(err.value) and rule in str(err.value)
+
+
+def test_golden_never_inherits_a_recipe(tmp_path):
+    text = with_lines(train='backend = "torch"\nrecipe = "float8_current_scaling"', model="ffn_hidden_size = 64")
+    (s,) = scenario.load(write(tmp_path, text))
+    assert s.candidate.recipe == "float8_current_scaling" and s.golden.recipe == "none"

@@ -1,6 +1,7 @@
 """The torch backend's pieces, in one process: collectives on one-rank groups, the loss, the
-optimizer's counting rules, and the quantized all-gather of GTP shards run by threads standing
-in for the ranks of a GTP group (each thread runs the backend's own code)."""
+optimizer's counting rules, the quantized all-gather of GTP shards run by threads standing in
+for the ranks of a GTP group (each thread runs the backend's own code), and the distributed
+training loop at world 1 against the golden loop."""
 
 import math
 import threading
@@ -9,14 +10,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from harness import trace
+from harness.assemble import assemble_trace
+from harness.backends import Job
 from harness.backends.torch import comm, fp8
+from harness.backends.torch.distributed import run_distributed
 from harness.backends.torch.model import GPT
 from harness.backends.torch.optim import clip, counted, grad_stats, lr_at
 from harness.backends.torch.parallel import shard_model
+from harness.backends.torch.run import run
+from harness.capture import Capture
 from harness.gpt import canonical_state, layout_of, param_specs
-from harness.layout import gtp_pad, shard
+from harness.layout import gtp_pad
 from harness.quant import RECIPES
-from harness.scenario import ModelConfig, Side
+from harness.scenario import CapturePolicy, DataConfig, ModelConfig, Side
 
 
 def test_vocab_parallel_cross_entropy_matches_torch_on_one_rank():
@@ -56,7 +63,8 @@ def test_one_rank_groups_are_none_and_collectives_are_no_ops():
 
 def test_rank_order_is_megatron_cores():
     side = Side(world_size=8, tp=2, gtp=2)
-    assert [comm.rank_of(t, g, d, side) for d in range(2) for g in range(2) for t in range(2)] == list(range(8))
+    order = [comm.rank_of(t, g, d, side) for d in range(2) for g in range(2) for t in range(2)]
+    assert order == list(range(8))
 
 
 def test_counted_once_for_replicated_params_always_for_shards():
@@ -95,8 +103,8 @@ def test_grad_stats_and_clip():
     assert math.isclose(norm, 0.5 * math.sqrt(n - len(specs)), rel_tol=1e-12)
     grads = [p.main_grad for _, p in named]
     clip(grads, 1.0, norm)
-    assert math.isclose(float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads))), norm / (norm + 1e-6) * 1.0,
-                        rel_tol=1e-6)  # fmt: skip
+    clipped = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads)))
+    assert math.isclose(clipped, norm / (norm + 1e-6), rel_tol=1e-6)
 
 
 def test_lr_schedule_in_samples():
@@ -179,7 +187,7 @@ def gathered_copies(recipe_name: str, full: torch.Tensor, g: int, alignment: int
             inner.amax_reduction = group.max_reducer(r)
         q.weight = fp8.GatheredWeight(inner=inner)
         shard_ = padded.chunk(g)[r]
-        fp8.prepare_gtp_weight(q, shard_, full, pad, lambda t: group.exchange(r, t), r)
+        fp8.prepare_gtp_weight(q, shard_, full, lambda t: group.exchange(r, t), r)
         return q.weight.copies
 
     rank.group = group
@@ -227,19 +235,20 @@ def test_block_shards_must_align_to_the_blocks():
 
 def test_layer_quantizers_reduce_amax_over_the_right_group():
     gtp, amax = object(), object()
-    rec = RECIPES["float8_current_scaling"]()
-    q = fp8.layer_quantizers(rec, amax_group=amax, gtp_group=gtp, gtp_weight=True, seed=0)
+
+    def make(name, **kw):
+        return fp8.layer_quantizers(RECIPES[name](), amax_group=amax, gtp_group=gtp, seed=0, **kw)
+
+    q = make("float8_current_scaling", gtp_weight=True)
     assert q.weight.amax_reduction is not None and q.input.amax_reduction is None
     assert q.grad_output.amax_reduction is None
-    q = fp8.layer_quantizers(rec, amax_group=amax, gtp_group=gtp, gtp_weight=False, seed=0)
+    q = make("float8_current_scaling", gtp_weight=False)
     assert q.weight.amax_reduction is None  # GTP off: each TP rank's own weight
-    q = fp8.layer_quantizers(rec, amax_group=amax, gtp_group=gtp, gtp_weight=True, reduce_weight_amax=False, seed=0)
+    q = make("float8_current_scaling", gtp_weight=True, reduce_weight_amax=False)
     assert q.weight.amax_reduction is None
-    delayed = RECIPES["delayed"]()
-    q = fp8.layer_quantizers(delayed, amax_group=amax, gtp_group=gtp, gtp_weight=True, seed=0)
+    q = make("delayed", gtp_weight=True)
     assert all(x.amax_reduction is not None for x in (q.input, q.weight, q.grad_output))
-    q = fp8.layer_quantizers(delayed, amax_group=amax, gtp_group=gtp, gtp_weight=True, reduce_weight_amax=False,
-                             seed=0)  # fmt: skip
+    q = make("delayed", gtp_weight=True, reduce_weight_amax=False)
     assert q.weight.amax_reduction is None and q.input.amax_reduction is not None
 
 
@@ -259,3 +268,61 @@ def test_shard_model_cuts_and_marks_gtp_shards_like_megatron_core():
     ln = params["decoder.layers.0.input_layernorm.weight"]
     assert ln.shape == (32,) and not getattr(ln, "is_gtp_weight_remat", False)
     assert all(p.main_grad.dtype == torch.float32 and not p.main_grad.any() for p in params.values())
+
+
+# --- the training loops in one process (no launch) ---
+
+
+def run_side(tmp_path, name, side, m, d):
+    """Train ``side`` in this process (the golden loop, or the distributed one if ``name`` says)."""
+    job = Job(key=name, model=m, data=d, side=side, capture=CapturePolicy(), trace_dir=str(tmp_path / name))
+    cap = Capture(job.trace_dir, rank=0, world_size=1, coord={"tp": 0, "gtp": 0, "dp": 0},
+                  mesh={"tp": 1, "gtp": 1, "dp": 1}, policy=job.capture)  # fmt: skip
+    if name == "distributed":
+        run_distributed(job, cap)
+    else:
+        run(job, cap)
+    cap.close()
+    Capture.finalize(job.trace_dir, world_size=1, coords={0: {"tp": 0, "gtp": 0, "dp": 0}}, mesh=cap.mesh)
+    return trace.read(job.trace_dir)
+
+
+TINY = ModelConfig(num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attention_heads=2,
+                   seq_length=32, vocab_size=64)  # fmt: skip
+
+
+def test_micro_batched_loop_trains_like_the_golden_loop(tmp_path):
+    """The distributed loop at world 1 (4 micro-batches, vocab-parallel CE, loss / tokens / M,
+    main_grad accumulation, clipping) against the golden loop (one batch): same training."""
+    d = DataConfig(seed=3, micro_batch_size=1, global_batch_size=4)
+    side = Side(backend="torch", precision="fp64", optimizer="adam", lr=1e-2, clip_grad=0.5, steps=2)
+    gold = assemble_trace(run_side(tmp_path, "golden", side, TINY, d))
+    dist_ = assemble_trace(run_side(tmp_path, "distributed", side, TINY, d))
+    keys = [k for k in gold.tensors if k[1] in ("main_grad", "param", "exp_avg", "exp_avg_sq") and k[0] > 0]
+    assert len(keys) == 2 * 4 * 13  # steps x kinds x parameters
+    for k in keys:
+        torch.testing.assert_close(dist_.tensors[k], gold.tensors[k], rtol=1e-10, atol=1e-13, msg=str(k))
+
+
+def test_recipe_side_runs_in_one_process(tmp_path):
+    d = DataConfig(seed=3, micro_batch_size=1, global_batch_size=2)
+    side = Side(backend="torch", world_size=1, precision="fp32", recipe="float8_current_scaling", steps=1)
+    q = assemble_trace(run_side(tmp_path, "fp8", side, TINY, d))
+    golden_side = Side(backend="torch", precision="fp64", steps=1)
+    gold = assemble_trace(run_side(tmp_path, "golden", golden_side, TINY, d))
+    logits_q = torch.stack([q.samples[(1, "logits", "output_layer")][i] for i in (0, 1)])
+    logits_g = torch.stack([gold.samples[(1, "logits", "output_layer")][i] for i in (0, 1)])
+    err = float((logits_q.double() - logits_g).abs().max())
+    assert 1e-4 < err < 0.1  # FP8 error: far above fp32 rounding, far below a wrong result
+
+
+def test_faults_the_backend_cannot_plant_are_refused():
+    from harness.backends.torch.distributed import check_faults
+
+    check_faults(Side(backend="torch", world_size=2, gtp=2, recipe="nvfp4", inject=("fp8-unreduced-amax",)))
+    with pytest.raises(ValueError, match="not implemented by the torch backend"):
+        check_faults(Side(backend="torch", world_size=2, gtp=2, inject=("gtp-rs-no-prescale",)))
+    with pytest.raises(ValueError, match="per-tensor amax"):
+        check_faults(Side(backend="torch", world_size=2, gtp=2, recipe="mxfp8", inject=("fp8-unreduced-amax",)))
+    with pytest.raises(ValueError, match="GTP > 1"):
+        check_faults(Side(backend="torch", world_size=2, recipe="delayed", inject=("fp8-unreduced-amax",)))

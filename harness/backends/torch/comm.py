@@ -144,7 +144,7 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return all_reduce(grad.contiguous(), ctx.group), None
+        return all_reduce(grad.contiguous().clone(), ctx.group), None
 
 
 class _ReduceFromTP(torch.autograd.Function):

@@ -11,7 +11,12 @@ One step, as megatron-core and Megatron-LM run it (no pipelining):
    average over the GTP group for params not GTP-sharded (``finalize_model_grads``): rank
    (t, g, d) then holds its rows of the DP x G mean gradient;
 4. grad norm and zero count over every shard (replicated params counted once), clipping,
-   the optimizer on the shards, the loss summed over the data group (GTP x DP) for the log.
+   the optimizer on the shards (on fp32 masters for bf16 params, copied back rounded), the
+   loss summed over the data group (GTP x DP) for the log.
+
+bf16 runs as megatron-core's ``Float16Module`` does: bf16 params and compute, fp32 softmax
+and cross entropy, fp32 ``main_grad`` (GTP weight grads reduce-scattered in bf16, as the
+0.19.2 local path does, then added in).
 
 Everything is recorded as the megatron backend records it: same kinds, canonical names,
 layouts and scalars.
@@ -37,14 +42,25 @@ from .run import DTYPES, capture_optimizer_state, module_map
 # Planted faults this backend implements (the others patch megatron-core).
 SUPPORTED_FAULTS = frozenset({"fp8-unreduced-amax", "gtp-peers-same-sample", "gtp-pad-leak",
                               "optimizer-skips-weight"})  # fmt: skip
+# Recipes whose weight quantization has a per-tensor amax (the others are block-scaled only).
+PER_TENSOR_AMAX = frozenset({"delayed", "float8_current_scaling", "nvfp4"})
 
 
-def run_distributed(job: Job, cap: Capture) -> None:
-    side, m = job.side, job.model
+def check_faults(side) -> None:
+    """Refuse planted faults this backend cannot plant on ``side`` (rather than run clean)."""
     for name in side.inject:
         if name in faults.CATALOG and name not in SUPPORTED_FAULTS:
             raise ValueError(f"fault {name!r} is not implemented by the torch backend; "
                              f"it implements {sorted(SUPPORTED_FAULTS)}")  # fmt: skip
+    if "fp8-unreduced-amax" in side.inject and (side.gtp == 1 or side.recipe not in PER_TENSOR_AMAX):
+        raise ValueError(f"fp8-unreduced-amax needs GTP > 1 and a recipe with a per-tensor amax "
+                         f"({', '.join(sorted(PER_TENSOR_AMAX))}); got gtp={side.gtp}, "
+                         f"recipe={side.recipe}")  # fmt: skip
+
+
+def run_distributed(job: Job, cap: Capture) -> None:
+    side, m = job.side, job.model
+    check_faults(side)
     rank = dist.get_rank() if dist.is_initialized() else 0
     coord = data_mod.coord(rank, side)
     dtype = DTYPES[side.precision]
@@ -58,7 +74,8 @@ def run_distributed(job: Job, cap: Capture) -> None:
     faults.install(side.inject, ctx)
     try:
         groups = comm.groups_for(side)
-        reduce_amax = faults.amax_reduction_group(ctx, groups.gtp) is not None or groups.gtp is None
+        # The fault hook answers None where a GTP shard's amax must go unreduced.
+        reduce_amax = groups.gtp is None or faults.amax_reduction_group(ctx, groups.gtp) is not None
         par = shard_model(model, side, specs, canonical_state(m, side.seed), coord, dtype, recipe,
                           reduce_weight_amax=reduce_amax)  # fmt: skip
         _train(job, cap, model, par, ctx)
@@ -77,7 +94,11 @@ def _train(job: Job, cap: Capture, model: GPT, par: Parallel, ctx: faults.Contex
     cap.info["gtp_params"] = {n: None for n, p in named if getattr(p, "is_gtp_weight_remat", False)}
     cap.info["data_parallel_rank"] = coord["data"]
     cap.info["data_parallel_size"] = side.data_ranks
-    opt = build_optimizer(side, model)
+    masters = _masters(named) if side.precision == "bf16" else {}
+    opt = build_optimizer(side, [(n, masters.get(n, p)) for n, p in named])
+    if masters:  # megatron-core's Float16 optimizer names, which the fault hooks read
+        opt.float16_groups = [[p for _, p in named]]
+        opt.fp32_from_float16_groups = [[masters[n] for n, _ in named]]
     ctx.optimizer = opt
 
     cap.begin_step(0)
@@ -117,12 +138,16 @@ def _train(job: Job, cap: Capture, model: GPT, par: Parallel, ctx: faults.Contex
         cap.params("param_before", named, layout_of_name)
         cap.progress("optimizer")
         faults.before_step(ctx)
-        for _, p in named:
-            p.grad = p.main_grad
+        for name, p in named:
+            masters.get(name, p).grad = p.main_grad
         opt.step()
+        with torch.no_grad():
+            for name, p in named:
+                if name in masters:
+                    p.copy_(masters[name])  # fp32 master -> bf16 param, round to nearest even
         faults.after_step(ctx)
         cap.params("param", named, layout_of_name)
-        capture_optimizer_state(cap, opt, named, layout_of_name)
+        capture_optimizer_state(cap, opt, named, layout_of_name, masters)
 
         total = comm.all_reduce(torch.stack(totals).sum(0), groups.data)
         cap.scalar("reduced_loss", (total[0] / total[1]).item())
@@ -154,6 +179,11 @@ def _micro_batch(cap: Capture, model: GPT, par: Parallel, mb: int, ids: list[int
             p.main_grad.add_(p.grad)
             p.grad = None
     return torch.cat([loss.detach().view(1), num_tokens.to(acc).view(1)])
+
+
+def _masters(named) -> dict[str, torch.Tensor]:
+    """fp32 copies of bf16 params, which the optimizer steps (megatron-core's Float16 optimizer)."""
+    return {n: torch.nn.Parameter(p.detach().float(), requires_grad=True) for n, p in named}
 
 
 def _finalize(named, groups: comm.Groups) -> None:

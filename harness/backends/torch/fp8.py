@@ -30,7 +30,14 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from harness.quant import RECIPES, Float8BlockQuantizer, LinearQuantizers, Quantized, QuantizedTensor, Quantizer
+from harness.quant import (
+    RECIPES,
+    Float8BlockQuantizer,
+    LinearQuantizers,
+    Quantized,
+    QuantizedTensor,
+    Quantizer,
+)
 from harness.quant.formats import E2M1
 from harness.quant.quantizers import DelayedScalingQuantizer
 
@@ -52,8 +59,9 @@ def max_reducer(group) -> Optional[Callable[[torch.Tensor], None]]:
     return lambda amax: dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
 
 
-def layer_quantizers(recipe, *, amax_group, gtp_group, gtp_weight: bool, reduce_weight_amax: bool = True,
-                     seed: int) -> LinearQuantizers:
+def layer_quantizers(
+    recipe, *, amax_group, gtp_group, gtp_weight: bool, reduce_weight_amax: bool = True, seed: int
+) -> LinearQuantizers:
     """One linear layer's quantizers with the amax reductions described in the module docstring.
 
     ``gtp_weight``: the layer's weight is a GTP shard. ``reduce_weight_amax=False`` leaves a
@@ -75,7 +83,7 @@ def layer_seed(seed: int, name: str, tp_rank: int, data_rank: int) -> int:
 @dataclass(kw_only=True)
 class GatheredWeight(Quantizer):
     """Stands in for the weight quantizer of a GTP layer: the copies were made shard by shard
-    and gathered before the GEMM (``prepare``), and ``quantize`` hands them over."""
+    and gathered before the GEMM (:func:`prepare_gtp_weight`); ``quantize`` hands them over."""
 
     inner: Quantizer
     """The recipe's weight quantizer, applied to the shard."""
@@ -99,7 +107,7 @@ class GatheredWeight(Quantizer):
 
 
 def prepare_gtp_weight(
-    quantizers: LinearQuantizers, shard: torch.Tensor, full: torch.Tensor, pad: int, gather: Gather, local: int
+    quantizers: LinearQuantizers, shard: torch.Tensor, full: torch.Tensor, gather: Gather, local: int
 ) -> None:
     """Quantize this rank's (padded) shard and gather the copies into ``quantizers.weight``.
 
@@ -116,8 +124,8 @@ def prepare_gtp_weight(
     block = inner.spec("columnwise").block  # (rows, cols) of a block in the weight's orientation
     if block is not None and shard.shape[0] % block[0]:
         raise ValueError(
-            f"a GTP shard of {shard.shape[0]} rows splits the {block[0]}-row blocks of {type(inner).__name__}: "
-            f"pad GTP shards to a multiple of {block[0]} rows (gtp_pad_alignment)"
+            f"a GTP shard of {shard.shape[0]} rows splits the {block[0]}-row blocks of "
+            f"{type(inner).__name__}: pad GTP shards to a multiple of {block[0]} rows (gtp_pad_alignment)"
         )
     mine = inner.quantize(shard.detach(), rowwise=True, columnwise=True)
     rows = full.shape[0]

@@ -1,7 +1,8 @@
 """Optimizer, LR schedule, grad norm and clipping, for full tensors or shards alike.
 
 AdamW (decoupled weight decay, as megatron-core's Adam) or SGD with megatron-core's parameter
-groups (no weight decay on 1-D params and biases); global grad-norm clipping with the
+groups (no weight decay on 1-D params and biases), on the params or, for bf16 params, on fp32
+master copies (megatron-core's Float16 optimizer); global grad-norm clipping with the
 ``max_norm / (norm + 1e-6)`` coefficient; Megatron-LM's LR schedule counted in samples,
 written out here independently so it checks megatron-core's too. Every update is elementwise,
 so a shard steps exactly as its rows of the full tensor do (GTP pad rows have zero grads and
@@ -40,14 +41,16 @@ def lr_at(side: Side, step: int, global_batch: int) -> float:
     return side.min_lr + coeff * (side.lr - side.min_lr)
 
 
-def build_optimizer(side: Side, model: torch.nn.Module) -> torch.optim.Optimizer:
+def build_optimizer(side: Side, named: Iterable[tuple[str, torch.Tensor]]) -> torch.optim.Optimizer:
+    """The optimizer over (canonical name, tensor) pairs: the params, or their fp32 masters."""
     decay, no_decay = [], []
-    for name, p in model.named_parameters():
+    for name, p in named:
         (no_decay if p.dim() == 1 or name.endswith(".bias") else decay).append(p)
     groups = [{"params": decay, "weight_decay": side.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]  # fmt: skip
     if side.optimizer == "adam":
-        return torch.optim.AdamW(groups, lr=side.lr, betas=(side.adam_beta1, side.adam_beta2), eps=side.adam_eps)
+        betas = (side.adam_beta1, side.adam_beta2)
+        return torch.optim.AdamW(groups, lr=side.lr, betas=betas, eps=side.adam_eps)
     return torch.optim.SGD(groups, lr=side.lr, momentum=side.sgd_momentum)
 
 
@@ -64,7 +67,8 @@ def counted(param: torch.Tensor, layout, coord: dict) -> bool:
     """Whether this rank's copy of a grad enters the norm and the zero count, as megatron-core
     counts them: shards of TP- or GTP-sharded params always, a param replicated over TP and
     GTP only on TP rank 0 and GTP rank 0 (DP replicas each compute the same total)."""
-    if getattr(param, "is_gtp_weight_remat", False) or "tp" in layout.placements and layout.mesh.get("tp", 1) > 1:
+    tp_sharded = "tp" in layout.placements and layout.mesh.get("tp", 1) > 1
+    if tp_sharded or getattr(param, "is_gtp_weight_remat", False):
         return True
     return coord["tp"] == 0 and coord["gtp"] == 0
 

@@ -1,17 +1,20 @@
 """TP x GTP x DP for the torch GPT: shard the model, run its GEMMs and lookups distributed.
 
-:func:`shard_model` cuts the canonical weights into this rank's shards with the same
-layouts megatron-core uses (``harness.gpt.layout_of``: TP outer, GTP inner on dim 0 of the
-TP-local block, pad rows at the tail), gives every parameter an fp32 ``main_grad`` and marks
-GTP shards as megatron-core does (``is_gtp_weight_remat``, ``pad_length``). The returned
-:class:`Parallel` context is attached to the linear layers and the word embedding:
+:func:`shard_model` cuts the canonical weights into this rank's shards with the same layouts
+megatron-core uses (``harness.gpt.layout_of``: TP outer, GTP inner on dim 0 of the TP-local
+block, pad rows at the tail), gives every parameter an fp32 ``main_grad`` (fp64 for fp64
+params) and marks GTP shards as megatron-core does (``is_gtp_weight_remat``,
+``pad_length``). The returned :class:`Parallel` context is attached to the linear layers and
+the word embedding:
 
 - column-parallel (``linear_qkv``, ``linear_fc1``, ``output_layer``): input copied to the TP
   region; row-parallel (``linear_proj``, ``linear_fc2``): output SUM all-reduced over TP;
 - GTP weights all-gathered over the GTP group just before their GEMM (pad stripped), the
   weight gradient reduce-scattered back (``comm.gather_gtp``);
 - vocab-parallel embedding: masked lookup in the TP-local (gathered) table, SUM over TP;
-- with a recipe, every GEMM goes through ``harness.quant.quantized_linear`` (see ``fp8``).
+- with a recipe, every GEMM of a layer TE would own (qkv, proj, fc1, fc2; not the output
+  layer, which megatron-core keeps in high precision) goes through
+  ``harness.quant.quantized_linear`` (see ``fp8``).
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
-from torch.distributed.tensor import Shard
 
 from harness.gpt import ParamSpec, layout_of
 from harness.layout import Layout, shard
@@ -63,7 +65,11 @@ class Parallel:
     # --- layers ---
 
     def weight(self, module) -> torch.Tensor:
-        """The TP-local weight the layer computes with: the gathered GTP weight, or the param."""
+        """The TP-local weight the layer computes with: the gathered GTP weight, or the param.
+
+        This high-precision gathered weight is what ``on_gather`` records (``materialized``),
+        as megatron-core's BF16 GTP gathers it; with a recipe, its FP8 copies are made shard by
+        shard and gathered separately (``fp8.prepare_gtp_weight``)."""
         st = self.layers[id(module)]
         if not self.gtp_on or "gtp" not in st.layout.placements:
             return module.weight
@@ -77,12 +83,12 @@ class Parallel:
         if module.kind == "column":
             x = comm.copy_to_tp(x, self.groups.tp)
         w = self.weight(module)
-        if self.recipe is None:
+        if st.quantizers is None:  # no recipe, or a layer TE does not own (the output layer)
             y = torch.nn.functional.linear(x, w)
         else:
             if w is not module.weight:
-                fp8.prepare_gtp_weight(st.quantizers, module.weight, w, st.pad,
-                                       fp8.group_gather(self.groups.gtp), self.coord["gtp"])  # fmt: skip
+                gather = fp8.group_gather(self.groups.gtp)
+                fp8.prepare_gtp_weight(st.quantizers, module.weight, w, gather, self.coord["gtp"])
             y = quantized_linear(x, w, self.recipe, st.quantizers)
             if w is not module.weight:
                 fp8.update_weight_scale(st.quantizers)
@@ -133,7 +139,9 @@ def shard_model(model: GPT, side: Side, specs: dict[str, ParamSpec], state: dict
         name = f"{mname}.weight"
         lay = layouts[name]
         st = LayerState(name=name, layout=lay, pad=lay.pads.get("gtp", 0) if "gtp" in lay.placements else 0)
-        if recipe is not None and isinstance(module, Linear):
+        # megatron-core's output layer is a plain ColumnParallelLinear even in the TE layer spec:
+        # TE's recipes never quantize it, so it stays in high precision here too.
+        if recipe is not None and isinstance(module, Linear) and mname != "output_layer":
             st.quantizers = fp8.layer_quantizers(
                 recipe, amax_group=groups.amax, gtp_group=groups.gtp, gtp_weight="gtp" in lay.placements,
                 reduce_weight_amax=reduce_weight_amax,
@@ -158,7 +166,3 @@ def _check_tp_local_shapes(model: GPT, layouts: dict[str, Layout], side: Side) -
 def tp_local(layout: Layout) -> Layout:
     """Layout of a gathered (materialized) weight: the param's TP placement only."""
     return Layout(layout.logical_shape, layout.mesh, {"tp": layout.placement("tp")})
-
-
-def is_tp_sharded(layout: Layout) -> bool:
-    return isinstance(layout.placement("tp"), Shard)

@@ -1,10 +1,10 @@
 """The ``torch`` backend: the golden model in one process, or TP x GTP x DP with FP8 recipes.
 
-One process without a recipe, it is the golden model (fp64 or fp32): the token mean of the
-cross entropy over the whole global batch in one forward, full tensors, the optimizer and
-schedule of :mod:`.optim`. Any other side (several ranks, or a quantization recipe) runs the
-distributed path (:mod:`.distributed`): megatron-core's layouts, reductions, data
-distribution and loss normalization, on torch.distributed.
+One process, fp64 or fp32 and no recipe, it is the golden model: the token mean of the cross
+entropy over the whole global batch in one forward, full tensors, the optimizer and schedule
+of :mod:`.optim`. Any other side (several ranks, a quantization recipe, or bf16 params with
+fp32 masters) runs the distributed path (:mod:`.distributed`): megatron-core's layouts,
+reductions, data distribution, loss normalization and mixed precision, on torch.distributed.
 """
 
 from __future__ import annotations
@@ -19,13 +19,14 @@ from harness.gpt import canonical_state, layout_of, param_specs
 from .model import GPT, token_losses
 from .optim import build_optimizer, clip, lr_at
 
-DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
 
 __all__ = ["DTYPES", "lr_at", "run"]
 
 
 def run(job: Job, cap: Capture) -> None:
-    if job.side.world_size == 1 and job.side.recipe == "none":
+    side = job.side
+    if side.world_size == 1 and side.recipe == "none" and side.precision in ("fp64", "fp32"):
         _run_golden(job, cap)
     else:
         from .distributed import run_distributed
@@ -46,7 +47,7 @@ def _run_golden(job: Job, cap: Capture) -> None:
     named = list(model.named_parameters())
     layout_of_name = lambda name, p: layouts[name]  # noqa: E731
     cap.attach(module_map(model), vocab_parallel=["output_layer"])
-    opt = build_optimizer(side, model)
+    opt = build_optimizer(side, named)
 
     cap.begin_step(0)
     cap.params("param", named, layout_of_name)
@@ -98,12 +99,17 @@ def module_map(model: GPT) -> dict[str, torch.nn.Module]:
     return modules
 
 
-def capture_optimizer_state(cap: Capture, opt, named, layout_of_name) -> None:
-    """Adam moments or the SGD momentum (as ``exp_avg``) per parameter, in its layout."""
+def capture_optimizer_state(cap: Capture, opt, named, layout_of_name, masters: dict | None = None) -> None:
+    """Adam moments or the SGD momentum (as ``exp_avg``) per parameter, and its fp32 master
+    where there is one, in the parameter's layout."""
     if not cap.wants("optimizer"):
         return
+    masters = masters or {}
     for name, p in named:
-        st = opt.state.get(p, {})
+        master = masters.get(name, p)
+        if master is not p:
+            cap.tensor("master", name, master, layout=layout_of_name(name, p))
+        st = opt.state.get(master, {})
         for key in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
             if st.get(key) is not None:
                 cap.tensor("exp_avg" if key == "momentum_buffer" else key, name, st[key],

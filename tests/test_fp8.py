@@ -1,0 +1,81 @@
+"""FP8 / FP4 recipes across GTP on the torch backend: the scenarios/fp8.toml matrix (5 recipes x
+TP 1 / 2, GTP 2 vs off) passes with no false alarm, and the planted fp8-unreduced-amax fault
+(tests/assets/fp8_fault.toml) is localized. Both files run in one session: one launch per
+world size."""
+
+import fnmatch
+import json
+
+import pytest
+
+from harness import scenario
+from harness.faults import CATALOG
+from harness.session import run_scenarios
+from tests.helpers import ASSETS, ROOT, results, summary
+
+pytestmark = pytest.mark.multirank
+
+RECIPES = ["delayed", "current", "mxfp8", "block", "nvfp4"]
+CLEAN = [f"{r}-tp{tp}" for r in RECIPES for tp in (1, 2)]
+FAULT = "fault-fp8-unreduced-amax"
+
+
+@pytest.fixture(scope="module")
+def fp8_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fp8")
+    scenarios = scenario.load(ROOT / "scenarios/fp8.toml") + scenario.load(ASSETS / "fp8_fault.toml")
+    code = run_scenarios(scenarios, out, parallel=2)
+    doc = json.loads((out / "summary.json").read_text())
+    assert code == 1, doc  # the planted fault fails, nothing else
+    return out
+
+
+def test_matrix_is_the_product_of_recipes_and_tp():
+    names = [s.name for s in scenario.load(ROOT / "scenarios/fp8.toml")]
+    assert sorted(names) == sorted(CLEAN)
+    for s in scenario.load(ROOT / "scenarios/fp8.toml"):
+        assert s.reference.recipe == s.candidate.recipe != "none" and s.golden.recipe == "none"
+        assert (s.reference.gtp, s.candidate.gtp) == (1, 2)
+        assert s.reference.tp == s.candidate.tp and s.reference.world_size == s.candidate.world_size
+        assert s.candidate.gtp_pad_alignment == (32 if s.candidate.recipe == "mxfp8" else 16)
+
+
+@pytest.mark.parametrize("name", CLEAN)
+def test_clean_scenario_passes(fp8_run, name):
+    out = fp8_run
+    assert summary(out, name)["verdict"] == "pass", summary(out, name)["first_divergence"]
+    df = results(out, name)
+    later = df[df["step"] > 0]
+    # The quantized all-gather is exact: the step-1 forward is bitwise the GTP-off one (later
+    # steps read weights updated from gradients summed in another order) ...
+    fwd = later[later["kind"].isin(["activation", "logits", "loss"]) & (later["step"] == 1)]
+    assert len(fwd) and fwd["bitwise_equal"].all()
+    # ... and every tensor is as far from the golden as the reference's (reduction order only).
+    ratio = (later["cand_err_golden"] / later["ref_err_golden"]).dropna()
+    assert ratio.max() < 1.001, later.loc[ratio.idxmax(), ["step", "kind", "tensor"]]
+    assert later["scaled_ulp"].max() <= 4
+
+
+def test_the_recipes_really_quantize(fp8_run):
+    out = fp8_run
+    err = {n: results(out, n).query("step == 1 and kind == 'logits'")["ref_err_golden"].item() for n in CLEAN}
+    assert min(err.values()) > 1e-3  # FP8 error in the logits: 7e-3 to 3e-2 (fp32 alone: ~1e-6)
+    assert err["nvfp4-tp1"] > 2 * err["current-tp1"]  # E2M1 is coarser than E4M3
+    assert err["delayed-tp1"] != err["current-tp1"]
+
+
+def test_planted_unreduced_amax_is_localized(fp8_run):
+    out = fp8_run
+    s = summary(out, FAULT)
+    fd, expect = s["first_divergence"], CATALOG["fp8-unreduced-amax"].expect
+    assert s["verdict"] == "fail"
+    keys = ("step", "kind", "signature")
+    assert [fd[k] for k in keys] == [expect[k] for k in keys], fd
+    assert fnmatch.fnmatchcase(fd["tensor"], expect["tensor"]), fd
+    assert fd["tolerance"]["recipe"] == "float8_current_scaling"
+    m = fd["metrics"]
+    assert m["cand_err_golden"] > 1.25 * m["ref_err_golden"]  # beyond the FP8 noise floor (k = 1.25)
+    df = results(out, FAULT)
+    weights = df[df["kind"].isin(["materialized", "param_before"]) & (df["step"] == 1)]
+    assert weights["bitwise_equal"].all()  # the high-precision weights are right; their FP8 copies are not
+
