@@ -25,6 +25,14 @@ from harness.errors import RunFailed
 from harness.trace import write_json
 
 
+STARTUP_S = 180.0
+"""Seconds a launch may take to start a side (process start, imports) beyond its own timeout."""
+
+
+def _any_heartbeat(job: Job, world: int) -> bool:
+    return any((Path(job.trace_dir) / f"rank{r}" / "progress.json").exists() for r in range(world))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -76,15 +84,20 @@ def launch(jobs: list[Job], *, world: int, timeout_s: dict[str, float], workdir:
             env=env, start_new_session=True,
         )  # fmt: skip
         try:
-            current, since = None, time.monotonic()
+            current, became, since = None, time.monotonic(), None
             while (rc := proc.poll()) is None:
                 job = _current_job(jobs)
                 if job is not current:
-                    current, since = job, time.monotonic()
+                    current, became, since = job, time.monotonic(), None
+                if since is None and current is not None and _any_heartbeat(current, world):
+                    since = time.monotonic()
                 budget = timeout_s.get(current.key, 600.0) if current else 60.0
-                if time.monotonic() - since > budget:
+                # A side's clock starts at its first heartbeat; before that, start-up (torchrun,
+                # imports: tens of seconds on a loaded machine) has a budget of its own.
+                waited = time.monotonic() - (since if since is not None else became)
+                if waited > budget + (0 if since is not None else STARTUP_S):
                     raise RunFailed(
-                        f"launch {name} (world {world}) timed out after {budget:.0f} s; "
+                        f"launch {name} (world {world}) timed out after {waited:.0f} s; "
                         + describe_progress(jobs, world) + f"; log: {log_path}"
                     )
                 time.sleep(0.25)

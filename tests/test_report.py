@@ -102,7 +102,7 @@ def test_failing_page_shows_divergence_curves_heatmap_table(report):
     )
     assert "a mean over the GTP group became a sum" in html
     assert "rows 0-48 (GTP block 0)" in html
-    for title in ("reduced loss", "grad norm", "learning rate (applied)", "max error vs golden (log)"):
+    for title in ("reduced loss", "grad norm", "learning rate (applied)", "max RMS error vs golden (log)"):
         assert f'class="ct">{title}</text>' in html
     assert html.count("<polyline") == 3 * 3 + 2  # three sides per curve, two drift lines
     table = html.split('id="results"')[1]
