@@ -32,15 +32,16 @@ def run_scenarios(scenarios: list[Scenario], out: Path, parallel: int = 2, verbo
     """Run, compare and summarize every scenario; return the exit code of the worst."""
     say = print if verbose else (lambda *a, **k: None)
     out.mkdir(parents=True, exist_ok=True)
-    skipped = []
+    skipped, runnable = [], []
     for s in scenarios:
-        if (reason := skip_reason(s)) is not None:
-            doc = {"scenario": s.name, "verdict": "skip", "reason": reason, "axes": dict(s.axes),
-                   "config": _config(s)}
-            write_json(out / "scenarios" / s.name / "summary.json", doc)
-            say(f"== {s.name}: skipped: {reason}")
-            skipped.append(doc)
-    scenarios = [s for s in scenarios if skip_reason(s) is None]
+        if (reason := skip_reason(s)) is None:
+            runnable.append(s)
+            continue
+        doc = {"scenario": s.name, "verdict": "skip", "reason": reason, "axes": dict(s.axes), "config": _config(s)}
+        write_json(out / "scenarios" / s.name / "summary.json", doc)
+        say(f"== {s.name}: skipped: {reason}")
+        skipped.append(doc)
+    scenarios = runnable
     by_scenario = plan(scenarios, out)
     say(f"gtp-parity: {len(scenarios)} scenario(s), "
         f"{len({j.key for r in by_scenario.values() for j in r.values()})} distinct side(s) -> {out}")  # fmt: skip

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from harness import backends, data as data_mod
 from harness.backends import Job
 from harness.capture import Capture
+from harness.gpt import mesh_of
 from harness.scenario import CapturePolicy, DataConfig, ModelConfig, Side
 from harness.trace import write_json
 
@@ -54,7 +55,7 @@ def run_job(job: Job, rank: int, world: int) -> None:
     trace_dir = Path(job.trace_dir)
     side = job.side
     coord = data_mod.coord(rank, side)
-    mesh = {"tp": side.tp, "gtp": side.gtp, "dp": side.replicate_dp}
+    mesh = mesh_of(side)
     cap = Capture(trace_dir, rank=rank, world_size=world, coord=coord, mesh=mesh, policy=job.capture)
     try:
         backends.run(job, cap)

@@ -18,7 +18,7 @@ from harness import faults
 from harness.backends import Job
 from harness.backends.megatron import compat
 from harness.capture import Capture
-from harness.gpt import canonical_state, layout_of, param_specs
+from harness.gpt import canonical_state, layout_of, mesh_of, param_specs
 from harness.layout import Layout, from_mcore_param, shard
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -80,7 +80,7 @@ def _build(job: Job):
         share_embeddings_and_output_weights=not m.untie_embeddings,
         position_embedding_type="learned_absolute",
     )
-    mesh = {"tp": side.tp, "gtp": side.gtp, "dp": side.replicate_dp}
+    mesh = mesh_of(side)
     coord = data_mod.coord(dist.get_rank(), side)
     _load_canonical(model, job, mesh, coord)
     if bf16:
