@@ -256,6 +256,10 @@ def summarize(df: pd.DataFrame, logical: dict, traces: dict, policy) -> dict:
     ranks = first.get("ranks")
     if not isinstance(ranks, list):
         ranks = region.get("ranks")
+    if kind in ("activation", "logits", "loss") and not ranks:
+        ranks, sample = _sample_readers(first, cand, traces["candidate"], step)
+        if sample is not None:
+            region = {**region, "sample_id": sample}
     if sig.startswith("ratio") or sig in ("missing-gradient", "stale-update"):
         # A whole-tensor pattern: every rank holding the tensor shows it, not only the worst one.
         ranks = sorted(int(r) for r in traces["candidate"].coords())
@@ -265,6 +269,20 @@ def summarize(df: pd.DataFrame, logical: dict, traces: dict, policy) -> dict:
         "metrics": metrics, **extra,
     })  # fmt: skip
     return doc
+
+
+def _sample_readers(first: dict, cand, trace, step: int) -> tuple[list[int] | None, int | None]:
+    """The sample holding the worst element and every rank that read it (its TP peers too)."""
+    ids = first.get("sample_ids")
+    idx = first.get("worst_index") or []
+    if not isinstance(ids, list) or not ids:
+        return None, None
+    sample = int(ids[idx[0]]) if idx and idx[0] < len(ids) else int(ids[0])
+    readers = {r for r, read in cand.inputs.get(step, {}).items() if sample in read}
+    coords = trace.coords()
+    peers = {r for r, c in coords.items() for q in readers
+             if (c["gtp"], c["dp"]) == (coords[q]["gtp"], coords[q]["dp"])}  # fmt: skip
+    return sorted(peers or readers) or None, sample
 
 
 def _signature(first: dict, df: pd.DataFrame, logical: dict, mesh: dict, key) -> tuple[str, dict]:

@@ -73,6 +73,9 @@ def test_planted_unreduced_amax_is_localized(fp8_run):
     assert [fd[k] for k in keys] == [expect[k] for k in keys], fd
     assert fnmatch.fnmatchcase(fd["tensor"], expect["tensor"]), fd
     assert fd["tolerance"]["recipe"] == "float8_current_scaling"
+    # The region names the sample holding the worst element and the ranks that read it.
+    sample = fd["region"]["sample_id"]
+    assert sample in range(4) and fd["ranks"] == [sample % 2]  # data rank d reads d, d + 2
     m = fd["metrics"]
     assert m["cand_err_golden"] > 1.25 * m["ref_err_golden"]  # beyond the FP8 noise floor (k = 1.25)
     df = results(out, FAULT)
