@@ -151,12 +151,6 @@ def _strip(t: torch.Tensor, dim: int, pad: int) -> torch.Tensor:
     return t.narrow(d, 0, t.shape[d] - pad)
 
 
-def pad_region(layout: Layout) -> dict[str, object] | None:
-    """Where the pad rows sit in the gathered (padded) TP-local block, if any."""
-    pad = layout.pads.get("gtp", 0)
-    return {"axis": "gtp", "rows": pad} if pad else None
-
-
 def from_mcore_param(param: torch.Tensor, mesh: Mapping[str, int]) -> Layout:
     """Read a parameter's layout off megatron-core's attributes.
 

@@ -5,7 +5,6 @@ scenario -> launch (runner) -> traces -> step table -> compare -> localize -> su
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from harness import steps, trace
@@ -111,7 +110,3 @@ def _config(s: Scenario) -> dict:
 def compare_traces(ref: Path, cand: Path, golden: Path | None, out: Path) -> int:
     doc = compare_scenario(None, {"reference": ref, "candidate": cand, "golden": golden}, out)
     return EXIT_PASS if doc["verdict"] == "pass" else EXIT_PARITY_FAIL
-
-
-def load_summary(path: Path) -> dict:
-    return json.loads(Path(path).read_text())
