@@ -181,6 +181,30 @@ class Capture:
             if v is not None:
                 self.tensor(kind, name, v.view(p.shape), layout=layout_of(name, p), step=step)
 
+    def optimizer_state(
+        self,
+        named: Iterable[tuple[str, torch.Tensor]],
+        layout_of: Callable[[str, torch.Tensor], Layout],
+        states: Mapping[int, dict],
+        masters: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Adam moments, or SGD momentum (as ``exp_avg``), per parameter, and its fp32 master
+        where it has one, in the parameter's layout. ``states`` is keyed by ``id`` of the
+        tensor the optimizer steps (the master where there is one, else the parameter)."""
+        if not self.wants("optimizer"):
+            return
+        masters = masters or {}
+        for name, p in named:
+            master = masters.get(name, p)
+            layout = layout_of(name, p)
+            if master is not p:
+                self.tensor("master", name, master.view(p.shape), layout=layout)
+            state = states.get(id(master), {})
+            for key in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
+                if state.get(key) is not None:
+                    kind = "exp_avg" if key == "momentum_buffer" else key
+                    self.tensor(kind, name, state[key].view(p.shape), layout=layout)
+
     def scalar(self, name: str, value: float, **extra) -> None:
         if self.wants("scalar") or name in ("loss", "reduced_loss"):
             self._scalars.append({"step": self.step, "name": name, "value": float(value), **extra})

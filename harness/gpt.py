@@ -96,3 +96,18 @@ def layout_of(spec: ParamSpec, side: Side) -> Layout:
         placements["gtp"] = Shard(0)
         pads["gtp"] = gtp_pad(local0, side.gtp, side.gtp_pad_alignment)
     return Layout(spec.shape, mesh, placements, pads)
+
+
+def captured_modules(model) -> dict[str, torch.nn.Module]:
+    """The modules whose outputs are captured, by megatron-core's module names.
+
+    Serves megatron-core's GPTModel and the torch backend's GPT alike: both name their
+    submodules as megatron-core does.
+    """
+    modules = {"embedding": model.embedding, "output_layer": model.output_layer,
+               "decoder.final_layernorm": model.decoder.final_layernorm}  # fmt: skip
+    for i, layer in enumerate(model.decoder.layers):
+        modules[f"decoder.layers.{i}"] = layer
+        for sub in ("input_layernorm", "self_attention", "pre_mlp_layernorm", "mlp"):
+            modules[f"decoder.layers.{i}.{sub}"] = getattr(layer, sub)
+    return modules

@@ -18,7 +18,7 @@ from harness import faults
 from harness.backends import Job
 from harness.backends.megatron import compat
 from harness.capture import Capture
-from harness.gpt import canonical_state, layout_of, mesh_of, param_specs
+from harness.gpt import canonical_state, captured_modules, layout_of, mesh_of, param_specs
 from harness.layout import Layout, from_mcore_param, shard
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -187,12 +187,7 @@ def _train(job, cap, config, ddp, opt, scheduler, mesh, forward_backward, finali
     named = [(canonical_name(n), p) for n, p in ddp.named_parameters()]
     layout_of_name = lambda name, p: layouts[name]  # noqa: E731
     inner = ddp.module.module if side.precision == "bf16" else ddp.module
-    modules = {"embedding": inner.embedding, "output_layer": inner.output_layer,
-               "decoder.final_layernorm": inner.decoder.final_layernorm}  # fmt: skip
-    for i, layer in enumerate(inner.decoder.layers):
-        for sub in ("", ".input_layernorm", ".self_attention", ".pre_mlp_layernorm", ".mlp"):
-            modules[f"decoder.layers.{i}{sub}"] = layer if not sub else _get(layer, sub[1:])
-    cap.attach(modules, vocab_parallel=["output_layer"])
+    cap.attach(captured_modules(inner), vocab_parallel=["output_layer"])
     cap.info["gtp_params"] = {n: getattr(p, "chain_id", None) for n, p in named
                               if getattr(p, "is_gtp_weight_remat", False)}  # fmt: skip
     cap.info["data_parallel_rank"] = ps.get_data_parallel_rank()
@@ -256,7 +251,8 @@ def _train(job, cap, config, ddp, opt, scheduler, mesh, forward_backward, finali
         scheduler.step(increment=d.global_batch_size)
         faults.after_step(ctx)
         cap.params("param", named, layout_of_name)
-        _capture_optimizer_state(cap, opt, named, layout_of_name)
+        if cap.wants("optimizer"):
+            cap.optimizer_state(named, layout_of_name, *_optimizer_state(opt, named))
 
         totals = torch.stack([x["lm loss"] for x in losses]).sum(0)
         group = faults.loss_report_group(ctx, data_group)
@@ -326,34 +322,18 @@ def _capture_materialized(cap: Capture, named, layouts, gtp_on: bool) -> _Materi
     return mat
 
 
-def _get(module, dotted: str):
-    for part in dotted.split("."):
-        module = getattr(module, part)
-    return module
-
-
 def _parts(opt) -> list:
     """The optimizers behind MCore's wrapper (one per param group family when chained)."""
     return list(getattr(opt, "chained_optimizers", None) or [opt])
 
 
-def _capture_optimizer_state(cap: Capture, opt, named, layout_of_name) -> None:
-    """Adam/SGD state and fp32 master weights per parameter, in the parameter's layout."""
-    if not cap.wants("optimizer"):
-        return
+def _optimizer_state(opt, named) -> tuple[dict, dict]:
+    """(states by id of the stepped tensor, fp32 masters by parameter name) across MCore's
+    wrapper, which chains one optimizer per param-group family."""
     masters, states = {}, {}
     for part in _parts(opt):
         for g16, g32 in zip(getattr(part, "float16_groups", []), getattr(part, "fp32_from_float16_groups", [])):
             for p16, p32 in zip(g16, g32):  # mixed precision: the fp32 master copies
                 masters[id(p16)] = p32
         states.update({id(p): st for p, st in part.optimizer.state.items()})
-    for name, p in named:
-        master = masters.get(id(p), p)
-        state = states.get(id(master), {})
-        layout = layout_of_name(name, p)
-        if master is not p:
-            cap.tensor("master", name, master.view(p.shape), layout=layout)
-        for key in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
-            if state.get(key) is not None:
-                kind = "exp_avg" if key == "momentum_buffer" else key
-                cap.tensor(kind, name, state[key].view(p.shape), layout=layout)
+    return states, {name: masters[id(p)] for name, p in named if id(p) in masters}

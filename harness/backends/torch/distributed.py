@@ -31,13 +31,13 @@ from harness import data as data_mod
 from harness import faults
 from harness.backends import Job
 from harness.capture import Capture
-from harness.gpt import canonical_state, layout_of, param_specs
+from harness.gpt import canonical_state, captured_modules, layout_of, param_specs
 
 from . import comm, fp8
 from .model import GPT
 from .optim import build_optimizer, clip, grad_stats, lr_at
 from .parallel import Parallel, shard_model, tp_local
-from .run import DTYPES, capture_optimizer_state, module_map
+from .run import DTYPES
 
 # Planted faults this backend implements (the others patch megatron-core).
 SUPPORTED_FAULTS = frozenset({"fp8-unreduced-amax", "gtp-peers-same-sample", "gtp-pad-leak",
@@ -90,7 +90,7 @@ def _train(job: Job, cap: Capture, model: GPT, par: Parallel, ctx: faults.Contex
     layouts = {n: layout_of(s, side) for n, s in specs.items()}
     named = ctx.named_params
     layout_of_name = lambda name, p: layouts[name]  # noqa: E731
-    cap.attach(module_map(model), vocab_parallel=["output_layer"])
+    cap.attach(captured_modules(model), vocab_parallel=["output_layer"])
     cap.info["gtp_params"] = {n: None for n, p in named if getattr(p, "is_gtp_weight_remat", False)}
     cap.info["data_parallel_rank"] = coord["data"]
     cap.info["data_parallel_size"] = side.data_ranks
@@ -147,7 +147,7 @@ def _train(job: Job, cap: Capture, model: GPT, par: Parallel, ctx: faults.Contex
                     p.copy_(masters[name])  # fp32 master -> bf16 param, round to nearest even
         faults.after_step(ctx)
         cap.params("param", named, layout_of_name)
-        capture_optimizer_state(cap, opt, named, layout_of_name, masters)
+        cap.optimizer_state(named, layout_of_name, {id(p): st for p, st in opt.state.items()}, masters)
 
         total = comm.all_reduce(torch.stack(totals).sum(0), groups.data)
         cap.scalar("reduced_loss", (total[0] / total[1]).item())

@@ -14,7 +14,7 @@ import torch
 from harness import data as data_mod
 from harness.backends import Job
 from harness.capture import Capture
-from harness.gpt import canonical_state, layout_of, param_specs
+from harness.gpt import captured_modules, canonical_state, layout_of, param_specs
 
 from .model import GPT, token_losses
 from .optim import build_optimizer, clip, lr_at
@@ -46,7 +46,7 @@ def _run_golden(job: Job, cap: Capture) -> None:
     layouts = {n: layout_of(s, side) for n, s in specs.items()}
     named = list(model.named_parameters())
     layout_of_name = lambda name, p: layouts[name]  # noqa: E731
-    cap.attach(module_map(model), vocab_parallel=["output_layer"])
+    cap.attach(captured_modules(model), vocab_parallel=["output_layer"])
     opt = build_optimizer(side, named)
 
     cap.begin_step(0)
@@ -78,7 +78,7 @@ def _run_golden(job: Job, cap: Capture) -> None:
         cap.progress("optimizer")
         opt.step()
         cap.params("param", named, layout_of_name)
-        capture_optimizer_state(cap, opt, named, layout_of_name)
+        cap.optimizer_state(named, layout_of_name, {id(p): st for p, st in opt.state.items()})
         cap.scalar("reduced_loss", loss.item())
         cap.scalar("grad_norm", grad_norm)
         cap.scalar("lr", lr)
@@ -86,31 +86,3 @@ def _run_golden(job: Job, cap: Capture) -> None:
         cap.scalar("num_zeros", float(sum(int((g == 0).sum()) for g in grads)))
         cap.scalar("skipped", 0.0)
         cap.end_step()
-
-
-def module_map(model: GPT) -> dict[str, torch.nn.Module]:
-    """The modules whose outputs are captured, by megatron-core's module names."""
-    modules = {"embedding": model.embedding, "output_layer": model.output_layer,
-               "decoder.final_layernorm": model.decoder.final_layernorm}  # fmt: skip
-    for i, layer in enumerate(model.decoder.layers):
-        modules[f"decoder.layers.{i}"] = layer
-        for sub in ("input_layernorm", "self_attention", "pre_mlp_layernorm", "mlp"):
-            modules[f"decoder.layers.{i}.{sub}"] = getattr(layer, sub)
-    return modules
-
-
-def capture_optimizer_state(cap: Capture, opt, named, layout_of_name, masters: dict | None = None) -> None:
-    """Adam moments or the SGD momentum (as ``exp_avg``) per parameter, and its fp32 master
-    where there is one, in the parameter's layout."""
-    if not cap.wants("optimizer"):
-        return
-    masters = masters or {}
-    for name, p in named:
-        master = masters.get(name, p)
-        if master is not p:
-            cap.tensor("master", name, master, layout=layout_of_name(name, p))
-        st = opt.state.get(master, {})
-        for key in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
-            if st.get(key) is not None:
-                cap.tensor("exp_avg" if key == "momentum_buffer" else key, name, st[key],
-                           layout=layout_of_name(name, p))  # fmt: skip
