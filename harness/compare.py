@@ -18,7 +18,11 @@ Policies:
   reference's, plus ``floor * eps(dtype) * max|golden|``: GTP on must be no further from the
   fp64 truth than GTP off is. k = 4 absorbs the variation of rounding error between two
   reduction orders; the floor keeps tensors the reference gets (nearly) exact from failing on
-  the candidate's last-bit noise. Without a golden it falls back to ``dtype``.
+  the candidate's last-bit noise. ``k_first_step`` may tighten k at step 1, where both sides
+  read the same weights and inputs whatever the precision. Without a golden it falls back to
+  ``dtype``. Losses are judged against the step's worst per-sample reference error.
+- ``consistency``: the grad norm, when not bitwise equal, must be explained by the compared
+  gradients (reverse triangle inequality); see :func:`_grad_norm_consistency`.
 Initial weights (step 0) are always judged ``exact``: every side starts from the same ones.
 """
 
@@ -124,7 +128,7 @@ def judge(policy: ComparePolicy, step: int, ref, cand, golden, m: dict) -> tuple
         ref_err = float((ref.double() - g).pow(2).mean().sqrt())
         cand_err = float((cand.double() - g).pow(2).mean().sqrt())
         eps = torch.finfo(dtype).eps
-        bound = policy.k * ref_err + policy.floor * eps * float(g.abs().max())
+        bound = policy.k_at(step) * ref_err + policy.floor * eps * float(g.abs().max())
         m.update(ref_err_golden=ref_err, cand_err_golden=cand_err)
         return cand_err <= bound, "noise-floor", bound
     rtol, atol = DTYPE_TOLS[dtype]
@@ -176,7 +180,7 @@ def compare(traces: dict[str, Trace], policy: ComparePolicy | None = None) -> di
                      "bound": bound, "dtype": str(c.dtype).replace("torch.", ""),
                      "shape": list(r.shape), "sample_ids": ids, **m})  # fmt: skip
     rows += compare_fingerprints(ref, cand, traces)
-    rows += _pool_loss_noise(_compare_scalars(traces, policy), policy)
+    rows += _grad_norm_consistency(_pool_loss_noise(_compare_scalars(traces, policy), policy), ref, cand, policy)
     rows += localize.input_rows(ref, cand, traces)
     df = pd.DataFrame(rows)
     summary = localize.summarize(df, logical, traces, policy)
@@ -259,10 +263,11 @@ def _compare_scalars(traces: dict[str, Trace], policy: ComparePolicy) -> list[di
 
 
 def _pool_loss_noise(rows: list[dict], policy: ComparePolicy) -> list[dict]:
-    """Judge per-sample losses against the reference's worst per-sample error of that step.
+    """Judge losses against the reference's worst per-sample error of that step.
 
     One sample's reference loss can land by chance much closer to the golden than its
-    rounding noise warrants; the step's worst sample is the reference's noise floor.
+    rounding noise warrants; the step's worst sample is the reference's noise floor. The
+    reduced loss is their mean, so its error is bounded by the same worst sample.
     """
     if policy.policy != "noise-floor":
         return rows
@@ -272,9 +277,38 @@ def _pool_loss_noise(rows: list[dict], policy: ComparePolicy) -> list[dict]:
             worst[r["step"]] = max(worst.get(r["step"], 0.0), r["ref_err_golden"])
     eps = torch.finfo(torch.float32).eps
     for r in rows:
-        if r["kind"] == "loss" and r.get("cand_err_golden") is not None and not r["bitwise_equal"]:
-            r["bound"] = policy.k * worst[r["step"]] + policy.floor * eps * abs(r["golden_value"])
+        pooled = r["kind"] == "loss" or (r["kind"] == "scalar" and r["tensor"] == "reduced_loss")
+        if pooled and r["step"] in worst and r.get("cand_err_golden") is not None and not r["bitwise_equal"]:
+            r["bound"] = policy.k_at(r["step"]) * worst[r["step"]] + policy.floor * eps * abs(r["golden_value"])
             r["passed"] = r["nonfinite_mismatch"] == 0 and r["cand_err_golden"] <= r["bound"]
+            r["policy"] = "noise-floor-pooled"
+    return rows
+
+
+def _grad_norm_consistency(rows: list[dict], ref: Logical, cand: Logical, policy: ComparePolicy) -> list[dict]:
+    """Judge the grad norm by whether the gradients explain it: ``| |g_c| - |g_r| | <= |g_c - g_r|``.
+
+    The reverse triangle inequality holds for any two gradient sets, so a norm that breaks it
+    (beyond the fp32 rounding of the norm, ``floor`` eps) was not computed over the gradients
+    that were compared: double counting, a missing group. Unlike a single scalar's distance
+    to the golden, it does not depend on how two runs' rounding happens to fall. Needs every
+    parameter's main_grad on both sides; otherwise the row keeps its own judgement.
+    """
+    if policy.policy == "exact":
+        return rows
+    names = {name for (step, kind, name) in ref.tensors if step == 0 and kind == "param"}
+    eps = torch.finfo(torch.float32).eps
+    for r in rows:
+        if r["kind"] != "scalar" or r["tensor"] != "grad_norm" or r["bitwise_equal"] or r["nonfinite_mismatch"]:
+            continue
+        keys = [(r["step"], "main_grad", n) for n in sorted(names)]
+        if not names or not all(k in ref.tensors and k in cand.tensors for k in keys):
+            continue
+        diff = math.sqrt(sum(float((cand.tensors[k].double() - ref.tensors[k].double()).pow(2).sum()) for k in keys))
+        r["grad_diff_norm"] = diff
+        r["bound"] = diff + policy.floor * eps * max(abs(r["ref_value"]), abs(r["cand_value"]))
+        r["passed"] = abs(r["cand_value"] - r["ref_value"]) <= r["bound"]
+        r["policy"] = "consistency"
     return rows
 
 

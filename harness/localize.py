@@ -220,7 +220,8 @@ def summarize(df: pd.DataFrame, logical: dict, traces: dict, policy) -> dict:
     failing = df[~df["passed"].astype(bool)] if not df.empty else df
     invariants = {"replica": cand.replica_violations, "padding": cand.padding_violations}
     doc = {"verdict": "pass", "first_divergence": None, "checked": checked,
-           "policy": {"name": policy.policy, "k": policy.k, "floor": policy.floor},
+           "policy": {"name": policy.policy, "k": policy.k, "k_first_step": policy.k_first_step,
+                      "floor": policy.floor},
            "invariants": invariants, "failing": int(len(failing))}  # fmt: skip
     # Candidate invariant violations are divergences of their own, placed in causal order.
     events = [] if failing.empty else failing.to_dict("records")

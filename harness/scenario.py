@@ -176,6 +176,12 @@ class ComparePolicy:
     """noise-floor: candidate error vs golden may be k x the reference's error vs golden ..."""
     floor: float = 8.0
     """... plus this absolute floor (in units of the compared dtype's eps x max|golden|)."""
+    k_first_step: float | None = None
+    """noise-floor: k at step 1, the one step at which both sides read the same weights and
+    inputs in every precision; later steps use ``k``. None: ``k`` throughout."""
+
+    def k_at(self, step: int) -> float:
+        return self.k_first_step if step == 1 and self.k_first_step is not None else self.k
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -396,6 +402,10 @@ def validate(s: Scenario) -> None:
         raise BadInput(f"{src}: [capture].mode", "full or fingerprint")
     if s.compare.policy not in POLICIES:
         raise BadInput(f"{src}: [compare].policy", f"one of {sorted(POLICIES)}")
+    for key in ("k", "k_first_step", "floor"):
+        value = getattr(s.compare, key)
+        if value is not None and not value >= 0:
+            raise BadInput(f"{src}: [compare].{key}", f"must be >= 0, got {value}")
 
 
 # Block formats need whole blocks along both GEMM dims (TE pads nothing here).

@@ -1,6 +1,6 @@
 """FP8 / FP4 recipes across GTP on the torch backend: the scenarios/fp8.toml matrix (5 recipes x
-TP 1 / 2, GTP 2 vs off) passes with no false alarm, and the planted fp8-unreduced-amax fault
-(tests/assets/fp8_fault.toml) is localized. Both files run in one session: one launch per
+TP 1 / 2 x fp32 / bf16, GTP 2 vs off) passes with no false alarm, and the planted
+fp8-unreduced-amax fault (tests/assets/fp8_fault.toml, fp32 and bf16) is localized. Both files run in one session: one launch per
 world size."""
 
 import fnmatch
@@ -16,8 +16,9 @@ from tests.helpers import ASSETS, ROOT, results, summary
 pytestmark = pytest.mark.multirank
 
 RECIPES = ["delayed", "current", "mxfp8", "block", "nvfp4"]
-CLEAN = [f"{r}-tp{tp}" for r in RECIPES for tp in (1, 2)]
-FAULT = "fault-fp8-unreduced-amax"
+PRECISIONS = ["fp32", "bf16"]
+CLEAN = [f"{r}-tp{tp}-{p}" for r in RECIPES for tp in (1, 2) for p in PRECISIONS]
+FAULTS = [f"fault-fp8-unreduced-amax-{p}" for p in PRECISIONS]
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,7 @@ def fp8_run(tmp_path_factory):
     return out
 
 
-def test_matrix_is_the_product_of_recipes_and_tp():
+def test_matrix_is_the_product_of_recipes_tp_and_precision():
     names = [s.name for s in scenario.load(ROOT / "scenarios/fp8.toml")]
     assert sorted(names) == sorted(CLEAN)
     for s in scenario.load(ROOT / "scenarios/fp8.toml"):
@@ -38,6 +39,8 @@ def test_matrix_is_the_product_of_recipes_and_tp():
         assert (s.reference.gtp, s.candidate.gtp) == (1, 2)
         assert s.reference.tp == s.candidate.tp and s.reference.world_size == s.candidate.world_size
         assert s.candidate.gtp_pad_alignment == (32 if s.candidate.recipe == "mxfp8" else 16)
+        assert s.reference.precision == s.candidate.precision == s.axes["precision"]
+        assert s.compare.k_at(1) == 1.25  # both sides read the same weights and inputs at step 1
 
 
 @pytest.mark.parametrize("name", CLEAN)
@@ -50,23 +53,37 @@ def test_clean_scenario_passes(fp8_run, name):
     # steps read weights updated from gradients summed in another order) ...
     fwd = later[later["kind"].isin(["activation", "logits", "loss"]) & (later["step"] == 1)]
     assert len(fwd) and fwd["bitwise_equal"].all()
-    # ... and every tensor is as far from the golden as the reference's (reduction order only).
-    ratio = (later["cand_err_golden"] / later["ref_err_golden"]).dropna()
-    assert ratio.max() < 1.001, later.loc[ratio.idxmax(), ["step", "kind", "tensor"]]
-    assert later["scaled_ulp"].max() <= 4
+    if name.endswith("fp32"):
+        # ... and every tensor is as far from the golden as the reference's (reduction order only).
+        ratio = (later["cand_err_golden"] / later["ref_err_golden"]).dropna()
+        assert ratio.max() < 1.001, later.loc[ratio.idxmax(), ["step", "kind", "tensor"]]
+        assert later["scaled_ulp"].max() <= 4
+    else:
+        # ... in bf16 the GTP wgrad reduce-scatter rounds in bf16: step-1 tensors stay within
+        # 1% of the reference's error (measured 1.0025), later steps within the policy's k = 4.
+        step1 = later[(later["step"] == 1) & ~later["kind"].isin(["scalar", "input"])]
+        ratio = (step1["cand_err_golden"] / step1["ref_err_golden"]).dropna()
+        assert ratio.max() < 1.01, step1.loc[ratio.idxmax(), ["kind", "tensor"]]
+        grads = step1[step1["kind"] == "main_grad"]
+        assert not grads["bitwise_equal"].all()  # the bf16 reduce-scatter is visible, and tolerated
+    # The grad norm is explained by the gradients whenever it is not bitwise equal.
+    norms = later[(later["tensor"] == "grad_norm") & ~later["bitwise_equal"].astype(bool)]
+    assert (norms["policy"] == "consistency").all()
 
 
 def test_the_recipes_really_quantize(fp8_run):
     out = fp8_run
     err = {n: results(out, n).query("step == 1 and kind == 'logits'")["ref_err_golden"].item() for n in CLEAN}
     assert min(err.values()) > 1e-3  # FP8 error in the logits: 7e-3 to 3e-2 (fp32 alone: ~1e-6)
-    assert err["nvfp4-tp1"] > 2 * err["current-tp1"]  # E2M1 is coarser than E4M3
-    assert err["delayed-tp1"] != err["current-tp1"]
+    for p in PRECISIONS:
+        assert err[f"nvfp4-tp1-{p}"] > 2 * err[f"current-tp1-{p}"]  # E2M1 is coarser than E4M3
+        assert err[f"delayed-tp1-{p}"] != err[f"current-tp1-{p}"]
 
 
-def test_planted_unreduced_amax_is_localized(fp8_run):
+@pytest.mark.parametrize("fault", FAULTS)
+def test_planted_unreduced_amax_is_localized(fp8_run, fault):
     out = fp8_run
-    s = summary(out, FAULT)
+    s = summary(out, fault)
     fd, expect = s["first_divergence"], CATALOG["fp8-unreduced-amax"].expect
     assert s["verdict"] == "fail"
     keys = ("step", "kind", "signature")
@@ -78,7 +95,7 @@ def test_planted_unreduced_amax_is_localized(fp8_run):
     assert sample in range(4) and fd["ranks"] == [sample % 2]  # data rank d reads d, d + 2
     m = fd["metrics"]
     assert m["cand_err_golden"] > 1.25 * m["ref_err_golden"]  # beyond the FP8 noise floor (k = 1.25)
-    df = results(out, FAULT)
+    df = results(out, fault)
     weights = df[df["kind"].isin(["materialized", "param_before"]) & (df["step"] == 1)]
     assert weights["bitwise_equal"].all()  # the high-precision weights are right; their FP8 copies are not
 

@@ -328,4 +328,11 @@ def worst_metric(data: ScenarioData) -> str:
                 return f"{fd.get('signature')}, {label} {fmt(m[key], 3)}"
         return str(fd.get("signature"))
     row = worst_row(data.results)
-    return f"worst rel L2 {fmt(row['rel_l2'], 2)}" if row else "no tensors"
+    if row is None:
+        return "no tensors"
+    text = f"worst rel L2 {fmt(row['rel_l2'], 2)}"
+    # What the per-tensor noise floor judged: how much further from the golden the candidate got.
+    ratios = [_error(r, "golden") for r in data.results
+              if r.get("policy") == "noise-floor" and _finite(r.get("ref_err_golden"))]  # fmt: skip
+    ratios = [v for v in ratios if math.isfinite(v)]
+    return f"{text}; err vs golden <= {fmt(max(ratios), 3)}x ref" if ratios else text
