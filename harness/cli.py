@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from harness.errors import EXIT_BAD_INPUT, BadInput, HarnessError
+from harness.scenario import POLICIES
 
 
 class _Parser(argparse.ArgumentParser):
@@ -95,10 +96,22 @@ def _cmd_report(args) -> int:
 
 
 def _cmd_compare(args) -> int:
+    from harness.scenario import ComparePolicy
     from harness.session import compare_traces
 
-    return compare_traces(Path(args.reference), Path(args.candidate),
-                          Path(args.golden) if args.golden else None, Path(args.out))  # fmt: skip
+    chosen = {k: getattr(args, k) for k in ("policy", "k", "k_first_step", "floor") if getattr(args, k) is not None}
+    return compare_traces(Path(args.reference), Path(args.candidate), Path(args.golden) if args.golden else None,
+                          Path(args.out), ComparePolicy(**chosen) if chosen else None)  # fmt: skip
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
 
 
 def _cmd_conformance(args) -> int:
@@ -143,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("candidate")
     c.add_argument("--golden")
     c.add_argument("--out", default="runs/compare")
+    c.add_argument("--policy", choices=sorted(POLICIES), help="judge under this policy (default: noise-floor)")
+    c.add_argument("--k", type=_non_negative, help="noise-floor k (default 4)")
+    c.add_argument("--k-first-step", type=_non_negative, help="noise-floor k at step 1 (default: k)")
+    c.add_argument("--floor", type=_non_negative, help="noise-floor floor in eps x max|golden| (default 8)")
     c.set_defaults(fn=_cmd_compare)
 
     v = sub.add_parser("validate", help="validate scenario files without running them")

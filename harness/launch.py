@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,12 +32,6 @@ def _any_heartbeat(job: Job, world: int) -> bool:
     return any((Path(job.trace_dir) / f"rank{r}" / "progress.json").exists() for r in range(world))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def job_to_json(job: Job) -> dict:
     return {
         "key": job.key,
@@ -50,13 +43,14 @@ def job_to_json(job: Job) -> dict:
     }
 
 
-def command(plan_path: Path, world: int, port: int) -> list[str]:
+def command(plan_path: Path, world: int) -> list[str]:
     if world == 1:
         return [sys.executable, "-m", "harness.worker", str(plan_path)]
+    # --standalone: the rendezvous store binds port 0 and the ranks share it, so launches
+    # running side by side never race for a port picked in advance.
     return [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={world}",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=0",
-        "-m", "harness.worker", str(plan_path),
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+        "--max-restarts=0", "-m", "harness.worker", str(plan_path),
     ]  # fmt: skip
 
 
@@ -67,20 +61,19 @@ def launch(jobs: list[Job], *, world: int, timeout_s: dict[str, float], workdir:
     previous job's manifest appears), so a hang ends within the hung side's own timeout.
     """
     workdir.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
     plan_path = workdir / f"plan-{name}.json"
-    write_json(plan_path, {"jobs": [job_to_json(j) for j in jobs], "port": port})
+    write_json(plan_path, {"jobs": [job_to_json(j) for j in jobs]})
     log_path = workdir / f"launch-{name}.log"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}  # fmt: skip
     if world == 1:
-        env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env.update(RANK="0", WORLD_SIZE="1")
     root = Path(__file__).resolve().parent.parent
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
     start = time.monotonic()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            command(plan_path, world, port), stdout=log, stderr=subprocess.STDOUT,
+            command(plan_path, world), stdout=log, stderr=subprocess.STDOUT,
             env=env, start_new_session=True,
         )  # fmt: skip
         try:

@@ -214,7 +214,9 @@ def summarize(df: pd.DataFrame, logical: dict, traces: dict, policy) -> dict:
     """Verdict, first divergence with signature and region, counts per kind."""
     df = order(df)
     cand = logical["candidate"]
-    logical = {**logical, "_recipe": traces["candidate"].manifest.get("recipe", "none")}
+    from harness.compare import recipe_of
+
+    logical = {**logical, "_recipe": recipe_of(traces)}
     mesh = traces["candidate"].manifest.get("mesh", {})
     checked = {k: int(n) for k, n in df.groupby("kind").size().items()} if not df.empty else {}
     failing = df[~df["passed"].astype(bool)] if not df.empty else df

@@ -328,6 +328,10 @@ def validate(s: Scenario) -> None:
             raise BadInput(f"{where}.lr_decay_style", f"one of {sorted(LR_DECAY_STYLES)}")
         if side.steps < 1:
             raise BadInput(f"{where}.steps", f"must be >= 1, got {side.steps}")
+        decay = side.lr_decay_steps or side.steps
+        if not 0 <= side.lr_warmup_steps < decay:  # megatron-core's OptimizerParamScheduler asserts it
+            raise BadInput(f"{where}.lr_warmup_steps",
+                           f"must be >= 0 and < lr_decay_steps (or steps) = {decay}, got {side.lr_warmup_steps}")  # fmt: skip
         for key in ("world_size", "tp", "gtp"):
             if getattr(side, key) < 1:
                 raise BadInput(f"{where}.{key}", f"must be >= 1, got {getattr(side, key)}")
@@ -466,7 +470,8 @@ def expand_matrix(raw: dict, path: Path) -> list[Scenario]:
     """Expand ``[matrix]`` into the product of its axes.
 
     ``[matrix]`` keys: ``base`` (a scenario file, relative to this one; optional, the other
-    top-level tables of this file are merged over it), ``name`` (a template; ``{axis}`` is
+    top-level tables of this file are merged over it; a base's own ``[matrix]`` is not
+    used, so a longer matrix can reuse a shorter one's model and policy), ``name`` (a template; ``{axis}`` is
     replaced by the axis value or label), and ``[matrix.axes]``: each key is a dotted path
     into the scenario (``train.precision``), or several joined by commas that take the same
     value (``reference.tp,candidate.tp``), or a label whose values are tables merged at the
@@ -479,7 +484,8 @@ def expand_matrix(raw: dict, path: Path) -> list[Scenario]:
         raise BadInput(f"{src}: [matrix].{sorted(unknown)[0]}", "unknown key; known: base, name, axes")
     doc = {k: v for k, v in raw.items() if k != "matrix"}
     if "base" in spec:
-        doc = _deep_merge(_load_toml(path.parent / spec["base"]), doc)
+        base = {k: v for k, v in _load_toml(path.parent / spec["base"]).items() if k != "matrix"}
+        doc = _deep_merge(base, doc)
     axes = spec.get("axes", {})
     if not axes:
         raise BadInput(f"{src}: [matrix.axes]", "a matrix needs at least one axis")

@@ -10,7 +10,7 @@ from pathlib import Path
 from harness import steps, trace
 from harness.errors import EXIT_PARITY_FAIL, EXIT_PASS, EXIT_RUN_FAILED
 from harness.runner import execute, plan
-from harness.scenario import Scenario
+from harness.scenario import ComparePolicy, Scenario
 from harness.trace import write_json
 
 
@@ -75,8 +75,10 @@ def _overall(results: list[dict]) -> str:
     return "pass" if "pass" in verdicts else "skip"
 
 
-def compare_scenario(s: Scenario | None, paths: dict[str, Path], sdir: Path, say=print) -> dict:
-    """Compare the traces of one scenario; write steps.csv/json, results.csv, summary.json."""
+def compare_scenario(s: Scenario | None, paths: dict[str, Path], sdir: Path, say=print,
+                     policy: ComparePolicy | None = None) -> dict:
+    """Compare the traces of one scenario; write steps.csv/json, results.csv, summary.json.
+    ``policy`` overrides the scenario's (offline re-judging of existing traces)."""
     from harness.compare import compare
 
     traces = {role: trace.read(p) for role, p in paths.items() if p is not None}
@@ -88,7 +90,7 @@ def compare_scenario(s: Scenario | None, paths: dict[str, Path], sdir: Path, say
     name = s.name if s else sdir.name
     say(f"\n== {name}")
     say(steps.format_steps(table))
-    summary = compare(traces, policy=s.compare if s else None)
+    summary = compare(traces, policy=policy or (s.compare if s else None))
     summary["results"].to_csv(sdir / "results.csv", index=False)
     doc = {k: v for k, v in summary.items() if k != "results"}
     doc.update(scenario=name, traces={r: str(p) for r, p in paths.items()})
@@ -107,6 +109,6 @@ def _config(s: Scenario) -> dict:
     return {"source": s.source, "description": s.description, **{r: side.label() for r, side in s.sides.items()}}
 
 
-def compare_traces(ref: Path, cand: Path, golden: Path | None, out: Path) -> int:
-    doc = compare_scenario(None, {"reference": ref, "candidate": cand, "golden": golden}, out)
+def compare_traces(ref: Path, cand: Path, golden: Path | None, out: Path, policy: ComparePolicy | None = None) -> int:
+    doc = compare_scenario(None, {"reference": ref, "candidate": cand, "golden": golden}, out, policy=policy)
     return EXIT_PASS if doc["verdict"] == "pass" else EXIT_PARITY_FAIL

@@ -87,10 +87,11 @@ def main(argv: list[str]) -> int:
     world = int(os.environ.get("WORLD_SIZE", 1))
     torch.set_num_threads(1)  # ranks share the cores; one thread keeps CPU GEMMs deterministic
     torch.use_deterministic_algorithms(True)
-    if world > 1 or any(j.side.backend == "megatron" for j in jobs):
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(plan.get("port", 29517)))
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+    if world > 1:
+        dist.init_process_group("gloo", rank=rank, world_size=world)  # torchrun's store
+    elif any(j.side.backend == "megatron" for j in jobs):
+        # One rank needs no rendezvous: an in-process store, no port to collide on.
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         for job in jobs:
             if job.side.world_size != world:

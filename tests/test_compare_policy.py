@@ -93,3 +93,22 @@ def test_grad_norm_keeps_its_own_judgement_without_every_main_grad():
     before = dict(row)
     (after,) = _grad_norm_consistency([row], ref, cand, FP8)
     assert after == before
+
+
+@pytest.mark.parametrize("recipe, passes", [("none", False), ("mxfp8", True), ("nvfp4", True)])
+def test_dtype_policy_takes_the_recipe_tolerance(recipe, passes):
+    # 5% apart: far outside fp32's dtype_tols, inside TE's distributed FP8 / FP4 tolerances.
+    ref = torch.linspace(0.5, 1.0, 64)
+    cand = ref * 1.05
+    ok, used, bound = judge(ComparePolicy(policy="dtype"), 1, ref, cand, None, metrics(ref, cand), recipe)
+    assert (ok, used) == (passes, "dtype")
+
+
+@pytest.mark.parametrize("args, says", [(["--k", "-1"], "--k: must be >= 0"), (["--floor", "x"], "not a number"),
+                                        (["--policy", "loose"], "invalid choice")])  # fmt: skip
+def test_compare_cli_rejects_bad_policy_arguments(args, says, capsys):
+    from harness import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["compare", "ref", "cand", *args])
+    assert exit_.value.code == 2 and says in capsys.readouterr().err

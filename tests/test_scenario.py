@@ -71,6 +71,7 @@ def test_base_is_valid(tmp_path):
         (with_lines(candidate="world_size = 3"), "[candidate].world_size", "multiple of TP x G"),
         (with_lines(model="untie_embeddings = false"), "[model].untie_embeddings", "tied embedding/output weights are not supported with GTP"),
         (with_lines(train="steps = 0"), "[reference].steps", "must be >= 1"),
+        (with_lines(candidate="lr_warmup_steps = 2"), "[candidate].lr_warmup_steps", "< lr_decay_steps (or steps) = 2"),
         (BASE + "[golden]\nworld_size = 2\n", "[golden].world_size", "single process"),
         (with_lines(candidate="backend = \"jax\""), "[candidate].backend", "unknown backend"),
         (with_lines(candidate="precision = \"fp64\""), "[candidate].precision", "not supported by the megatron backend"),

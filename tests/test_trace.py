@@ -134,6 +134,13 @@ def test_identical_traces_compare_equal(good, tmp_path):
     assert summary["verdict"] == "pass" and summary["checked"]["param"] == 8
 
 
+def test_compare_judges_under_the_policy_given(good, tmp_path):
+    args = ["--policy", "exact", "--k", "2", "--k-first-step", "1.5", "--floor", "0"]
+    assert cli.main(["compare", str(good), str(good), "--out", str(tmp_path / "cmp"), *args]) == 0
+    summary = json.loads((tmp_path / "cmp" / "summary.json").read_text())
+    assert summary["policy"] == {"name": "exact", "k": 2.0, "k_first_step": 1.5, "floor": 0.0}
+
+
 def test_layout_of_activation_is_per_sample(good):
     entry = next(e for e in trace.read(good).entries if e.kind == "activation")
     assert isinstance(entry.layout, Layout) and entry.sample_ids == (2, 3)
