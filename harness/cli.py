@@ -99,9 +99,11 @@ def _cmd_compare(args) -> int:
     from harness.scenario import ComparePolicy
     from harness.session import compare_traces
 
-    chosen = {k: getattr(args, k) for k in ("policy", "k", "k_first_step", "floor") if getattr(args, k) is not None}
-    return compare_traces(Path(args.reference), Path(args.candidate), Path(args.golden) if args.golden else None,
-                          Path(args.out), ComparePolicy(**chosen) if chosen else None)  # fmt: skip
+    chosen = {k: getattr(args, k) for k in ("policy", "k", "k_first_step", "floor")}
+    chosen = {k: v for k, v in chosen.items() if v is not None}
+    golden = Path(args.golden) if args.golden else None
+    return compare_traces(Path(args.reference), Path(args.candidate), golden, Path(args.out),
+                          ComparePolicy(**chosen) if chosen else None)  # fmt: skip
 
 
 def _non_negative(text: str) -> float:
@@ -156,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("candidate")
     c.add_argument("--golden")
     c.add_argument("--out", default="runs/compare")
-    c.add_argument("--policy", choices=sorted(POLICIES), help="judge under this policy (default: noise-floor)")
+    c.add_argument("--policy", choices=sorted(POLICIES), help="judge under this policy (default noise-floor)")
     c.add_argument("--k", type=_non_negative, help="noise-floor k (default 4)")
     c.add_argument("--k-first-step", type=_non_negative, help="noise-floor k at step 1 (default: k)")
     c.add_argument("--floor", type=_non_negative, help="noise-floor floor in eps x max|golden| (default 8)")

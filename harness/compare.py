@@ -124,7 +124,8 @@ def metrics(ref: torch.Tensor, cand: torch.Tensor) -> dict:
     return out
 
 
-def judge(policy: ComparePolicy, step: int, ref, cand, golden, m: dict, recipe: str = "none") -> tuple[bool, str, float]:
+def judge(policy: ComparePolicy, step: int, ref, cand, golden, m: dict,
+          recipe: str = "none") -> tuple[bool, str, float]:
     """(passed, policy used, bound) for one pair; ``recipe`` picks the ``dtype`` tolerance."""
     if m["nonfinite_mismatch"]:
         return False, "nonfinite", 0.0
@@ -293,13 +294,15 @@ def _pool_loss_noise(rows: list[dict], policy: ComparePolicy) -> list[dict]:
     for r in rows:
         pooled = r["kind"] == "loss" or (r["kind"] == "scalar" and r["tensor"] == "reduced_loss")
         if pooled and r["step"] in worst and r.get("cand_err_golden") is not None and not r["bitwise_equal"]:
-            r["bound"] = policy.k_at(r["step"]) * worst[r["step"]] + policy.floor * eps * abs(r["golden_value"])
+            floor = policy.floor * eps * abs(r["golden_value"])
+            r["bound"] = policy.k_at(r["step"]) * worst[r["step"]] + floor
             r["passed"] = r["nonfinite_mismatch"] == 0 and r["cand_err_golden"] <= r["bound"]
             r["policy"] = "noise-floor-pooled"
     return rows
 
 
-def _grad_norm_consistency(rows: list[dict], ref: Logical, cand: Logical, policy: ComparePolicy) -> list[dict]:
+def _grad_norm_consistency(rows: list[dict], ref: Logical, cand: Logical,
+                           policy: ComparePolicy) -> list[dict]:
     """Judge the grad norm by whether the gradients explain it: ``| |g_c| - |g_r| | <= |g_c - g_r|``.
 
     The reverse triangle inequality holds for any two gradient sets, so a norm that breaks it
@@ -313,12 +316,15 @@ def _grad_norm_consistency(rows: list[dict], ref: Logical, cand: Logical, policy
     names = {name for (step, kind, name) in ref.tensors if step == 0 and kind == "param"}
     eps = torch.finfo(torch.float32).eps
     for r in rows:
-        if r["kind"] != "scalar" or r["tensor"] != "grad_norm" or r["bitwise_equal"] or r["nonfinite_mismatch"]:
+        if r["tensor"] != "grad_norm" or r["kind"] != "scalar":
+            continue
+        if r["bitwise_equal"] or r["nonfinite_mismatch"]:
             continue
         keys = [(r["step"], "main_grad", n) for n in sorted(names)]
         if not names or not all(k in ref.tensors and k in cand.tensors for k in keys):
             continue
-        diff = math.sqrt(sum(float((cand.tensors[k].double() - ref.tensors[k].double()).pow(2).sum()) for k in keys))
+        diff = math.sqrt(sum(float((cand.tensors[k].double() - ref.tensors[k].double()).pow(2).sum())
+                             for k in keys))  # fmt: skip
         r["grad_diff_norm"] = diff
         r["bound"] = diff + policy.floor * eps * max(abs(r["ref_value"]), abs(r["cand_value"]))
         r["passed"] = abs(r["cand_value"] - r["ref_value"]) <= r["bound"]

@@ -212,10 +212,10 @@ def region_of(row: dict, owner: dict | None) -> dict:
 
 def summarize(df: pd.DataFrame, logical: dict, traces: dict, policy) -> dict:
     """Verdict, first divergence with signature and region, counts per kind."""
+    from harness.compare import recipe_of  # compare imports this module
+
     df = order(df)
     cand = logical["candidate"]
-    from harness.compare import recipe_of
-
     logical = {**logical, "_recipe": recipe_of(traces)}
     mesh = traces["candidate"].manifest.get("mesh", {})
     checked = {k: int(n) for k, n in df.groupby("kind").size().items()} if not df.empty else {}

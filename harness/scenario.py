@@ -470,12 +470,12 @@ def expand_matrix(raw: dict, path: Path) -> list[Scenario]:
     """Expand ``[matrix]`` into the product of its axes.
 
     ``[matrix]`` keys: ``base`` (a scenario file, relative to this one; optional, the other
-    top-level tables of this file are merged over it; a base's own ``[matrix]`` is not
-    used, so a longer matrix can reuse a shorter one's model and policy), ``name`` (a template; ``{axis}`` is
-    replaced by the axis value or label), and ``[matrix.axes]``: each key is a dotted path
-    into the scenario (``train.precision``), or several joined by commas that take the same
-    value (``reference.tp,candidate.tp``), or a label whose values are tables merged at the
-    scenario root (each with a ``label`` key used in names).
+    top-level tables of this file are merged over it; a base's own ``[matrix]`` is not used,
+    so a longer matrix can reuse a shorter one's model and policy), ``name`` (a template;
+    ``{axis}`` is replaced by the axis value or label), and ``[matrix.axes]``: each key is a
+    dotted path into the scenario (``train.precision``), or several joined by commas that take
+    the same value (``reference.tp,candidate.tp``), or a label whose values are tables merged
+    at the scenario root (each with a ``label`` key used in names).
     """
     src = str(path)
     spec = dict(raw["matrix"])

@@ -109,6 +109,7 @@ def _config(s: Scenario) -> dict:
     return {"source": s.source, "description": s.description, **{r: side.label() for r, side in s.sides.items()}}
 
 
-def compare_traces(ref: Path, cand: Path, golden: Path | None, out: Path, policy: ComparePolicy | None = None) -> int:
+def compare_traces(ref: Path, cand: Path, golden: Path | None, out: Path,
+                   policy: ComparePolicy | None = None) -> int:
     doc = compare_scenario(None, {"reference": ref, "candidate": cand, "golden": golden}, out, policy=policy)
     return EXIT_PASS if doc["verdict"] == "pass" else EXIT_PARITY_FAIL

@@ -20,12 +20,14 @@ def _pair(ratio: float):
     return (g + noise).float(), (g + ratio * noise).float(), g
 
 
-@pytest.mark.parametrize("step, ratio, passes", [(1, 1.2, True), (1, 1.5, False), (2, 1.5, True), (2, 4.5, False)])
+@pytest.mark.parametrize("step, ratio, passes", [(1, 1.2, True), (1, 1.5, False), (2, 1.5, True),
+                                                  (2, 4.5, False)])  # fmt: skip
 def test_k_first_step_applies_to_step_1_only(step, ratio, passes):
     ref, cand, golden = _pair(ratio)
     ok, used, bound = judge(FP8, step, ref, cand, golden, metrics(ref, cand))
     assert (ok, used) == (passes, "noise-floor")
-    assert bound == pytest.approx(FP8.k_at(step) * float((ref.double() - golden).pow(2).mean().sqrt()), rel=1e-3)
+    ref_err = float((ref.double() - golden).pow(2).mean().sqrt())
+    assert bound == pytest.approx(FP8.k_at(step) * ref_err, rel=1e-3)
 
 
 def test_without_k_first_step_k_holds_throughout():
@@ -80,7 +82,8 @@ def test_grad_norm_that_double_counts_a_tensor_fails():
     cand, _ = _grads(0.0)  # the very same gradients ...
     b = float(cand.tensors[(1, "main_grad", "b")].double().pow(2).sum())
     counted_twice = math.sqrt(ref_norm**2 + b)  # ... and "b" summed twice into the norm
-    (row,) = _grad_norm_consistency([_scalar_row(1, "grad_norm", ref_norm, counted_twice, ref_norm, FP8)], ref, cand, FP8)
+    row = _scalar_row(1, "grad_norm", ref_norm, counted_twice, ref_norm, FP8)
+    (row,) = _grad_norm_consistency([row], ref, cand, FP8)
     assert row["policy"] == "consistency" and not row["passed"]
     assert row["grad_diff_norm"] == 0.0
 
