@@ -1,7 +1,7 @@
 """FP8 / FP4 recipes across GTP on the torch backend: the scenarios/fp8.toml matrix (5 recipes x
 TP 1 / 2 x fp32 / bf16, GTP 2 vs off) passes with no false alarm, and the planted
-fp8-unreduced-amax fault (tests/assets/fp8_fault.toml, fp32 and bf16) is localized. Both files run in one session: one launch per
-world size."""
+fp8-unreduced-amax fault (tests/assets/fp8_fault.toml, fp32 and bf16) is localized. Both files
+run in one session: one launch per world size."""
 
 import fnmatch
 import json
@@ -110,7 +110,6 @@ def test_planted_unreduced_amax_is_localized(fp8_run, fault):
     df = results(out, fault)
     weights = df[df["kind"].isin(["materialized", "param_before"]) & (df["step"] == 1)]
     assert weights["bitwise_equal"].all()  # the high-precision weights are right; their FP8 copies are not
-
 
 
 @pytest.mark.parametrize("fault", FAULTS)
