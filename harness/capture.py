@@ -36,7 +36,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from harness.layout import Layout
 from harness.scenario import CapturePolicy
-from harness.trace import FORMAT, FORMAT_VERSION, Entry, tensor_key, write_json, write_tensors
+from harness.trace import FORMAT, FORMAT_VERSION, Entry, content_hash, tensor_key, write_json, write_tensors
 
 FINGERPRINT_BLOCKS = 16
 
@@ -163,6 +163,7 @@ class Capture:
             entry.fingerprint = fingerprint(value)
         else:
             self._pending[key] = value.clone()
+            entry.sha256 = content_hash(self._pending[key])
         self._entries.append(entry)
 
     def params(

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from harness.errors import EXIT_BAD_INPUT, BadInput, HarnessError
@@ -17,17 +19,21 @@ from harness.scenario import POLICIES
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse exits 2 on bad arguments, which is our bad-input code
-        self.print_usage(sys.stderr)
-        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}\n")
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _cmd_validate(args) -> int:
     from harness import scenario
 
-    for path in args.scenarios:
-        for s in scenario.load(path):
-            print(f"ok  {s.name}  ({s.reference.label()} vs {s.candidate.label()}, golden {s.golden.label()})")
-    return 0
+    code = 0
+    for path in args.scenarios:  # every file is reported, not only the first bad one
+        try:
+            for s in scenario.load(path, limits=not args.no_limits):
+                print(f"ok  {s.name}  ({s.reference.label()} vs {s.candidate.label()}, golden {s.golden.label()})")
+        except BadInput as e:
+            print(f"gtp-parity: {e}", file=sys.stderr)
+            code = EXIT_BAD_INPUT
+    return code
 
 
 def _cmd_inject(args) -> int:
@@ -43,22 +49,36 @@ def _cmd_run(args) -> int:
     from harness import scenario
     from harness.session import run_scenarios
 
-    scenarios = scenario.load(args.scenario)
+    out = _out_dir(args.out, "--out")
+    scenarios = scenario.load(args.scenario, limits=not args.no_limits)
     if args.inject:
         scenarios = [_with_fault(s, args.inject, args.inject_side) for s in scenarios]
-    return run_scenarios(scenarios, Path(args.out), parallel=args.jobs, verbose=True)
+    return run_scenarios(scenarios, out, parallel=args.jobs, verbose=True, fresh=args.fresh)
 
 
 def _with_fault(s, names: list[str], role: str):
     import dataclasses
 
-    from harness.faults import check_name
+    from harness import scenario
 
-    for n in names:
-        if (problem := check_name(n)) is not None:
-            raise BadInput("--inject", problem)
     side = dataclasses.replace(s.sides[role], inject=tuple(names))
-    return dataclasses.replace(s, **{role: side})
+    planted = dataclasses.replace(s, **{role: side})
+    try:  # the scenario's own rules decide whether the fault exists and can fire on that side
+        scenario.validate(planted)
+    except BadInput as e:
+        raise BadInput(f"--inject (on {s.source})", str(e).removeprefix(f"{s.source}: ")) from None
+    return planted
+
+
+def _out_dir(path: str, flag: str) -> Path:
+    """An output folder: it may exist (runs are resumed), but must not be a file."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise BadInput(flag, f"{path} exists and is not a folder")
+    for parent in out.parents:
+        if parent.exists() and not parent.is_dir():
+            raise BadInput(flag, f"{parent} is not a folder")
+    return out
 
 
 def _cmd_matrix(args) -> int:
@@ -68,10 +88,11 @@ def _cmd_matrix(args) -> int:
 
     if args.update_baseline and not args.baseline:
         raise BadInput("--update-baseline", "needs --baseline DIR to write to")
-    out, scenarios = Path(args.out), scenario.load(args.matrix)
-    code = run_scenarios(scenarios, out, parallel=args.jobs, verbose=True)
-    print(f"report: {report.write_index(out, Path(args.report))}")
-    junit = Path(args.junit) if args.junit else Path(args.report) / "junit.xml"
+    out, report_dir = _out_dir(args.out, "--out"), _out_dir(args.report, "--report")
+    scenarios = scenario.load(args.matrix, limits=not args.no_limits)
+    code = run_scenarios(scenarios, out, parallel=args.jobs, verbose=True, fresh=args.fresh)
+    print(f"report: {report.write_index(out, report_dir)}")
+    junit = Path(args.junit) if args.junit else report_dir / "junit.xml"
     print(f"junit: {report.write_junit(out, junit)}")
     if args.update_baseline:
         print(f"baseline written: {report.update_baseline(out, Path(args.baseline))}")
@@ -87,9 +108,9 @@ def _cmd_matrix(args) -> int:
 def _cmd_report(args) -> int:
     from harness import report
 
-    if not (Path(args.run) / "summary.json").exists():
+    if not (Path(args.run) / "summary.json").is_file():
         raise BadInput(args.run, "not a run folder (no summary.json)")
-    print(f"report: {report.write_index(Path(args.run), Path(args.out))}")
+    print(f"report: {report.write_index(Path(args.run), _out_dir(args.out, '--out'))}")
     if args.junit:
         print(f"junit: {report.write_junit(Path(args.run), Path(args.junit))}")
     return 0
@@ -102,8 +123,8 @@ def _cmd_compare(args) -> int:
     chosen = {k: getattr(args, k) for k in ("policy", "k", "k_first_step", "floor")}
     chosen = {k: v for k, v in chosen.items() if v is not None}
     golden = Path(args.golden) if args.golden else None
-    return compare_traces(Path(args.reference), Path(args.candidate), golden, Path(args.out),
-                          ComparePolicy(**chosen) if chosen else None)  # fmt: skip
+    return compare_traces(Path(args.reference), Path(args.candidate), golden, _out_dir(args.out, "--out"),
+                          ComparePolicy(**chosen) if chosen else None, verify=not args.no_verify)  # fmt: skip
 
 
 def _non_negative(text: str) -> float:
@@ -111,9 +132,33 @@ def _non_negative(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def _run_options(p: argparse.ArgumentParser) -> None:
+    """Options shared by ``run`` and ``matrix``."""
+    p.add_argument("--jobs", type=_positive_int, default=min(2, os.cpu_count() or 1),
+                   help="launches run at once (default: 2)")
+    p.add_argument("--fresh", action="store_true",
+                   help="run every side again, even where a complete trace of the same configuration and code exists")
+    _limits_option(p)
+
+
+def _limits_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-limits", action="store_true",
+                   help="lift the size limits on models, steps and world sizes (see README: Reliability)")
 
 
 def _cmd_conformance(args) -> int:
@@ -132,8 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--inject", action="append", default=[], metavar="FAULT",
                    help="plant a fault in the candidate (see `gtp-parity inject --list`)")
     r.add_argument("--inject-side", default="candidate", choices=["reference", "candidate"])
-    r.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
-                   help="launches run at once (default: 2)")
+    _run_options(r)
     r.set_defaults(fn=_cmd_run)
 
     m = sub.add_parser("matrix", help="run a matrix, write the HTML report and JUnit, gate on parity")
@@ -144,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--junit", metavar="FILE", help="JUnit XML path (default: REPORT/junit.xml)")
     m.add_argument("--baseline", metavar="DIR", help="fail if verdicts or step scalars differ from this baseline")
     m.add_argument("--update-baseline", action="store_true", help="write --baseline from this run instead")
-    m.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="launches run at once")
+    _run_options(m)
     m.set_defaults(fn=_cmd_matrix)
 
     rp = sub.add_parser("report", help="rebuild the HTML report of an existing run folder")
@@ -162,10 +206,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--k", type=_non_negative, help="noise-floor k (default 4)")
     c.add_argument("--k-first-step", type=_non_negative, help="noise-floor k at step 1 (default: k)")
     c.add_argument("--floor", type=_non_negative, help="noise-floor floor in eps x max|golden| (default 8)")
+    c.add_argument("--no-verify", action="store_true",
+                   help="skip checking each tensor against the content hash recorded when it was written")
     c.set_defaults(fn=_cmd_compare)
 
     v = sub.add_parser("validate", help="validate scenario files without running them")
     v.add_argument("scenarios", nargs="+")
+    _limits_option(v)
     v.set_defaults(fn=_cmd_validate)
 
     k = sub.add_parser("conformance", help="check a DistributedWeight implementer (see --help)",
@@ -184,14 +231,20 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["conformance"]:  # the kit parses its own arguments, --help included
         return _cmd_conformance(argparse.Namespace(rest=argv[1:]))
     args = build_parser().parse_args(argv)
+    in_main = threading.current_thread() is threading.main_thread()
+    # A terminated run (a CI job cancelled) ends its launches as Ctrl-C does.
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler) if in_main else None
     try:
         return args.fn(args)
     except HarnessError as e:
         print(f"gtp-parity: {e}", file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # the launcher has already ended its launches (harness.launch)
+        print("gtp-parity: interrupted; traces written so far are kept, marked incomplete", file=sys.stderr)
         return 130
-
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -246,6 +246,32 @@ def check_name(name: str) -> str | None:
     return f"unknown fault {name!r}; known: {', '.join(CATALOG)}, or exit|hang|raise:RANK:STEP"
 
 
+# Faults that act on GTP's collectives, buffers or groups: on a side without GTP they never fire.
+_NEEDS_GTP = frozenset({"gtp-rs-no-prescale", "gtp-ag-swap-shards", "gtp-ln-grad-not-reduced",
+                        "gtp-peers-same-sample", "gtp-pad-leak", "loss-report-wrong-group",
+                        "grad-norm-double-count", "fp8-unreduced-amax"})  # fmt: skip
+# What the torch backend can plant (the others patch megatron-core's own functions).
+TORCH_FAULTS = frozenset({"fp8-unreduced-amax", "gtp-peers-same-sample", "gtp-pad-leak", "optimizer-skips-weight"})
+
+
+def check_reach(name: str, side) -> str | None:
+    """None if the (known) fault ``name`` can fire on ``side``, else why it never would: a
+    planted fault that cannot fire would make a clean run look like a caught fault's miss."""
+    parts = name.split(":")
+    if len(parts) == 3 and parts[0] in _RANK_FAULTS:
+        rank, step = int(parts[1]), int(parts[2])
+        if rank >= side.world_size:
+            return f"{name!r} never fires: rank {rank} is not in 0..{side.world_size - 1} (world_size {side.world_size})"
+        if not 1 <= step <= side.steps:
+            return f"{name!r} never fires: step {step} is not in 1..{side.steps} (the side's steps)"
+        return None
+    if name in _NEEDS_GTP and side.gtp == 1:
+        return f"{name!r} never fires on a side without GTP (gtp = 1)"
+    if side.backend == "torch" and name not in TORCH_FAULTS:
+        return f"{name!r} is not implemented by the torch backend; it implements {sorted(TORCH_FAULTS)}"
+    return None
+
+
 def at_step(ctx: Context, step: int) -> None:
     import os
     import time

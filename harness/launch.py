@@ -15,13 +15,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 from harness.backends import Job
 from harness.errors import RunFailed
-from harness.trace import write_json
+from harness.trace import FORMAT, FORMAT_VERSION, is_complete, write_json
 
 
 STARTUP_S = 180.0
@@ -40,6 +41,7 @@ def job_to_json(job: Job) -> dict:
         "side": asdict(job.side),
         "capture": asdict(job.capture),
         "trace_dir": job.trace_dir,
+        "provenance": job.provenance,
     }
 
 
@@ -54,11 +56,14 @@ def command(plan_path: Path, world: int) -> list[str]:
     ]  # fmt: skip
 
 
-def launch(jobs: list[Job], *, world: int, timeout_s: dict[str, float], workdir: Path, name: str) -> float:
+def launch(jobs: list[Job], *, world: int, timeout_s: dict[str, float], workdir: Path, name: str,
+           stop: threading.Event | None = None) -> float:
     """Run ``jobs`` (all of world size ``world``); return wall seconds. Raise RunFailed.
 
     ``timeout_s`` maps a job key to its budget, counted from when that job starts (the
     previous job's manifest appears), so a hang ends within the hung side's own timeout.
+    When ``stop`` is set (Ctrl-C) the launch is killed at once, its unfinished traces are
+    marked incomplete, and :class:`Interrupted` is raised.
     """
     workdir.mkdir(parents=True, exist_ok=True)
     plan_path = workdir / f"plan-{name}.json"
@@ -79,6 +84,10 @@ def launch(jobs: list[Job], *, world: int, timeout_s: dict[str, float], workdir:
         try:
             current, became, since = None, time.monotonic(), None
             while (rc := proc.poll()) is None:
+                if stop is not None and stop.is_set():
+                    _kill(proc)
+                    mark_interrupted(jobs, world)
+                    raise Interrupted(f"launch {name} (world {world}) interrupted; " + describe_progress(jobs, world))
                 job = _current_job(jobs)
                 if job is not current:
                     current, became, since = job, time.monotonic(), None
@@ -100,6 +109,22 @@ def launch(jobs: list[Job], *, world: int, timeout_s: dict[str, float], workdir:
         raise RunFailed(f"launch {name} (world {world}) failed (exit {rc}); "
                         + describe_failure(jobs, world) + f"; log: {log_path}")  # fmt: skip
     return time.monotonic() - start
+
+
+class Interrupted(RunFailed):
+    """The user interrupted the run (Ctrl-C); every launch has been ended."""
+
+
+def mark_interrupted(jobs: list[Job], world: int) -> None:
+    """Give each started, unfinished trace a manifest saying it is incomplete, so that it is
+    kept for reading (``allow_incomplete``) and never reused as complete."""
+    for job in jobs:
+        path = Path(job.trace_dir)
+        if path.is_dir() and not is_complete(path):
+            write_json(path / "manifest.json", {
+                "format": FORMAT, "version": FORMAT_VERSION, "complete": False, "interrupted": True,
+                "world_size": world, "coords": {}, "key": job.key, "side": job.side.label(),
+            })  # fmt: skip
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -125,7 +150,7 @@ def _read(path: Path) -> dict | None:
 
 def _current_job(jobs: list[Job]) -> Job | None:
     for job in jobs:
-        if not (Path(job.trace_dir) / "manifest.json").exists():
+        if not is_complete(job.trace_dir):
             return job
     return None
 

@@ -1,8 +1,10 @@
 """Turn scenarios into launches: dedupe sides, group them by world size, run the groups.
 
 Every side becomes a :class:`~harness.backends.Job` whose trace folder is named by what the
-side computes (:meth:`Side.key`), so a side shared by several scenarios of a matrix (the
-GTP-off reference, the golden) runs once. Jobs of one world size share one launch; launches
+side computes: its configuration (:meth:`Side.key`), its capture policy and the code that runs
+it (:func:`harness.provenance.code_identity`). A side shared by several scenarios of a matrix
+(the GTP-off reference, the golden) runs once, and a complete trace is reused by a later run
+only when all three are equal: editing megatron-core makes every side run again. Jobs of one world size share one launch; launches
 of different world sizes run concurrently, up to ``parallel`` at a time, to keep the cores busy.
 """
 
@@ -12,42 +14,48 @@ import dataclasses
 import hashlib
 import json
 import shutil
+import threading
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from harness import trace
 from harness.backends import Job
 from harness.errors import RunFailed
-from harness.launch import launch
+from harness.launch import Interrupted, launch
+from harness.provenance import code_identity
 from harness.scenario import Scenario
 
 # Sides per launch: more share the start-up cost, fewer keep the cores busy in parallel.
 MAX_JOBS_PER_LAUNCH = 12
 
 
-def job_for(s: Scenario, role: str, traces: Path) -> Job:
+def job_for(s: Scenario, role: str, traces: Path, provenance: dict) -> Job:
     side = s.sides[role]
     key = side.key(s.model, s.data)
     policy = hashlib.sha256(json.dumps(dataclasses.asdict(s.capture), sort_keys=True).encode()).hexdigest()[:6]
+    code = provenance["digest"][:6]
     return Job(
-        key=f"{key}-{policy}",
+        key=f"{key}-{policy}-{code}",
         model=s.model,
         data=s.data,
         side=side,
         capture=s.capture,
-        trace_dir=str(traces / f"{side.label()}-{key}-{policy}"),
+        trace_dir=str(traces / f"{side.label()}-{key}-{policy}-{code}"),
+        provenance=provenance,
     )
 
 
-def plan(scenarios: list[Scenario], out: Path) -> dict[str, dict[str, Job]]:
+def plan(scenarios: list[Scenario], out: Path, provenance: dict | None = None) -> dict[str, dict[str, Job]]:
     """Scenario name -> role -> job (jobs shared between scenarios are the same object)."""
     traces = out / "traces"
+    provenance = code_identity() if provenance is None else provenance
     jobs: dict[str, Job] = {}
     by_scenario = {}
     for s in scenarios:
         roles = {}
         for role in ("reference", "candidate", "golden"):
-            job = job_for(s, role, traces)
+            job = job_for(s, role, traces, provenance)
             roles[role] = jobs.setdefault(job.key, job)
         by_scenario[s.name] = roles
     return by_scenario
@@ -59,8 +67,10 @@ def execute(
     out: Path,
     parallel: int = 2,
     progress=print,
+    fresh: bool = False,
 ) -> dict[str, str]:
-    """Run every job not already complete. Return job key -> error message for failed ones."""
+    """Run every job whose trace is not complete (every job if ``fresh``). Return job key ->
+    error message for failed ones."""
     timeout = {}
     for s in scenarios:
         for job in by_scenario[s.name].values():
@@ -68,10 +78,14 @@ def execute(
     pending = {}
     for roles in by_scenario.values():
         for job in roles.values():
-            if not (Path(job.trace_dir) / "manifest.json").exists():
-                # An incomplete trace left by an earlier failed run is not resumed.
-                shutil.rmtree(job.trace_dir, ignore_errors=True)
-                pending[job.key] = job
+            if job.key in pending:
+                continue
+            if not fresh and trace.is_complete(job.trace_dir):
+                progress(f"  reused {job.side.label()}: {job.trace_dir} (same configuration and code)")
+                continue
+            # An incomplete trace left by an earlier failed run is not resumed.
+            shutil.rmtree(job.trace_dir, ignore_errors=True)
+            pending[job.key] = job
     groups = defaultdict(list)
     for job in pending.values():
         groups[job.side.world_size].append(job)
@@ -81,18 +95,32 @@ def execute(
             batches.append((world, jobs[i : i + MAX_JOBS_PER_LAUNCH], f"w{world}-{i // MAX_JOBS_PER_LAUNCH}"))
     failures: dict[str, str] = {}
 
+    stop = threading.Event()
+
     def one(batch):
         world, jobs, name = batch
+        if stop.is_set():
+            return
         try:
             wall = launch(jobs, world=world, timeout_s={j.key: timeout[j.key] for j in jobs},
-                          workdir=out / "launches", name=name)
+                          workdir=out / "launches", name=name, stop=stop)
             progress(f"  launch {name}: {len(jobs)} side(s) on {world} rank(s) in {wall:.1f} s")
+        except Interrupted:
+            pass
         except RunFailed as e:
             progress(f"  launch {name} FAILED: {e}")
             for j in jobs:
-                if not (Path(j.trace_dir) / "manifest.json").exists():
+                if not trace.is_complete(j.trace_dir):
                     failures[j.key] = str(e)
 
-    with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
-        list(pool.map(one, batches))
+    pool = ThreadPoolExecutor(max_workers=max(1, parallel))
+    try:
+        for f in [pool.submit(one, b) for b in batches]:
+            f.result()
+    except BaseException:
+        # Ctrl-C reaches this (main) thread only: tell every launch to end its ranks now.
+        stop.set()
+        raise
+    finally:
+        pool.shutdown(wait=True)
     return failures

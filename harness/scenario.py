@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import math
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -39,6 +40,29 @@ CAPTURE_KINDS = frozenset(
     {"input", "activation", "logits", "loss", "param", "main_grad", "optimizer", "scalar"}
 )
 POLICIES = frozenset({"exact", "dtype", "noise-floor"})
+
+# Any integer beyond this is a typo or an attack whatever the machine (sizes, seeds, steps).
+HARD_INT_LIMIT = 2**31
+# What one CPU machine of this project's kind can run; `--no-limits` lifts them.
+LIMITS = {
+    "num_layers": 64, "hidden_size": 8192, "ffn_hidden_size": 32768, "num_attention_heads": 256,
+    "seq_length": 8192, "vocab_size": 262144, "micro_batch_size": 1024, "global_batch_size": 65536,
+    "steps": 10000, "world_size": 64, "timeout_s": 7 * 86400.0,
+    "parameters": 200_000_000,  # an fp64 golden with Adam keeps 4 copies: 6.4 GB
+    "tokens_per_step": 4_194_304,  # activations of a step, per layer, scale with it
+}  # fmt: skip
+# Scenario names become file and folder names: one strict rule, checked before any is used.
+NAME_RULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=,@-]{0,127}")
+
+
+def check_scenario_name(name: Any) -> str | None:
+    """None if ``name`` is a safe scenario name (a single path component), else why not."""
+    if not isinstance(name, str) or not name:
+        return f"must be a non-empty string, got {_show(name)}"
+    if not NAME_RULE.fullmatch(name) or ".." in name:
+        return (f"{_show(name)} is not a valid name: 1-128 characters of letters, digits and . _ + = , @ -, "
+                "starting with a letter or digit, without '..' (names become file names)")
+    return None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -243,18 +267,31 @@ def _coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
             return None
         if not isinstance(value, list):
             raise BadInput(where, f"must be a list, got {value!r}")
+        item = {"tuple[int, ...] | None": int, "tuple[str, ...]": str}[hint]
+        for v in value:
+            if not isinstance(v, item) or isinstance(v, bool):
+                raise BadInput(where, f"every item must be {item.__name__}, got {v!r}")
         return tuple(value)
     if "float" in hint and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        value = float(value) if abs(value) < 2**63 else float("inf")
     base = {"int": int, "float": float, "str": str, "bool": bool}.get(hint.split(" ")[0])
     if value is None and "None" in hint:
         return None
     if base is not None and (not isinstance(value, base) or isinstance(value, bool) != (base is bool)):
-        raise BadInput(where, f"must be {hint}, got {value!r}")
+        raise BadInput(where, f"must be {hint}, got {_show(value)}")
+    if base is float and not math.isfinite(value):
+        raise BadInput(where, f"must be a finite number, got {value}")
+    if base is int and not -HARD_INT_LIMIT <= value <= HARD_INT_LIMIT:
+        raise BadInput(where, f"must be within +-2**31, got {_show(value)}")
     return value
 
 
-def parse_scenario(raw: dict, source: str) -> Scenario:
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def parse_scenario(raw: dict, source: str, limits: bool = True) -> Scenario:
     """Build and validate a scenario from a TOML document (already loaded)."""
     for key in raw:
         if key not in _TOP_KEYS:
@@ -263,6 +300,14 @@ def parse_scenario(raw: dict, source: str) -> Scenario:
             )
     if "name" not in raw:
         raise BadInput(f"{source}: name", "every scenario needs a name")
+    if (problem := check_scenario_name(raw["name"])) is not None:
+        raise BadInput(f"{source}: name", problem)
+    for key in ("description",):
+        if not isinstance(raw.get(key, ""), str):
+            raise BadInput(f"{source}: {key}", f"must be a string, got {_show(raw[key])}")
+    for key in ("model", "data", "train", "reference", "candidate", "golden", "capture", "compare", "axes"):
+        if key in raw and not isinstance(raw[key], dict):
+            raise BadInput(f"{source}: [{key}]", f"must be a table, got {_show(raw[key])}")
     for side in ("reference", "candidate"):
         if side not in raw:
             raise BadInput(f"{source}: [{side}]", "missing table: a scenario compares two sides")
@@ -281,10 +326,10 @@ def parse_scenario(raw: dict, source: str) -> Scenario:
     }
     sides = {n: _build(Side, t, f"{source}: [{n}]") for n, t in sides.items()}
     scenario = Scenario(
-        name=_coerce(raw["name"], _fields(Scenario)["name"], f"{source}: name"),
+        name=raw["name"],
         source=source,
         description=raw.get("description", ""),
-        timeout_s=float(raw.get("timeout_s", 600.0)),
+        timeout_s=_coerce(raw.get("timeout_s", 600.0), _fields(Scenario)["timeout_s"], f"{source}: timeout_s"),
         axes=dict(raw.get("axes", {})),
         model=model,
         data=data,
@@ -292,124 +337,200 @@ def parse_scenario(raw: dict, source: str) -> Scenario:
         compare=_build(ComparePolicy, raw.get("compare", {}), f"{source}: [compare]"),
         **sides,
     )
-    validate(scenario)
+    validate(scenario, limits=limits)
     return scenario
 
 
-def validate(s: Scenario) -> None:
-    """Check every rule a scenario must satisfy before anything is launched."""
+def validate(s: Scenario, limits: bool = True) -> None:
+    """Check every rule a scenario must satisfy before anything is launched. ``limits``: also
+    the size limits of :data:`LIMITS` (what one machine can run), first: an absurd size is
+    named as such, not as whichever rule it happens to break."""
+    if limits:
+        _validate_limits(s)
+    _validate_model(s)
+    steps = {}
+    for name, side in s.sides.items():
+        where = f"{s.source}: [{name}]"
+        _validate_choices(side, where)
+        _validate_training(side, where)
+        _validate_topology(s, name, side, where)
+        _validate_recipe(s, side, where)
+        _validate_faults(name, side, where)
+        steps[name] = side.steps
+    if len(set(steps.values())) != 1:
+        raise BadInput(f"{s.source}: steps", f"every side must run the same number of steps, got {steps}")
+    _validate_capture_compare(s)
+
+
+def _validate_model(s: Scenario) -> None:
     src, m, d = s.source, s.model, s.data
     if s.timeout_s <= 0:
-        raise BadInput(f"{src}: timeout_s", "must be > 0 seconds")
+        raise BadInput(f"{src}: timeout_s", f"must be > 0 seconds, got {s.timeout_s}")
     for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                 "seq_length", "vocab_size"):  # fmt: skip
         if getattr(m, key) < 1:
-            raise BadInput(f"{src}: [model].{key}", "must be >= 1")
+            raise BadInput(f"{src}: [model].{key}", f"must be >= 1, got {getattr(m, key)}")
+    if not m.init_std > 0:
+        raise BadInput(f"{src}: [model].init_std", f"must be > 0, got {m.init_std}")
     if m.hidden_size % m.num_attention_heads:
         raise BadInput(f"{src}: [model].hidden_size", "must be a multiple of num_attention_heads")
     if d.micro_batch_size < 1 or d.global_batch_size < 1:
         raise BadInput(f"{src}: [data]", "micro_batch_size and global_batch_size must be >= 1")
-    steps = {}
-    for name, side in s.sides.items():
-        where = f"{src}: [{name}]"
-        if side.backend not in BACKENDS:
-            raise BadInput(f"{where}.backend", f"unknown backend {side.backend!r}; one of {sorted(BACKENDS)}")
-        if side.precision not in PRECISIONS[side.backend]:
-            raise BadInput(
-                f"{where}.precision",
-                f"{side.precision!r} is not supported by the {side.backend} backend; "
-                f"one of {sorted(PRECISIONS[side.backend])}",
-            )
-        if side.recipe not in RECIPE_NAMES:
-            raise BadInput(f"{where}.recipe", f"unknown recipe {side.recipe!r}; one of {sorted(RECIPE_NAMES)}")
-        if side.optimizer not in OPTIMIZERS:
-            raise BadInput(f"{where}.optimizer", f"unknown optimizer {side.optimizer!r}; one of {sorted(OPTIMIZERS)}")
-        if side.lr_decay_style not in LR_DECAY_STYLES:
-            raise BadInput(f"{where}.lr_decay_style", f"one of {sorted(LR_DECAY_STYLES)}")
-        if side.steps < 1:
-            raise BadInput(f"{where}.steps", f"must be >= 1, got {side.steps}")
-        decay = side.lr_decay_steps or side.steps
-        if not 0 <= side.lr_warmup_steps < decay:  # megatron-core's OptimizerParamScheduler asserts it
-            raise BadInput(f"{where}.lr_warmup_steps",
-                           f"must be >= 0 and < lr_decay_steps (or steps) = {decay}, got {side.lr_warmup_steps}")  # fmt: skip
-        for key in ("world_size", "tp", "gtp"):
-            if getattr(side, key) < 1:
-                raise BadInput(f"{where}.{key}", f"must be >= 1, got {getattr(side, key)}")
-        if side.world_size % (side.tp * side.gtp):
-            raise BadInput(
-                f"{where}.world_size",
-                f"world_size {side.world_size} must be a multiple of TP x G = {side.tp} x {side.gtp}",
-            )
-        if side.dp is not None and side.dp != side.replicate_dp:
-            raise BadInput(
-                f"{where}.dp",
-                f"dp {side.dp} != world_size / (TP x G) = {side.replicate_dp}",
-            )
-        for key in ("num_attention_heads", "hidden_size", "ffn_hidden_size", "vocab_size"):
-            if getattr(m, key) % side.tp:
-                raise BadInput(
-                    f"{where}.tp",
-                    f"TP {side.tp} must divide [model].{key} = {getattr(m, key)}",
-                )
-        if side.gtp > 1:
-            if not m.untie_embeddings:
-                raise BadInput(
-                    f"{src}: [model].untie_embeddings",
-                    f"tied embedding/output weights are not supported with GTP ([{name}].gtp = {side.gtp})",
-                )
-            if side.backend == "megatron" and side.gtp_pad_alignment == 0:
-                # Without padding MCore requires G to divide dim 0 of every GTP-sharded weight.
-                for key, dim0 in _gtp_dim0s(m, side.tp).items():
-                    if dim0 % side.gtp:
-                        raise BadInput(
-                            f"{where}.gtp",
-                            f"G {side.gtp} must divide dim 0 of {key} ({dim0}) when gtp_pad_alignment = 0",
-                        )
-        if name == "golden" and (side.world_size != 1 or side.tp != 1 or side.gtp != 1):
-            raise BadInput(
-                f"{where}.world_size",
-                "the golden side runs in a single process: world_size = tp = gtp = 1",
-            )
-        for fault in side.inject:
-            from harness.faults import check_name
+    if d.seed < 0:
+        raise BadInput(f"{src}: [data].seed", f"must be >= 0, got {d.seed}")
 
-            if (problem := check_name(fault)) is not None:
-                raise BadInput(f"{where}.inject", problem)
-        if "fp8-unreduced-amax" in side.inject and (side.backend != "torch" or side.recipe == "none"):
-            raise BadInput(f"{where}.inject", "fp8-unreduced-amax needs the torch backend with a recipe")
-        if side.recipe in _RECIPE_BLOCK:
-            block = _RECIPE_BLOCK[side.recipe]
-            dims = {**{k: v for k, v in _gtp_dim0s(m, side.tp).items()},
-                    "hidden_size": m.hidden_size, "tokens per micro-batch": m.seq_length * d.micro_batch_size}
-            for key, dim in dims.items():
-                if dim % block:
-                    raise BadInput(f"{where}.recipe", f"{side.recipe} needs {key} ({dim}) to be a multiple of {block}")
-            if side.gtp > 1 and side.gtp_pad_alignment % block:
-                raise BadInput(f"{where}.gtp_pad_alignment",
-                               f"{side.recipe} needs GTP shards aligned to its {block}-row blocks")
-        if name == "golden" and side.inject:
-            raise BadInput(f"{where}.inject", "faults are planted in the reference or candidate, not the golden")
-        unit = d.micro_batch_size * side.data_ranks
-        if d.global_batch_size % unit:
+
+def _validate_choices(side: Side, where: str) -> None:
+    if side.backend not in BACKENDS:
+        raise BadInput(f"{where}.backend", f"unknown backend {side.backend!r}; one of {sorted(BACKENDS)}")
+    if side.precision not in PRECISIONS[side.backend]:
+        raise BadInput(
+            f"{where}.precision",
+            f"{side.precision!r} is not supported by the {side.backend} backend; "
+            f"one of {sorted(PRECISIONS[side.backend])}",
+        )
+    if side.recipe not in RECIPE_NAMES:
+        raise BadInput(f"{where}.recipe", f"unknown recipe {side.recipe!r}; one of {sorted(RECIPE_NAMES)}")
+    if side.optimizer not in OPTIMIZERS:
+        raise BadInput(f"{where}.optimizer", f"unknown optimizer {side.optimizer!r}; one of {sorted(OPTIMIZERS)}")
+    if side.lr_decay_style not in LR_DECAY_STYLES:
+        raise BadInput(f"{where}.lr_decay_style", f"one of {sorted(LR_DECAY_STYLES)}")
+
+
+# Training hyper-parameters: (low, high, inclusive high); floats are already finite.
+_RANGES = {
+    "lr": (0.0, None), "min_lr": (0.0, None), "weight_decay": (0.0, None), "clip_grad": (0.0, None),
+    "adam_eps": (0.0, None), "adam_beta1": (0.0, 1.0), "adam_beta2": (0.0, 1.0), "sgd_momentum": (0.0, 1.0),
+    "seed": (0, None), "gtp_pad_alignment": (0, None),
+}  # fmt: skip
+
+
+def _validate_training(side: Side, where: str) -> None:
+    for key, (low, high) in _RANGES.items():
+        value = getattr(side, key)
+        if value < low or (high is not None and value >= high):
+            bound = f"in [{low}, {high})" if high is not None else f">= {low}"
+            raise BadInput(f"{where}.{key}", f"must be {bound}, got {value}")
+    if side.optimizer == "adam" and side.adam_eps <= 0:
+        raise BadInput(f"{where}.adam_eps", f"must be > 0, got {side.adam_eps}")
+    if side.min_lr > side.lr:
+        raise BadInput(f"{where}.min_lr", f"must be <= lr ({side.lr}), got {side.min_lr}")
+    if side.steps < 1:
+        raise BadInput(f"{where}.steps", f"must be >= 1, got {side.steps}")
+    if side.lr_decay_steps is not None and side.lr_decay_steps < 1:
+        raise BadInput(f"{where}.lr_decay_steps", f"must be >= 1, got {side.lr_decay_steps}")
+    decay = side.lr_decay_steps or side.steps
+    if not 0 <= side.lr_warmup_steps < decay:  # megatron-core's OptimizerParamScheduler asserts it
+        raise BadInput(f"{where}.lr_warmup_steps",
+                       f"must be >= 0 and < lr_decay_steps (or steps) = {decay}, got {side.lr_warmup_steps}")  # fmt: skip
+
+
+def _validate_topology(s: Scenario, name: str, side: Side, where: str) -> None:
+    m, d = s.model, s.data
+    for key in ("world_size", "tp", "gtp"):
+        if getattr(side, key) < 1:
+            raise BadInput(f"{where}.{key}", f"must be >= 1, got {getattr(side, key)}")
+    if side.world_size % (side.tp * side.gtp):
+        raise BadInput(
+            f"{where}.world_size",
+            f"world_size {side.world_size} must be a multiple of TP x G = {side.tp} x {side.gtp}",
+        )
+    if side.dp is not None and side.dp != side.replicate_dp:
+        raise BadInput(f"{where}.dp", f"dp {side.dp} != world_size / (TP x G) = {side.replicate_dp}")
+    for key in ("num_attention_heads", "hidden_size", "ffn_hidden_size", "vocab_size"):
+        if getattr(m, key) % side.tp:
+            raise BadInput(f"{where}.tp", f"TP {side.tp} must divide [model].{key} = {getattr(m, key)}")
+    if side.gtp > 1:
+        if not m.untie_embeddings:
             raise BadInput(
-                f"{src}: [data].global_batch_size",
-                f"{d.global_batch_size} must be a multiple of micro_batch_size x data ranks "
-                f"= {d.micro_batch_size} x {side.data_ranks} for [{name}]",
+                f"{s.source}: [model].untie_embeddings",
+                f"tied embedding/output weights are not supported with GTP ([{name}].gtp = {side.gtp})",
             )
-        steps[name] = side.steps
-    if len(set(steps.values())) != 1:
-        raise BadInput(f"{src}: steps", f"every side must run the same number of steps, got {steps}")
+        if side.backend == "megatron" and side.gtp_pad_alignment == 0:
+            # Without padding MCore requires G to divide dim 0 of every GTP-sharded weight.
+            for key, dim0 in _gtp_dim0s(m, side.tp).items():
+                if dim0 % side.gtp:
+                    raise BadInput(
+                        f"{where}.gtp", f"G {side.gtp} must divide dim 0 of {key} ({dim0}) when gtp_pad_alignment = 0"
+                    )
+    if name == "golden" and (side.world_size != 1 or side.tp != 1 or side.gtp != 1):
+        raise BadInput(f"{where}.world_size", "the golden side runs in a single process: world_size = tp = gtp = 1")
+    unit = d.micro_batch_size * side.data_ranks
+    if d.global_batch_size % unit:
+        raise BadInput(
+            f"{s.source}: [data].global_batch_size",
+            f"{d.global_batch_size} must be a multiple of micro_batch_size x data ranks "
+            f"= {d.micro_batch_size} x {side.data_ranks} for [{name}]",
+        )
+
+
+def _validate_recipe(s: Scenario, side: Side, where: str) -> None:
+    if side.recipe not in _RECIPE_BLOCK:
+        return
+    m, block = s.model, _RECIPE_BLOCK[side.recipe]
+    dims = {**_gtp_dim0s(m, side.tp), "hidden_size": m.hidden_size,
+            "tokens per micro-batch": m.seq_length * s.data.micro_batch_size}  # fmt: skip
+    for key, dim in dims.items():
+        if dim % block:
+            raise BadInput(f"{where}.recipe", f"{side.recipe} needs {key} ({dim}) to be a multiple of {block}")
+    if side.gtp > 1 and side.gtp_pad_alignment % block:
+        raise BadInput(f"{where}.gtp_pad_alignment", f"{side.recipe} needs GTP shards aligned to its {block}-row blocks")
+
+
+def _validate_faults(name: str, side: Side, where: str) -> None:
+    from harness.faults import check_name, check_reach
+
+    if name == "golden" and side.inject:
+        raise BadInput(f"{where}.inject", "faults are planted in the reference or candidate, not the golden")
+    for fault in side.inject:
+        if (problem := check_name(fault) or check_reach(fault, side)) is not None:
+            raise BadInput(f"{where}.inject", problem)
+    if "fp8-unreduced-amax" in side.inject and (side.backend != "torch" or side.recipe == "none"):
+        raise BadInput(f"{where}.inject", "fp8-unreduced-amax needs the torch backend with a recipe")
+
+
+def _validate_capture_compare(s: Scenario) -> None:
+    src = s.source
     for kind in s.capture.kinds:
         if kind not in CAPTURE_KINDS:
             raise BadInput(f"{src}: [capture].kinds", f"unknown kind {kind!r}; one of {sorted(CAPTURE_KINDS)}")
     if s.capture.mode not in ("full", "fingerprint"):
         raise BadInput(f"{src}: [capture].mode", "full or fingerprint")
+    steps = s.reference.steps
+    for step in s.capture.steps or ():
+        if not 1 <= step <= steps:
+            raise BadInput(f"{src}: [capture].steps", f"step {step} is not in 1..{steps} (the steps every side runs)")
     if s.compare.policy not in POLICIES:
         raise BadInput(f"{src}: [compare].policy", f"one of {sorted(POLICIES)}")
     for key in ("k", "k_first_step", "floor"):
         value = getattr(s.compare, key)
         if value is not None and not value >= 0:
             raise BadInput(f"{src}: [compare].{key}", f"must be >= 0, got {value}")
+
+
+def _validate_limits(s: Scenario) -> None:
+    """Sizes one machine can run, checked before anything is allocated or launched."""
+    m, d, src = s.model, s.data, s.source
+    lift = "; --no-limits lifts this limit"
+    values = {f"[model].{k}": (k, getattr(m, k)) for k in
+              ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length", "vocab_size")}
+    values.update({f"[data].{k}": (k, getattr(d, k)) for k in ("micro_batch_size", "global_batch_size")})
+    values["timeout_s"] = ("timeout_s", s.timeout_s)
+    for name, side in s.sides.items():
+        values[f"[{name}].steps"] = ("steps", side.steps)
+        values[f"[{name}].world_size"] = ("world_size", side.world_size)
+    values["[model]"] = ("parameters", parameter_count(m))
+    values["[data]"] = ("tokens_per_step", d.global_batch_size * m.seq_length)
+    for where, (limit, value) in values.items():
+        if value > LIMITS[limit]:
+            raise BadInput(f"{src}: {where}", f"{limit} {value:,} exceeds the limit of {LIMITS[limit]:,}{lift}")
+
+
+def parameter_count(m: ModelConfig) -> int:
+    """Parameters of the GPT (no linear biases; LayerNorms, embeddings), for the size limit."""
+    h, f, v = m.hidden_size, m.ffn_hidden_size, m.vocab_size
+    layer = 4 * h * h + 2 * h * f + 4 * h  # qkv + proj, fc1 + fc2, two LayerNorms (weight, bias)
+    return m.num_layers * layer + v * h * (2 if m.untie_embeddings else 1) + m.seq_length * h + 2 * h
 
 
 # Block formats need whole blocks along both GEMM dims (TE pads nothing here).
@@ -431,22 +552,39 @@ def _gtp_dim0s(m: ModelConfig, tp: int) -> dict[str, int]:
 # --- files and matrices --------------------------------------------------------------------
 
 
+MAX_MATRIX = 10_000
+MAX_FILE_BYTES = 1 << 20  # a scenario is a page of TOML, not a data file
+
+
 def _load_toml(path: Path) -> dict:
+    if path.is_dir():
+        raise BadInput(str(path), "is a folder, not a scenario file")
     try:
-        return tomllib.loads(path.read_text())
+        size = path.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise BadInput(str(path), f"{size:,} bytes: not a scenario file (limit {MAX_FILE_BYTES:,})")
+        text = path.read_bytes().decode("utf-8")
+        return tomllib.loads(text)
     except FileNotFoundError:
         raise BadInput(str(path), "no such file") from None
+    except UnicodeDecodeError as e:
+        raise BadInput(str(path), f"not UTF-8 text (byte {e.start}): not a TOML scenario file") from None
+    except OSError as e:
+        raise BadInput(str(path), f"cannot be read: {e.strerror or e}") from None
     except tomllib.TOMLDecodeError as e:
         raise BadInput(str(path), f"invalid TOML: {e}") from None
+    except RecursionError:
+        raise BadInput(str(path), "invalid TOML: nested too deeply") from None
 
 
-def load(path: str | Path) -> list[Scenario]:
-    """Load a scenario file or a matrix file (one with a ``[matrix]`` table)."""
+def load(path: str | Path, limits: bool = True) -> list[Scenario]:
+    """Load a scenario file or a matrix file (one with a ``[matrix]`` table). ``limits``:
+    refuse sizes beyond :data:`LIMITS` (``--no-limits`` lifts them)."""
     path = Path(path)
     raw = _load_toml(path)
     if "matrix" in raw:
-        return expand_matrix(raw, path)
-    return [parse_scenario(raw, str(path))]
+        return expand_matrix(raw, path, limits=limits)
+    return [parse_scenario(raw, str(path), limits=limits)]
 
 
 def _deep_merge(base: dict, extra: dict) -> dict:
@@ -459,14 +597,16 @@ def _deep_merge(base: dict, extra: dict) -> dict:
     return out
 
 
-def _set_path(doc: dict, dotted: str, value: Any) -> None:
+def _set_path(doc: dict, dotted: str, value: Any, where: str) -> None:
     *parents, leaf = dotted.split(".")
     for p in parents:
         doc = doc.setdefault(p, {})
+        if not isinstance(doc, dict):
+            raise BadInput(where, f"{dotted!r} goes through {p!r}, which is not a table")
     doc[leaf] = value
 
 
-def expand_matrix(raw: dict, path: Path) -> list[Scenario]:
+def expand_matrix(raw: dict, path: Path, limits: bool = True) -> list[Scenario]:
     """Expand ``[matrix]`` into the product of its axes.
 
     ``[matrix]`` keys: ``base`` (a scenario file, relative to this one; optional, the other
@@ -478,21 +618,44 @@ def expand_matrix(raw: dict, path: Path) -> list[Scenario]:
     at the scenario root (each with a ``label`` key used in names).
     """
     src = str(path)
-    spec = dict(raw["matrix"])
+    spec = raw["matrix"]
+    if not isinstance(spec, dict):
+        raise BadInput(f"{src}: [matrix]", f"must be a table, got {_show(spec)}")
     unknown = set(spec) - {"base", "name", "axes"}
     if unknown:
         raise BadInput(f"{src}: [matrix].{sorted(unknown)[0]}", "unknown key; known: base, name, axes")
     doc = {k: v for k, v in raw.items() if k != "matrix"}
     if "base" in spec:
-        base = {k: v for k, v in _load_toml(path.parent / spec["base"]).items() if k != "matrix"}
+        if not isinstance(spec["base"], str) or not spec["base"]:
+            raise BadInput(f"{src}: [matrix].base", f"must be a file name relative to this file, got {_show(spec['base'])}")
+        base_path = path.parent / spec["base"]
+        if base_path.resolve() == path.resolve():
+            raise BadInput(f"{src}: [matrix].base", "names this file itself")
+        try:
+            base = {k: v for k, v in _load_toml(base_path).items() if k != "matrix"}
+        except BadInput as e:
+            raise BadInput(f"{src}: [matrix].base", str(e)) from None
         doc = _deep_merge(base, doc)
     axes = spec.get("axes", {})
+    if not isinstance(axes, dict):
+        raise BadInput(f"{src}: [matrix.axes]", f"must be a table of axis = [values], got {_show(axes)}")
     if not axes:
         raise BadInput(f"{src}: [matrix.axes]", "a matrix needs at least one axis")
     for axis, values in axes.items():
         if not isinstance(values, list) or not values:
             raise BadInput(f"{src}: [matrix.axes].{axis}", "must be a non-empty list")
+        for dotted in axis.split(","):
+            parts = [p.strip() for p in dotted.split(".")]
+            if not all(parts) or (len(parts) > 1 and parts[0] not in _TOP_KEYS):
+                raise BadInput(f"{src}: [matrix.axes].{axis}",
+                               f"{dotted.strip()!r} is not a path into the scenario (e.g. train.precision)")
     template = spec.get("name", "-".join("{" + a + "}" for a in axes))
+    if not isinstance(template, str):
+        raise BadInput(f"{src}: [matrix].name", f"must be a string template, got {_show(template)}")
+    if template.count("{") > 64 or len(template) > 1024:
+        raise BadInput(f"{src}: [matrix].name", "template too long")
+    if math.prod(len(v) for v in axes.values()) > MAX_MATRIX:
+        raise BadInput(f"{src}: [matrix.axes]", f"expands to more than {MAX_MATRIX} scenarios")
     scenarios, names = [], set()
     for combo in itertools.product(*axes.values()):
         scen = copy.deepcopy(doc)
@@ -505,7 +668,7 @@ def expand_matrix(raw: dict, path: Path) -> list[Scenario]:
             else:
                 labels[axis] = "+".join(map(str, value)) if isinstance(value, list) else str(value)
                 for dotted in axis.split(","):
-                    _set_path(scen, dotted.strip(), value)
+                    _set_path(scen, dotted.strip(), value, f"{src}: [matrix.axes].{axis}")
         unknown = set(re.findall(r"\{([^}]*)\}", template)) - set(labels)
         if unknown:
             raise BadInput(f"{src}: [matrix].name", f"template names unknown axis {sorted(unknown)[0]!r}")
@@ -514,5 +677,5 @@ def expand_matrix(raw: dict, path: Path) -> list[Scenario]:
         if scen["name"] in names:
             raise BadInput(f"{src}: [matrix].name", f"template gives duplicate name {scen['name']!r}")
         names.add(scen["name"])
-        scenarios.append(parse_scenario(scen, f"{src} ({scen['name']})"))
+        scenarios.append(parse_scenario(scen, f"{src} ({scen['name']})", limits=limits))
     return scenarios

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from harness import steps, trace
 from harness.errors import EXIT_PARITY_FAIL, EXIT_PASS, EXIT_RUN_FAILED
+from harness.provenance import differences
 from harness.runner import execute, plan
 from harness.scenario import ComparePolicy, Scenario
 from harness.trace import write_json
@@ -27,7 +28,8 @@ def skip_reason(s: Scenario) -> str | None:
     return None
 
 
-def run_scenarios(scenarios: list[Scenario], out: Path, parallel: int = 2, verbose: bool = False) -> int:
+def run_scenarios(scenarios: list[Scenario], out: Path, parallel: int = 2, verbose: bool = False,
+                  fresh: bool = False) -> int:
     """Run, compare and summarize every scenario; return the exit code of the worst."""
     say = print if verbose else (lambda *a, **k: None)
     out.mkdir(parents=True, exist_ok=True)
@@ -44,7 +46,7 @@ def run_scenarios(scenarios: list[Scenario], out: Path, parallel: int = 2, verbo
     by_scenario = plan(scenarios, out)
     say(f"gtp-parity: {len(scenarios)} scenario(s), "
         f"{len({j.key for r in by_scenario.values() for j in r.values()})} distinct side(s) -> {out}")  # fmt: skip
-    failures = execute(by_scenario, scenarios, out, parallel=parallel, progress=say)
+    failures = execute(by_scenario, scenarios, out, parallel=parallel, progress=say, fresh=fresh)
     worst = EXIT_PASS
     results = []
     for s in scenarios:
@@ -76,12 +78,13 @@ def _overall(results: list[dict]) -> str:
 
 
 def compare_scenario(s: Scenario | None, paths: dict[str, Path], sdir: Path, say=print,
-                     policy: ComparePolicy | None = None) -> dict:
+                     policy: ComparePolicy | None = None, verify: bool = True) -> dict:
     """Compare the traces of one scenario; write steps.csv/json, results.csv, summary.json.
     ``policy`` overrides the scenario's (offline re-judging of existing traces)."""
     from harness.compare import compare
 
-    traces = {role: trace.read(p) for role, p in paths.items() if p is not None}
+    traces = {role: trace.read(p, verify=verify) for role, p in paths.items() if p is not None}
+    trace.check_same_model(traces)
     sdir.mkdir(parents=True, exist_ok=True)
     table = steps.step_table(traces)
     table.to_csv(sdir / "steps.csv", index=False)
@@ -93,6 +96,10 @@ def compare_scenario(s: Scenario | None, paths: dict[str, Path], sdir: Path, say
     summary = compare(traces, policy=policy or (s.compare if s else None))
     summary["results"].to_csv(sdir / "results.csv", index=False)
     doc = {k: v for k, v in summary.items() if k != "results"}
+    if warnings := provenance_warnings(traces):
+        doc["warnings"] = warnings
+        for w in warnings:
+            say(f"warning: {w}")
     doc.update(scenario=name, traces={r: str(p) for r, p in paths.items()})
     if s is not None:
         doc["axes"] = dict(s.axes)
@@ -105,11 +112,25 @@ def compare_scenario(s: Scenario | None, paths: dict[str, Path], sdir: Path, say
     return doc
 
 
+def provenance_warnings(traces: dict[str, trace.Trace]) -> list[str]:
+    """A warning per side made by other code than the reference: that may be the point of
+    the comparison (two megatron-core versions), but it must never go unnoticed."""
+    ref = traces["reference"].manifest.get("provenance")
+    out = []
+    for role, t in traces.items():
+        if role == "reference":
+            continue
+        if diffs := differences(ref, t.manifest.get("provenance")):
+            out.append(f"{role} trace was made by other code than the reference: " + "; ".join(diffs))
+    return out
+
+
 def _config(s: Scenario) -> dict:
     return {"source": s.source, "description": s.description, **{r: side.label() for r, side in s.sides.items()}}
 
 
 def compare_traces(ref: Path, cand: Path, golden: Path | None, out: Path,
-                   policy: ComparePolicy | None = None) -> int:
-    doc = compare_scenario(None, {"reference": ref, "candidate": cand, "golden": golden}, out, policy=policy)
+                   policy: ComparePolicy | None = None, verify: bool = True) -> int:
+    doc = compare_scenario(None, {"reference": ref, "candidate": cand, "golden": golden}, out,
+                           policy=policy, verify=verify)
     return EXIT_PASS if doc["verdict"] == "pass" else EXIT_PARITY_FAIL

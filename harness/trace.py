@@ -5,16 +5,20 @@ A trace is a folder::
     manifest.json                 written last, by rank 0, once every rank has closed
     rank{r}/step{s}.safetensors   that rank's tensors of step s (step 0: initial weights)
     rank{r}/index.json            per tensor: kind, canonical name, step, micro-batch,
-                                  sample ids, dtype, local shape, layout; and the scalars
+                                  sample ids, dtype, local shape, layout, content hash;
+                                  and the scalars
     rank{r}/progress.json         heartbeat: the last step and phase reached
 
 Every file is written to a temporary name and renamed, so a reader never sees half a file;
 a trace without ``manifest.json`` (or with ``complete: false``) is incomplete. Tensors are
-safetensors and metadata JSON: loading a trace never executes code.
+safetensors and metadata JSON: loading a trace never executes code. Each tensor's sha256 is
+recorded when it is captured and checked when it is read, so a tensor altered or swapped with
+another of the same shape is refused, not compared.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -48,6 +52,20 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     os.replace(tmp, path)
 
 
+def content_hash(t: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes (hashlib reads the buffer in place: no copy)."""
+    return hashlib.sha256(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
+
+
+def is_complete(path: str | Path) -> bool:
+    """True when the trace at ``path`` has a manifest that says it is complete."""
+    try:
+        doc = json.loads((Path(path) / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and doc.get("complete") is True
+
+
 def tensor_key(kind: str, name: str, micro_batch: int | None) -> str:
     return f"{kind}|{name}" + ("" if micro_batch is None else f"|mb{micro_batch}")
 
@@ -67,6 +85,8 @@ class Entry:
     micro_batch: int | None = None
     sample_ids: tuple[int, ...] | None = None
     fingerprint: dict | None = None
+    sha256: str | None = None
+    """Content hash recorded at capture (None: a fingerprint-mode entry, or an older trace)."""
 
     def to_json(self) -> dict:
         return {
@@ -76,6 +96,7 @@ class Entry:
             "micro_batch": self.micro_batch,
             "sample_ids": list(self.sample_ids) if self.sample_ids is not None else None,
             "fingerprint": self.fingerprint,
+            "sha256": self.sha256,
         }  # fmt: skip
 
 
@@ -89,7 +110,10 @@ class Trace:
     scalars: list[dict]
     infos: dict = field(default_factory=dict)
     """rank -> the free-form facts the rank recorded."""
+    verify: bool = True
+    """Check each tensor against its recorded content hash when it is first read."""
     _files: dict = field(default_factory=dict, repr=False)
+    _verified: set = field(default_factory=set, repr=False)
 
     @property
     def complete(self) -> bool:
@@ -119,16 +143,24 @@ class Trace:
             raise BadInput(
                 str(path), f"tensor {entry.key!r} has shape {tuple(t.shape)}, index says {entry.local_shape}"
             )
+        if self.verify and entry.sha256 and (path, entry.key) not in self._verified:
+            if content_hash(t) != entry.sha256:
+                raise BadInput(str(path), f"tensor {entry.key!r} does not match the content hash recorded "
+                                          "when it was written (altered, or swapped with another tensor)")
+            self._verified.add((path, entry.key))
         return t
 
 
-def read(path: str | Path, allow_incomplete: bool = False) -> Trace:
-    """Read a trace's manifest and indexes; raise BadInput naming the file on any problem."""
+def read(path: str | Path, allow_incomplete: bool = False, verify: bool = True) -> Trace:
+    """Read a trace's manifest and indexes; raise BadInput naming the file on any problem.
+    ``verify``: check tensors against their recorded content hashes as they are read."""
     path = Path(path)
     manifest_path = path / "manifest.json"
     if not path.is_dir():
         raise BadInput(str(path), "not a trace folder")
     if not manifest_path.exists():
+        if not any(path.glob("rank*/index.json")) and not any(path.glob("rank*/progress.json")):
+            raise BadInput(str(path), "not a trace: no manifest.json and no rank*/ records")
         if not allow_incomplete:
             raise BadInput(str(manifest_path), "missing: the run did not finish (incomplete trace)")
         manifest = {"complete": False, "world_size": len(list(path.glob("rank*"))), "coords": {}}
@@ -160,7 +192,7 @@ def read(path: str | Path, allow_incomplete: bool = False) -> Trace:
                         layout=Layout.from_json(e["layout"]) if e.get("layout") else None,
                         micro_batch=e.get("micro_batch"),
                         sample_ids=tuple(e["sample_ids"]) if e.get("sample_ids") is not None else None,
-                        fingerprint=e.get("fingerprint"),
+                        fingerprint=e.get("fingerprint"), sha256=e.get("sha256"),
                     )  # fmt: skip
                 )
             except (KeyError, TypeError, ValueError) as err:
@@ -170,7 +202,34 @@ def read(path: str | Path, allow_incomplete: bool = False) -> Trace:
             scalars.append({**s, "rank": rank})
     if not allow_incomplete:
         _check_shapes(path, entries)
-    return Trace(path=path, manifest=manifest, entries=entries, scalars=scalars, infos=infos)
+    return Trace(path=path, manifest=manifest, entries=entries, scalars=scalars, infos=infos, verify=verify)
+
+
+def model_shapes(t: Trace) -> dict[str, tuple[int, ...]]:
+    """Logical shape of every initial weight (step 0) the trace recorded."""
+    return {e.name: tuple(e.layout.logical_shape) if e.layout else tuple(e.local_shape)
+            for e in t.entries if e.kind == "param" and e.step == 0}  # fmt: skip
+
+
+def check_same_model(traces: dict[str, Trace]) -> None:
+    """Traces of two different models (other tensors, other shapes) are a bad input to a
+    comparison, not a parity failure: raise BadInput naming the first difference."""
+    ref = traces["reference"]
+    want = model_shapes(ref)
+    for role, t in traces.items():
+        got = model_shapes(t)
+        if role == "reference" or not want or not got:
+            continue  # a trace that captured no weights cannot be checked this way
+        for name in sorted(set(want) | set(got)):
+            if want.get(name) != got.get(name):
+                raise BadInput(
+                    f"{t.path}", f"not the same model as the reference {ref.path}: weight {name} is "
+                    f"{_shape_text(got.get(name))} here and {_shape_text(want.get(name))} in the reference",
+                )
+
+
+def _shape_text(shape: tuple[int, ...] | None) -> str:
+    return "absent" if shape is None else str(list(shape))
 
 
 def _check_shapes(path: Path, entries: list[Entry]) -> None:

@@ -24,7 +24,7 @@ from harness.backends import Job
 from harness.capture import Capture
 from harness.gpt import mesh_of
 from harness.scenario import CapturePolicy, DataConfig, ModelConfig, Side
-from harness.trace import write_json
+from harness.trace import is_complete, write_json
 
 
 def job_from_json(doc: dict) -> Job:
@@ -41,14 +41,8 @@ def job_from_json(doc: dict) -> Job:
         side=Side(**side),
         capture=CapturePolicy(**capture),
         trace_dir=doc["trace_dir"],
+        provenance=doc.get("provenance", {}),
     )
-
-
-def _complete(trace_dir: Path) -> bool:
-    try:
-        return json.loads((trace_dir / "manifest.json").read_text()).get("complete", False)
-    except (OSError, ValueError):
-        return False
 
 
 def run_job(job: Job, rank: int, world: int) -> None:
@@ -76,7 +70,8 @@ def run_job(job: Job, rank: int, world: int) -> None:
             coords={r: data_mod.coord(r, side) for r in range(world)},
             mesh=mesh,
             meta={"side": side.label(), "key": job.key, "backend": side.backend,
-                  "precision": side.precision, "recipe": side.recipe, "steps": side.steps},  # fmt: skip
+                  "precision": side.precision, "recipe": side.recipe, "steps": side.steps,
+                  "provenance": job.provenance},  # fmt: skip
         )
 
 
@@ -96,7 +91,7 @@ def main(argv: list[str]) -> int:
         for job in jobs:
             if job.side.world_size != world:
                 raise ValueError(f"job {job.key} needs world size {job.side.world_size}, launched with {world}")
-            if _complete(Path(job.trace_dir)):
+            if is_complete(job.trace_dir):
                 continue
             run_job(job, rank, world)
     finally:

@@ -82,7 +82,7 @@ def test_base_is_valid(tmp_path):
         (with_lines(candidate="inject = [\"no-such-fault\"]"), "[candidate].inject", "unknown fault"),
         (with_lines(candidate="tp = \"two\""), "[candidate].tp", "must be int"),
         (BASE + "[compare]\nk_first_step = -1.25\n", "[compare].k_first_step", "must be >= 0"),
-        (BASE + "[compare]\nk = nan\n", "[compare].k", "must be >= 0"),
+        (BASE + "[compare]\nk = nan\n", "[compare].k", "must be a finite number"),
     ],
 )
 def test_rule_violations_name_file_key_and_rule(tmp_path, text, where, rule):

@@ -4,7 +4,7 @@ on the calling rank (the process group is already initialized) and recording int
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from harness.capture import Capture
 from harness.scenario import CapturePolicy, DataConfig, ModelConfig, Side
@@ -22,6 +22,8 @@ class Job:
     side: Side
     capture: CapturePolicy
     trace_dir: str
+    provenance: dict = field(default_factory=dict)
+    """What computes this side (:func:`harness.provenance.code_identity`), part of its key."""
 
 
 def run(job: Job, capture: Capture) -> None:

@@ -14,9 +14,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from urllib.parse import quote
 
+from harness.errors import BadInput
 from harness.report.model import divergence_line, load_scenario, worst_metric
 from harness.report.page import document, render_scenario
 from harness.report.svg import esc
+from harness.scenario import check_scenario_name
 
 CELLS_FILE = "cells.json"
 """Per scenario: verdict, worst metric and page link, kept next to the index for merging."""
@@ -133,10 +135,12 @@ def write_index(run_dir: Path, report_dir: Path) -> Path:
     """Write ``report_dir/index.html``, a page per scenario under ``report_dir/scenarios/``, and
     a copy of the run's ``summary.json``. Return the index path."""
     run_dir, report_dir = Path(run_dir), Path(report_dir)
-    doc = json.loads((run_dir / "summary.json").read_text())
+    doc = _read_run_summary(run_dir / "summary.json")
     cells = []
-    for s in doc.get("scenarios", []):
-        name = str(s["scenario"])
+    for s in doc["scenarios"]:
+        name = s["scenario"]
+        if (problem := check_scenario_name(name)) is not None:  # the name becomes a file name
+            raise BadInput(f"{run_dir / 'summary.json'}: scenario", problem)
         data = load_scenario(run_dir / "scenarios" / name)
         page = report_dir / "scenarios" / f"{name}.html"
         page.parent.mkdir(parents=True, exist_ok=True)
@@ -151,6 +155,18 @@ def write_index(run_dir: Path, report_dir: Path) -> Path:
     index.write_text(render_index(f"gtp-parity run {run_dir.name}", cells, str(doc.get("verdict", "error"))),
                      encoding="utf-8")  # fmt: skip
     return index
+
+
+def _read_run_summary(path: Path) -> dict:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise BadInput(str(path), f"not a run summary ({e})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("scenarios", []), list) or not all(
+        isinstance(s, dict) and "scenario" in s for s in doc.get("scenarios", [])
+    ):
+        raise BadInput(str(path), "not a run summary: expected {scenarios: [{scenario: NAME, ...}, ...]}")
+    return {"scenarios": [], **doc}
 
 
 def write_combined_index(report_root: Path, title: str, since: float = 0.0) -> Path | None:

@@ -40,8 +40,7 @@ from .parallel import Parallel, shard_model, tp_local
 from .run import DTYPES
 
 # Planted faults this backend implements (the others patch megatron-core).
-SUPPORTED_FAULTS = frozenset({"fp8-unreduced-amax", "gtp-peers-same-sample", "gtp-pad-leak",
-                              "optimizer-skips-weight"})  # fmt: skip
+SUPPORTED_FAULTS = faults.TORCH_FAULTS
 # Recipes whose weight quantization has a per-tensor amax (the others are block-scaled only).
 PER_TENSOR_AMAX = frozenset({"delayed", "float8_current_scaling", "nvfp4"})
 
