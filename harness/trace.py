@@ -206,9 +206,10 @@ def read(path: str | Path, allow_incomplete: bool = False, verify: bool = True) 
 
 
 def model_shapes(t: Trace) -> dict[str, tuple[int, ...]]:
-    """Logical shape of every initial weight (step 0) the trace recorded."""
+    """Logical shape of every weight the trace recorded at its first recorded step."""
+    steps = [e.step for e in t.entries if e.kind == "param"]
     return {e.name: tuple(e.layout.logical_shape) if e.layout else tuple(e.local_shape)
-            for e in t.entries if e.kind == "param" and e.step == 0}  # fmt: skip
+            for e in t.entries if e.kind == "param" and e.step == min(steps)}  # fmt: skip
 
 
 def check_same_model(traces: dict[str, Trace]) -> None:

@@ -107,7 +107,7 @@ def test_dtype_policy_takes_the_recipe_tolerance(recipe, passes):
     assert (ok, used) == (passes, "dtype")
 
 
-@pytest.mark.parametrize("args, says", [(["--k", "-1"], "--k: must be >= 0"), (["--floor", "x"], "not a number"),
+@pytest.mark.parametrize("args, says", [(["--k", "-1"], "--k: must be a finite number >= 0"), (["--floor", "x"], "not a number"),
                                         (["--policy", "loose"], "invalid choice")])  # fmt: skip
 def test_compare_cli_rejects_bad_policy_arguments(args, says, capsys):
     from harness import cli

@@ -15,10 +15,10 @@ from harness.layout import Layout, replicated
 from harness.scenario import CapturePolicy
 
 
-def plain_loop_trace(path, policy=CapturePolicy()):
+def plain_loop_trace(path, policy=CapturePolicy(), width=3):
     """A user's own single-process loop captured in a few lines."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    model = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Linear(width, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     cap = Capture(path, rank=0, world_size=1, coord={"tp": 0, "gtp": 0, "dp": 0}, mesh={}, policy=policy)
     cap.attach({"0": model[0], "1": model[1]})
@@ -165,3 +165,33 @@ def test_fingerprint_traces_compare_by_hash_and_name_the_block(tmp_path):
     bad = fp[~fp["passed"]].iloc[0]
     assert bad["tensor"] == "0.weight" and bad["differing_blocks"] == {"0": [1]}
     assert summary["first_divergence"]["tensor"] == "0.weight"
+
+
+def test_tensors_swapped_inside_a_file_are_refused(tmp_path, capsys):
+    """Two same-shaped tensors swapped in a safetensors file pass every shape check; the
+    content hash recorded at capture names the altered tensor."""
+    from safetensors.torch import load_file, save_file
+
+    plain_loop_trace(tmp_path / "t")
+    path = tmp_path / "t" / "rank0" / "step1.safetensors"
+    tensors = load_file(str(path))
+    a, b = "param|0.bias", "main_grad|0.bias"
+    assert tensors[a].shape == tensors[b].shape and not torch.equal(tensors[a], tensors[b])
+    tensors[a], tensors[b] = tensors[b], tensors[a]
+    save_file(tensors, str(path))
+    t = trace.read(tmp_path / "t")
+    entry = next(e for e in t.entries if e.key == a and e.step == 1)
+    with pytest.raises(BadInput, match="param\\|0.bias.*content hash"):
+        t.tensor(entry)
+    assert torch.equal(trace.read(tmp_path / "t", verify=False).tensor(entry), tensors[a])  # opt-out
+    code = cli.main(["compare", str(tmp_path / "t"), str(tmp_path / "t"), "--out", str(tmp_path / "cmp")])
+    assert code == 2 and "content hash" in capsys.readouterr().err
+
+
+def test_comparing_two_models_is_a_bad_input(tmp_path, capsys):
+    plain_loop_trace(tmp_path / "a")
+    plain_loop_trace(tmp_path / "b", width=5)
+    code = cli.main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "cmp")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "not the same model" in err and "0.bias" in err and "[5]" in err and "[3]" in err
