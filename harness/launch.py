@@ -45,6 +45,15 @@ def job_to_json(job: Job) -> dict:
     }
 
 
+def worker_env() -> dict[str, str]:
+    """The environment every rank runs in (the side key's provenance is computed from it)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}  # fmt: skip
+    root = Path(__file__).resolve().parent.parent
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    return env
+
+
 def command(plan_path: Path, world: int) -> list[str]:
     if world == 1:
         return [sys.executable, "-m", "harness.worker", str(plan_path)]
@@ -69,12 +78,9 @@ def launch(jobs: list[Job], *, world: int, timeout_s: dict[str, float], workdir:
     plan_path = workdir / f"plan-{name}.json"
     write_json(plan_path, {"jobs": [job_to_json(j) for j in jobs]})
     log_path = workdir / f"launch-{name}.log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}  # fmt: skip
+    env = worker_env()
     if world == 1:
         env.update(RANK="0", WORLD_SIZE="1")
-    root = Path(__file__).resolve().parent.parent
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
     start = time.monotonic()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(

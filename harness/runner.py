@@ -22,7 +22,7 @@ from pathlib import Path
 from harness import trace
 from harness.backends import Job
 from harness.errors import RunFailed
-from harness.launch import Interrupted, launch
+from harness.launch import Interrupted, launch, worker_env
 from harness.provenance import code_identity
 from harness.scenario import Scenario
 
@@ -49,7 +49,7 @@ def job_for(s: Scenario, role: str, traces: Path, provenance: dict) -> Job:
 def plan(scenarios: list[Scenario], out: Path, provenance: dict | None = None) -> dict[str, dict[str, Job]]:
     """Scenario name -> role -> job (jobs shared between scenarios are the same object)."""
     traces = out / "traces"
-    provenance = code_identity() if provenance is None else provenance
+    provenance = code_identity(worker_env()) if provenance is None else provenance
     jobs: dict[str, Job] = {}
     by_scenario = {}
     for s in scenarios:
