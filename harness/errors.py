@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 EXIT_PASS = 0
 EXIT_PARITY_FAIL = 1
 EXIT_BAD_INPUT = 2
@@ -28,3 +30,9 @@ class RunFailed(HarnessError):
     """A launched run crashed, hung or timed out. The message names the rank and the step."""
 
     exit_code = EXIT_RUN_FAILED
+
+
+def shown(value: Any, width: int = 60) -> str:
+    """A value as a message quotes it: its repr, cut to ``width`` characters."""
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."

@@ -4,7 +4,7 @@ import textwrap
 
 import pytest
 
-from harness import cli, scenario
+from harness import cli, scenario, schema
 from harness.errors import BadInput
 
 BASE = """
@@ -173,7 +173,7 @@ def test_shipped_scenarios_are_valid():
 def test_recipe_names_match_the_emulated_recipes():
     from harness.quant import RECIPES
 
-    assert scenario.RECIPE_NAMES == {"none", *RECIPES}
+    assert schema.RECIPE_NAMES == {"none", *RECIPES}
 
 
 def test_megatron_recipe_without_te_is_skipped_with_the_reason(tmp_path):

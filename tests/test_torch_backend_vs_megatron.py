@@ -8,14 +8,14 @@ import json
 
 import pytest
 
-from harness import scenario, trace
+from harness import scenario, schema, trace
 from harness.session import run_scenarios
 from tests.helpers import ASSETS, results, summary
 
 pytestmark = pytest.mark.multirank
 
 TOPOLOGIES = ["tp1-gtp2", "tp2-gtp2", "tp1-gtp2-dp2", "tp2-gtpoff-dp2"]
-BF16 = "bf16" in scenario.PRECISIONS["torch"]
+BF16 = "bf16" in schema.PRECISIONS["torch"]
 NAMES = [f"diff-torch-vs-megatron-{t}" for t in TOPOLOGIES] + [
     pytest.param(f"diff-bf16-torch-vs-megatron-{t}", id=f"bf16-{t}",
                  marks=pytest.mark.skipif(not BF16, reason="scenario.py allows no bf16 on the torch backend"))

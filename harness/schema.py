@@ -1,0 +1,233 @@
+"""The scenario schema: what a scenario file may say, as dataclasses with documented fields.
+
+A scenario is one model and data configuration, a reference side and a candidate side (the
+two implementations under comparison, e.g. GTP off vs GTP 2) and a golden side (the ``torch``
+backend in one process, fp64 or fp32) that both are measured against. Choices are ``Literal``
+types; sizes one machine can run are :data:`LIMITS`. Parsing is :mod:`harness.scenario`, the
+rules between keys :mod:`harness.rules`, matrices :mod:`harness.matrix`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+from harness.errors import shown
+
+# The choices of every key, as types (the dataclasses below read as the schema) and as sets.
+Backend = Literal["megatron", "torch"]
+Precision = Literal["fp64", "fp32", "bf16"]
+# "none" or a key of harness.quant.RECIPES (kept literal here: parsing needs no torch).
+Recipe = Literal["none", "delayed", "float8_current_scaling", "mxfp8", "float8_block_scaling", "nvfp4"]
+Optimizer = Literal["adam", "sgd"]
+DecayStyle = Literal["constant", "linear", "cosine"]
+CaptureKind = Literal["input", "activation", "logits", "loss", "param", "main_grad", "optimizer", "scalar"]
+CaptureMode = Literal["full", "fingerprint"]
+PolicyName = Literal["exact", "dtype", "noise-floor"]
+
+BACKENDS = frozenset(get_args(Backend))
+PRECISIONS = {"megatron": frozenset({"fp32", "bf16"}), "torch": frozenset(get_args(Precision))}
+OPTIMIZERS = frozenset(get_args(Optimizer))
+RECIPE_NAMES = frozenset(get_args(Recipe))
+LR_DECAY_STYLES = frozenset(get_args(DecayStyle))
+CAPTURE_KINDS = frozenset(get_args(CaptureKind))
+CAPTURE_MODES = frozenset(get_args(CaptureMode))
+POLICIES = frozenset(get_args(PolicyName))
+
+# The top-level keys of a scenario file (a matrix file adds [matrix]).
+TOP_KEYS = frozenset({
+    "name", "description", "timeout_s", "model", "data", "train", "reference", "candidate",
+    "golden", "capture", "compare", "axes",
+})  # fmt: skip
+# Any integer beyond this is a typo or an attack whatever the machine (sizes, seeds, steps).
+HARD_INT_LIMIT = 2**31
+# What one CPU machine of this project's kind can run; `--no-limits` lifts them.
+LIMITS = {
+    "num_layers": 64, "hidden_size": 8192, "ffn_hidden_size": 32768, "num_attention_heads": 256,
+    "seq_length": 8192, "vocab_size": 262144, "micro_batch_size": 1024, "global_batch_size": 65536,
+    "steps": 10000, "world_size": 64, "timeout_s": 7 * 86400.0,
+    "parameters": 200_000_000,  # an fp64 golden with Adam keeps 4 copies: 6.4 GB
+    "tokens_per_step": 4_194_304,  # activations of a step, per layer, scale with it
+}  # fmt: skip
+# Scenario names become file and folder names: one strict rule, checked before any is used.
+NAME_RULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=,@-]{0,127}")
+
+
+def check_scenario_name(name: Any) -> str | None:
+    """None if ``name`` is a safe scenario name (a single path component), else why not."""
+    if not isinstance(name, str) or not name:
+        return f"must be a non-empty string, got {shown(name)}"
+    if not NAME_RULE.fullmatch(name) or ".." in name:
+        return (f"{shown(name)} is not a valid name: 1-128 characters of letters, digits and . _ + = , @ -, "
+                "starting with a letter or digit, without '..' (names become file names)")
+    return None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelConfig:
+    """The GPT architecture. Fixed choices (no linear bias, LayerNorm, GeLU MLP, learned
+    absolute positions, dropout 0, fp32 softmax, causal mask) match the GTP seed comparison."""
+
+    num_layers: int = 2
+    """Transformer layers."""
+    hidden_size: int = 128
+    """Model width."""
+    ffn_hidden_size: int = 256
+    """MLP inner width."""
+    num_attention_heads: int = 4
+    """Attention heads (query groups equal heads: plain multi-head attention)."""
+    seq_length: int = 64
+    """Tokens per sample."""
+    vocab_size: int = 128
+    """Vocabulary size (not padded: TP must divide it)."""
+    untie_embeddings: bool = True
+    """Separate output layer weight. GTP does not support tied embeddings."""
+    init_std: float = 0.02
+    """Std of the normal initialization; output projections use std / sqrt(2 * num_layers)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataConfig:
+    """Synthetic token data, generated from (seed, global sample id)."""
+
+    seed: int = 1234
+    """Seed of the token generator."""
+    micro_batch_size: int = 1
+    """Samples per micro-batch per data rank."""
+    global_batch_size: int = 2
+    """Samples per optimizer step across all data ranks and micro-batches."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Side:
+    """One implementation under comparison: backend, topology, precision and training."""
+
+    backend: Backend = "megatron"
+    """``megatron`` (megatron-core's own GTP) or ``torch`` (the harness's plain PyTorch GPT)."""
+    world_size: int = 1
+    """Processes launched for this side."""
+    tp: int = 1
+    """Tensor-parallel size."""
+    gtp: int = 1
+    """GTP rematerialization degree G = num_weight_shards / TP (1 = GTP off)."""
+    dp: int | None = None
+    """Replicate data-parallel size; derived as world / (TP * G) when omitted."""
+    precision: Precision = "fp32"
+    """Parameter and compute precision: fp32 or bf16 (megatron); fp64, fp32 or bf16 (torch)."""
+    recipe: Recipe = "none"
+    """Quantization recipe of the linear GEMMs: none, delayed, float8_current_scaling, mxfp8,
+    float8_block_scaling or nvfp4 (Transformer Engine's recipes). The megatron backend needs
+    Transformer Engine for any recipe; the torch backend emulates them (harness.quant)."""
+    gtp_pad_alignment: int = 16
+    """GTP pads dim 0 to a multiple of alignment * G (MCore's ``pad_for_alignment``)."""
+    steps: int = 3
+    """Optimizer steps."""
+    seed: int = 1234
+    """Seed of the canonical initial weights."""
+    optimizer: Optimizer = "adam"
+    """adam (decoupled weight decay, as megatron-core's Adam) or sgd."""
+    lr: float = 3e-4
+    """Peak learning rate."""
+    min_lr: float = 3e-5
+    """Learning rate at the end of decay."""
+    lr_warmup_steps: int = 1
+    """Linear warmup steps."""
+    lr_decay_steps: int | None = None
+    """Steps over which the LR decays (default: steps)."""
+    lr_decay_style: DecayStyle = "cosine"
+    """constant, linear or cosine."""
+    weight_decay: float = 0.01
+    """Weight decay on matrices (not on biases and norms)."""
+    clip_grad: float = 1.0
+    """Global grad-norm clip; 0 disables."""
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.0
+    """SGD momentum (0: plain SGD, which exposes gradient scaling faults)."""
+    inject: tuple[str, ...] = ()
+    """Planted faults (names from ``gtp-parity inject --list``), for the harness's self-test."""
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that read distinct samples: GTP peers are data ranks (world / TP)."""
+        return self.world_size // self.tp
+
+    @property
+    def replicate_dp(self) -> int:
+        return self.world_size // (self.tp * self.gtp)
+
+    def num_microbatches(self, data: DataConfig) -> int:
+        return data.global_batch_size // (data.micro_batch_size * self.data_ranks)
+
+    def key(self, model: ModelConfig, data: DataConfig) -> str:
+        """A short hash identifying what this side computes; equal sides share one run."""
+        blob = json.dumps(
+            [dataclasses.asdict(self), dataclasses.asdict(model), dataclasses.asdict(data)],
+            sort_keys=True,
+        )
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+    def label(self) -> str:
+        gtp = f"gtp{self.gtp}" if self.gtp > 1 else "gtpoff"
+        recipe = "" if self.recipe == "none" else f"-{self.recipe}"
+        return f"{self.backend}-w{self.world_size}-tp{self.tp}-{gtp}-{self.precision}{recipe}"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CapturePolicy:
+    """What each rank records into its trace."""
+
+    kinds: tuple[CaptureKind, ...] = tuple(sorted(CAPTURE_KINDS))
+    """Kinds to capture: input, activation, logits, loss, param, main_grad, optimizer, scalar."""
+    tensors: tuple[str, ...] = ("*",)
+    """fnmatch patterns over canonical names."""
+    steps: tuple[int, ...] | None = None
+    """Steps to capture (1-based); None captures every step."""
+    mode: CaptureMode = "full"
+    """``full`` stores tensors; ``fingerprint`` stores statistics, a hash and block checksums."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ComparePolicy:
+    """How a candidate tensor is judged against the reference (see harness.compare)."""
+
+    policy: PolicyName = "noise-floor"
+    """exact, dtype or noise-floor."""
+    k: float = 4.0
+    """noise-floor: candidate error vs golden may be k x the reference's error vs golden ..."""
+    floor: float = 8.0
+    """... plus this absolute floor (in units of the compared dtype's eps x max|golden|)."""
+    k_first_step: float | None = None
+    """noise-floor: k at step 1, the one step at which both sides read the same weights and
+    inputs in every precision; later steps use ``k``. None: ``k`` throughout."""
+
+    def k_at(self, step: int) -> float:
+        return self.k_first_step if step == 1 and self.k_first_step is not None else self.k
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Scenario:
+    """A reference and a candidate, measured against a golden, on one model and data."""
+
+    name: str
+    source: str
+    model: ModelConfig
+    data: DataConfig
+    reference: Side
+    candidate: Side
+    golden: Side
+    capture: CapturePolicy = field(default_factory=CapturePolicy)
+    compare: ComparePolicy = field(default_factory=ComparePolicy)
+    description: str = ""
+    timeout_s: float = 600.0
+    axes: dict = field(default_factory=dict)
+    """Matrix axis -> value label this scenario was expanded with (empty outside a matrix)."""
+
+    @property
+    def sides(self) -> dict[str, Side]:
+        return {"reference": self.reference, "candidate": self.candidate, "golden": self.golden}
