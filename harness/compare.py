@@ -34,6 +34,7 @@ import math
 import pandas as pd
 import torch
 
+from harness import bounds
 from harness.assemble import Logical, assemble_trace
 from harness.scenario import ComparePolicy
 from harness.trace import Trace
@@ -195,7 +196,8 @@ def compare(traces: dict[str, Trace], policy: ComparePolicy | None = None) -> di
                      "shape": list(r.shape), "sample_ids": ids, **m})  # fmt: skip
     rows += compare_fingerprints(ref, cand, traces)
     scalars = _pool_loss_noise(_compare_scalars(traces, policy, recipe), policy)
-    rows += _grad_norm_consistency(scalars, ref, cand, policy)
+    worlds = (traces["reference"].world_size, traces["candidate"].world_size)
+    rows += _grad_norm_consistency(scalars, ref, cand, policy, worlds)
     rows += localize.input_rows(ref, cand, traces)
     df = pd.DataFrame(rows)
     summary = localize.summarize(df, logical, traces, policy)
@@ -301,20 +303,25 @@ def _pool_loss_noise(rows: list[dict], policy: ComparePolicy) -> list[dict]:
     return rows
 
 
-def _grad_norm_consistency(rows: list[dict], ref: Logical, cand: Logical,
-                           policy: ComparePolicy) -> list[dict]:
+def _grad_norm_consistency(rows: list[dict], ref: Logical, cand: Logical, policy: ComparePolicy,
+                           world_sizes: tuple[int, int] = (1, 1)) -> list[dict]:
     """Judge the grad norm by whether the gradients explain it: ``| |g_c| - |g_r| | <= |g_c - g_r|``.
 
     The reverse triangle inequality holds for any two gradient sets, so a norm that breaks it
-    (beyond the fp32 rounding of the norm, ``floor`` eps) was not computed over the gradients
-    that were compared: double counting, a missing group. Unlike a single scalar's distance
-    to the golden, it does not depend on how two runs' rounding happens to fall. Needs every
+    (beyond the rounding of the two computed norms) was not computed over the gradients that
+    were compared: double counting, a missing group. Unlike a single scalar's distance to the
+    golden, it does not depend on how two runs' rounding happens to fall. Needs every
     parameter's main_grad on both sides; otherwise the row keeps its own judgement.
+
+    Rounding: each computed norm is within ``gamma_m`` (fp32) of the exact norm of its stored
+    gradients, ``m`` the roundings on one term's path (:func:`harness.bounds.norm_roundings`:
+    the largest tensor's element count, the tensor count and the ranks, from the traces), so
+    ``| |g_c|^ - |g_r|^ | <= |g_c - g_r| + gamma_m / (1 - gamma_m) (|g_c|^ + |g_r|^)``; the
+    gradient difference is summed in fp64 (``gamma`` of its element count, fp64).
     """
     if policy.policy == "exact":
         return rows
     names = {name for (step, kind, name) in ref.tensors if step == 0 and kind == "param"}
-    eps = torch.finfo(torch.float32).eps
     for r in rows:
         if r["tensor"] != "grad_norm" or r["kind"] != "scalar":
             continue
@@ -325,11 +332,22 @@ def _grad_norm_consistency(rows: list[dict], ref: Logical, cand: Logical,
             continue
         diff = math.sqrt(sum(float((cand.tensors[k].double() - ref.tensors[k].double()).pow(2).sum())
                              for k in keys))  # fmt: skip
+        largest = max(_padded_numel(side, k) for side in (ref, cand) for k in keys)
+        rel = bounds.norm_rel_error(largest, len(keys), max(world_sizes))
+        diff_rel = bounds.gamma(sum(ref.tensors[k].numel() for k in keys) + 2, torch.float64)
         r["grad_diff_norm"] = diff
-        r["bound"] = diff + policy.floor * eps * max(abs(r["ref_value"]), abs(r["cand_value"]))
+        r["bound"] = diff * (1 + diff_rel) + rel / (1 - rel) * (abs(r["ref_value"]) + abs(r["cand_value"]))
         r["passed"] = abs(r["cand_value"] - r["ref_value"]) <= r["bound"]
         r["policy"] = "consistency"
     return rows
+
+
+def _padded_numel(logical: Logical, key: tuple) -> int:
+    """Elements of a logical tensor plus its GTP pad rows: no rank's shard holds more."""
+    t = logical.tensors[key]
+    layout = logical.shard_owner.get(key, {}).get("layout")
+    pad = sum(layout.pads.values()) if layout is not None and t.dim() else 0
+    return t.numel() + pad * (t[0].numel() if t.dim() else 0)
 
 
 def _scalar_row(step, name, r, c, g, policy, recipe: str = "none") -> dict:

@@ -61,22 +61,15 @@ def test_clean_scenario_passes(fp8_run, name):
     assert summary(out, name)["verdict"] == "pass", summary(out, name)["first_divergence"]
     df = results(out, name)
     later = df[df["step"] > 0]
-    # The quantized all-gather is exact: the step-1 forward is bitwise the GTP-off one (later
-    # steps read weights updated from gradients summed in another order) ...
+    # The quantized all-gather is exact and both sides run the same torch ops on the same shapes
+    # (the gathered weight, pad stripped, has the GTP-off weight's shape): the step-1 forward is
+    # bitwise the GTP-off one on any one machine. Later steps read weights updated from
+    # gradients summed in another order, where each FP8 rounding near a boundary may flip: no
+    # a-priori bound tighter than the policy's, which the verdict above applies.
     fwd = later[later["kind"].isin(["activation", "logits", "loss"]) & (later["step"] == 1)]
     assert len(fwd) and fwd["bitwise_equal"].all()
-    if name.endswith("fp32"):
-        # ... and every tensor is as far from the golden as the reference's (reduction order only).
-        ratio = (later["cand_err_golden"] / later["ref_err_golden"]).dropna()
-        assert ratio.max() < 1.001, later.loc[ratio.idxmax(), ["step", "kind", "tensor"]]
-        assert later["scaled_ulp"].max() <= 4
-    else:
-        # ... in bf16 the GTP wgrad reduce-scatter rounds in bf16: step-1 tensors stay within
-        # 1% of the reference's error (measured 1.0025), later steps within the policy's k = 4.
-        step1 = later[(later["step"] == 1) & ~later["kind"].isin(["scalar", "input"])]
-        ratio = (step1["cand_err_golden"] / step1["ref_err_golden"]).dropna()
-        assert ratio.max() < 1.01, step1.loc[ratio.idxmax(), ["kind", "tensor"]]
-        grads = step1[step1["kind"] == "main_grad"]
+    if not name.endswith("fp32"):
+        grads = later[(later["step"] == 1) & (later["kind"] == "main_grad")]
         assert not grads["bitwise_equal"].all()  # the bf16 reduce-scatter is visible, and tolerated
     # The grad norm is explained by the gradients whenever it is not bitwise equal.
     norms = later[(later["tensor"] == "grad_norm") & ~later["bitwise_equal"].astype(bool)]

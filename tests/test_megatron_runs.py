@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from harness import trace
+from harness import scenario, trace
 from harness.assemble import assemble_trace
 from harness.data import rank_sample_ids
-from tests.helpers import ASSETS, ROOT, results, run, summary
+from tests.helpers import ASSETS, ROOT, assert_grads_differ_by_order_only, results, run, summary
 
 TINY = "tiny-tp1-gtp2-fp32-sgd"
 pytestmark = pytest.mark.multirank
@@ -53,6 +53,8 @@ def test_step0_logical_weights_equal_on_every_side(tiny_runs):
 
 def test_gtp_on_vs_off_fp32_equal_per_sample_losses_at_step1(tiny_runs):
     df = results(tiny_runs[0], TINY)
+    # Guaranteed on any one machine: megatron-core's ops on the same values, shapes and strides
+    # (the gathered weight, pad stripped, is the param's shape), the same kernels in the same order.
     losses = df[(df["step"] == 1) & (df["kind"] == "loss")]
     assert len(losses) == 4  # global batch 4, aligned by sample id
     assert losses["bitwise_equal"].all()
@@ -60,13 +62,16 @@ def test_gtp_on_vs_off_fp32_equal_per_sample_losses_at_step1(tiny_runs):
     assert logits["bitwise_equal"].all()
 
 
-def test_gtp_grads_within_a_few_ulp_of_gtp_off(tiny_runs):
+def test_gtp_grads_differ_from_gtp_off_by_summation_order_only(tiny_runs):
     df = results(tiny_runs[0], TINY)
-    grads = df[(df["step"] == 1) & (df["kind"] == "main_grad")]
-    assert len(grads) == 21
-    # Only the reduction order differs: errors of at most a few ULPs of each tensor's scale
-    # (element-wise ULPs of near-cancelled entries are not a meaningful bound).
-    assert grads["scaled_ulp"].max() <= 4, grads[["tensor", "scaled_ulp"]].to_string()
+    step1 = df[df["step"] == 1]
+    # The premise of the bound: both sides compute the same per-micro-batch partials.
+    fwd = step1[step1["kind"].isin(["activation", "logits", "loss", "materialized"])]
+    assert len(fwd) and fwd["bitwise_equal"].all()
+    # Then only the order of summing the partials differs: within the reordering bound derived
+    # from the partials' count and magnitudes (tests/helpers.py), element by element.
+    assert assert_grads_differ_by_order_only(tiny_runs[0], scenario.load(ASSETS / "tiny.toml")[0]) == 21
+    grads = step1[step1["kind"] == "main_grad"]
     assert not grads["bitwise_equal"].all()  # the GTP reduce-scatter really reorders the sum
     assert summary(tiny_runs[0], TINY)["verdict"] == "pass"
 
@@ -85,8 +90,6 @@ def test_golden_fp64_vs_megatron_tp1_fp32_logits_and_loss(tiny_traces):
 
 def test_sample_to_rank_mapping_recorded_tp1_gtp2(tiny_traces):
     cand = tiny_traces["candidate"]
-    from harness import scenario
-
     side = scenario.load(ASSETS / "tiny.toml")[0].candidate
     data = scenario.load(ASSETS / "tiny.toml")[0].data
     for rank in (0, 1):

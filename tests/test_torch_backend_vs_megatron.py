@@ -1,8 +1,14 @@
 """Differential test: the torch backend's GTP against megatron-core's GTP, same canonical
 weights and data, fp32 (tests/assets/fp8_diff_fp32.toml) and bf16 with fp32 masters
 (fp8_diff_bf16.toml, once scenario.py allows bf16 on the torch backend): TP1 G2 world 2,
-TP2 G2 world 4, and DP 2 with GTP on and off at world 4. One run; every figure below was
-measured bitwise."""
+TP2 G2 world 4, and DP 2 with GTP on and off at world 4. One run.
+
+The two backends issue different ATen calls for the same math (``F.linear`` and autograd here,
+megatron-core's own ``matmul`` forward and explicit wgrad/dgrad GEMMs there; ``matmul`` then a
+division by sqrt(d_head) here, ``baddbmm`` with ``alpha`` there), so bitwise equality of what
+they compute is not guaranteed on every CPU. What is: the copies (step-0 weights, inputs) are
+bitwise equal, every computed tensor and scalar is within the compare policy, and the grad
+norm within the rounding bound of two norms of the compared gradients."""
 
 import json
 
@@ -35,25 +41,33 @@ def diff_run(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_every_tensor_bitwise_equal_to_megatron_core(diff_run, name):
+def test_every_tensor_matches_megatron_core(diff_run, name):
     df = results(diff_run, name)
     assert summary(diff_run, name)["verdict"] == "pass"
     tensors = df[df["kind"] != "scalar"]
     kinds = {"param", "param_before", "materialized", "main_grad", "activation", "logits", "loss", "input"}
     assert kinds | ({"master"} if "bf16" in name else set()) <= set(tensors["kind"])
     assert len(tensors[tensors["kind"] == "main_grad"]) == 2 * 21  # every parameter, both steps
-    differ = tensors[~tensors["bitwise_equal"].astype(bool)]
-    assert differ.empty, differ[["step", "kind", "tensor", "scaled_ulp"]]
+    assert tensors["passed"].astype(bool).all()
+    # Copies, not computations: the same canonical weights and token ids on both sides.
+    copies = tensors[(tensors["step"] == 0) | (tensors["kind"] == "input")]
+    assert len(copies) and copies["bitwise_equal"].astype(bool).all()
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_scalars_within_two_ulp(diff_run, name):
-    # The grad norm is the one value not bitwise equal: summed in fp64 here, in fp32 by
-    # megatron-core's multi-tensor L2 norm (1-2 fp32 ULP apart at step 2).
+def test_scalars_within_policy_and_grad_norm_within_rounding(diff_run, name):
     scalars = results(diff_run, name).query("kind == 'scalar'")
     assert set(scalars["tensor"]) == {"reduced_loss", "grad_norm", "lr", "skipped"}
-    assert scalars["scaled_ulp"].max() <= 2, scalars[["step", "tensor", "scaled_ulp"]]
-    assert scalars[scalars["tensor"] != "grad_norm"]["bitwise_equal"].all()
+    assert scalars["passed"].astype(bool).all(), scalars[["step", "tensor", "policy", "bound"]]
+    # Two norms of fp32 gradients, each within gamma_m of the exact norm (m from the model's
+    # tensor sizes, count and ranks: harness.bounds.norm_roundings), judged by the reverse
+    # triangle inequality over the compared gradients (compare._grad_norm_consistency).
+    norms = scalars[scalars["tensor"] == "grad_norm"]
+    assert (norms["bitwise_equal"].astype(bool) | (norms["policy"] == "consistency")).all()
+    # The LR is Python float arithmetic on the same integers on both sides: correctly rounded
+    # IEEE doubles, the same on every machine (cos, from libm, is one function on one
+    # machine for both); skipped is 0.
+    assert scalars[scalars["tensor"].isin(["lr", "skipped"])]["bitwise_equal"].astype(bool).all()
 
 
 @pytest.mark.parametrize("name", [NAMES[0], NAMES[1], NAMES[4]])

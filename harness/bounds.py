@@ -1,0 +1,61 @@
+"""Forward error bounds of floating-point sums, for judging two computations of one value.
+
+Two correct runs that sum the same terms in another order (another reduction split, another
+CPU's vector kernels) differ by rounding only; how much is bounded a priori by the standard
+forward error analysis of summation and dot products (Higham, *Accuracy and Stability of
+Numerical Algorithms*, 2nd ed., Lemma 3.1 and sections 3.1 and 4.2):
+
+- ``u = eps / 2`` is the unit roundoff of the accumulation dtype;
+- a product of ``n`` factors ``(1 + delta_i)^(+-1)``, ``|delta_i| <= u``, is ``1 + theta_n``
+  with ``|theta_n| <= gamma_n = n u / (1 - n u)``, and ``gamma_a + gamma_b + gamma_a gamma_b
+  <= gamma_(a+b)``;
+- a sum of ``n`` terms in ANY order: ``|fl(sum x_i) - sum x_i| <= gamma_(n-1) sum |x_i|``;
+  a dot product of length ``n``: ``gamma_n sum |x_i y_i|``.
+
+These hold for every summation order and every machine that rounds to nearest in a dtype at
+least as precise as the one named, which is what makes them bounds rather than observations.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps / 2
+
+
+def gamma(n: int, dtype: torch.dtype = torch.float32) -> float:
+    """``gamma_n = n u / (1 - n u)`` of ``dtype`` (infinite once ``n u >= 1``: no bound left)."""
+    nu = n * unit_roundoff(dtype)
+    return nu / (1 - nu) if nu < 1 else math.inf
+
+
+def reorder_bound(n_terms: int, abs_sum, dtype: torch.dtype = torch.float32):
+    """Largest difference between two sums of the same ``n_terms`` terms in any two orders:
+    each is within ``gamma_(n-1) sum |x_i|`` of the exact sum. ``abs_sum`` may be a tensor
+    (element-wise bound)."""
+    return 2 * gamma(max(n_terms - 1, 0), dtype) * abs_sum
+
+
+def norm_roundings(largest_tensor: int, tensors: int, ranks: int) -> int:
+    """Roundings on one term's path through a global L2 norm ``sqrt(sum_ranks sum_tensors |g|^2)``,
+    as megatron-core computes it (the torch backend's fp64 path has fewer and smaller ones).
+
+    Per rank, ``torch.norm`` of each local tensor squares (1) and sums its ``n`` squares
+    (``n - 1``, any order) then takes a root; the norm of those norms squares each (the root and
+    the square: 3 more on the squared value), sums ``tensors`` of them (``tensors - 1``) and takes
+    a root that ``** 2`` undoes (3); the all-reduce sums ``ranks`` values (``ranks - 1``), and the
+    final root adds one on the norm (|sqrt(1 + theta) - 1| <= |theta|). Total:
+    ``n + tensors + ranks + 5``, so the computed norm is within ``gamma`` of that times the exact
+    norm of the stored gradients.
+    """
+    return largest_tensor + tensors + ranks + 5
+
+
+def norm_rel_error(largest_tensor: int, tensors: int, ranks: int,
+                   dtype: torch.dtype = torch.float32) -> float:
+    """Relative error bound of a computed global grad norm (see :func:`norm_roundings`)."""
+    return gamma(norm_roundings(largest_tensor, tensors, ranks), dtype)

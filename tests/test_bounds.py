@@ -1,0 +1,85 @@
+"""The a-priori rounding bounds the comparisons and tests rely on (harness/bounds.py)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from harness import bounds
+from harness.assemble import Logical
+from harness.compare import _grad_norm_consistency, _scalar_row
+from harness.scenario import ComparePolicy
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_gamma_is_n_u_over_one_minus_n_u():
+    u = 2.0**-24
+    assert bounds.unit_roundoff(torch.float32) == u
+    assert bounds.gamma(10) == 10 * u / (1 - 10 * u)
+    assert bounds.gamma(2**24) == math.inf  # n u >= 1: no bound left
+    assert bounds.gamma(10, torch.float64) < bounds.gamma(10, torch.bfloat16) / 1e10
+
+
+def test_two_summation_orders_stay_within_the_reorder_bound():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, 64, generator=gen) * torch.logspace(-3, 3, 64)  # cancelling, wide range
+    forward = x.sum(dim=0)
+    backward = torch.zeros(64)
+    for row in x.flip(0):  # one term at a time, the other way round
+        backward += row
+    bound = bounds.reorder_bound(x.shape[0], x.double().abs().sum(dim=0))
+    assert ((forward.double() - backward.double()).abs() <= bound).all()
+    assert not torch.equal(forward, backward)  # the orders really round differently
+
+
+NORM_SCRIPT = """
+import json, sys, torch
+from harness.backends.megatron import compat
+compat.install()  # megatron-core's norm places its result on 'cuda'
+from megatron.core.utils import local_multi_tensor_l2_norm
+gen = torch.Generator().manual_seed(1)
+grads = [torch.randn(n, generator=gen) * s for n, s in ((12288, 1e-2), (4608, 3.0), (64, 1e-5))]
+(norm,), _ = local_multi_tensor_l2_norm(0, None, [grads], False)
+exact = sum(float(g.double().pow(2).sum()) for g in grads) ** 0.5
+print(json.dumps([float(norm), exact, [g.numel() for g in grads]]))
+"""
+
+
+def test_megatron_cores_l2_norm_is_within_the_norm_bound():
+    # megatron-core's own CPU fallback of the multi-tensor L2 norm, against the exact norm
+    # (in a subprocess: the compat layer patches torch for the whole process).
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", NORM_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    norm, exact, numels = json.loads(proc.stdout.strip().splitlines()[-1])
+    rel = bounds.norm_rel_error(max(numels), len(numels), ranks=1)
+    assert abs(norm - exact) <= rel * exact
+    assert norm != exact  # an fp32 norm: rounded
+
+
+def _same_grads(numel: int) -> tuple[Logical, float]:
+    g = torch.sin(torch.arange(numel, dtype=torch.float32))
+    logical = Logical()
+    logical.tensors[(0, "param", "w")] = torch.zeros_like(g)
+    logical.tensors[(1, "main_grad", "w")] = g
+    return logical, math.sqrt(float(g.double().pow(2).sum()))
+
+
+def test_grad_norm_rounding_allowance_grows_with_the_summed_elements():
+    # The same gradients, two norms 1e-5 apart: rounding for a norm over 2^10 elements
+    # (gamma ~ 6e-5), not for one over 16 (gamma ~ 1.5e-6).
+    policy = ComparePolicy()
+    verdicts = {}
+    for numel in (16, 2**10):
+        logical, norm = _same_grads(numel)
+        row = _scalar_row(1, "grad_norm", norm, norm * (1 + 1e-5), None, policy)
+        (row,) = _grad_norm_consistency([row], logical, logical, policy, (1, 1))
+        assert row["policy"] == "consistency" and row["grad_diff_norm"] == 0.0
+        verdicts[numel] = row["passed"]
+    assert verdicts == {16: False, 2**10: True}
