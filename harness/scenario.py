@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import BadInput
+from harness.fault_catalog import check_name
 
 BACKENDS = frozenset({"megatron", "torch"})
 PRECISIONS = {
@@ -371,8 +372,6 @@ def validate(s: Scenario) -> None:
                 "the golden side runs in a single process: world_size = tp = gtp = 1",
             )
         for fault in side.inject:
-            from harness.faults import check_name
-
             if (problem := check_name(fault)) is not None:
                 raise BadInput(f"{where}.inject", problem)
         if "fp8-unreduced-amax" in side.inject and (side.backend != "torch" or side.recipe == "none"):

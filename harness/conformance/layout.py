@@ -23,15 +23,15 @@ from dataclasses import dataclass
 
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from harness.dtypes import BY_TORCH_NAME
 
 
 def dtype_of(name: str) -> torch.dtype:
     """Map a dtype name used in cases and JSON ("float32", "bfloat16") to the torch dtype."""
     try:
-        return DTYPES[name]
+        return BY_TORCH_NAME[name]
     except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPES)}") from None
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(BY_TORCH_NAME)}") from None
 
 
 @dataclass(frozen=True, slots=True)

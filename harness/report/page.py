@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 
-from harness.report import blocks, svg
+from harness.report.blocks import picture
 from harness.report.model import (
     ROLES,
     ScenarioData,
@@ -23,7 +23,7 @@ from harness.report.model import (
     step_series,  # fmt: skip
     verdict_line,
 )
-from harness.report.svg import esc
+from harness.report.svg import blocks_svg, esc, heatmap_svg, line_chart
 
 TABLE_COLUMNS = [
     ("step", "step"), ("phase", "phase"), ("kind", "kind"), ("tensor", "tensor"), ("passed", "ok"),
@@ -107,29 +107,29 @@ def _where(data: ScenarioData) -> str:
     fd = data.summary.get("first_divergence")
     if not fd:
         return ""
-    pic = blocks.picture(data)
+    pic = picture(data)
     head = "<h2>Where in the tensor</h2>"
     if pic is None:
         why = NO_PICTURE.get(fd.get("kind"), "without a sharded layout in the candidate trace")
         return f"{head}<p>No shard picture: <code>{esc(fd.get('tensor'))}</code> is {esc(why)}.</p>"
     note = f"<p>{esc(pic.note)}</p>" if pic.note else ""
-    return head + PICTURE_NOTE + svg.blocks_svg(pic) + note
+    return head + PICTURE_NOTE + blocks_svg(pic) + note
 
 
 def _curves(data: ScenarioData) -> str:
     charts = [
-        svg.line_chart("reduced loss", step_series(data.steps, "reduced_loss")),
-        svg.line_chart("grad norm", step_series(data.steps, "grad_norm")),
-        svg.line_chart("learning rate (applied)", step_series(data.steps, "lr")),
+        line_chart("reduced loss", step_series(data.steps, "reduced_loss")),
+        line_chart("grad norm", step_series(data.steps, "grad_norm")),
+        line_chart("learning rate (applied)", step_series(data.steps, "lr")),
     ]
-    drift_chart = svg.line_chart("max RMS error vs golden (log)", drift(data.results), log_y=True, width=420)
+    drift_chart = line_chart("max RMS error vs golden (log)", drift(data.results), log_y=True, width=420)
     return (f'<h2>Per-step scalars</h2><div class="charts">{"".join(charts)}</div>'
             f"<h2>Drift against the golden</h2>{DRIFT_NOTE}{drift_chart}")  # fmt: skip
 
 
 def _heatmap(data: ScenarioData) -> str:
     hm = heatmap(data.results)
-    body = svg.heatmap_svg(hm) if hm.cells else "<p>No tensor comparisons.</p>"
+    body = heatmap_svg(hm) if hm.cells else "<p>No tensor comparisons.</p>"
     return "<h2>Error by layer, kind and step</h2>" + HEAT_NOTE.format(unit=HEAT_NOTES[hm.unit]) + body
 
 

@@ -18,10 +18,9 @@ from harness import faults
 from harness.backends import Job
 from harness.backends.megatron import compat
 from harness.capture import Capture
+from harness.dtypes import DTYPES
 from harness.gpt import canonical_state, captured_modules, layout_of, mesh_of, param_specs
 from harness.layout import Layout, from_mcore_param, shard
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def canonical_name(name: str) -> str:

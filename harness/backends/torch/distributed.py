@@ -31,13 +31,13 @@ from harness import data as data_mod
 from harness import faults
 from harness.backends import Job
 from harness.capture import Capture
+from harness.dtypes import DTYPES
 from harness.gpt import canonical_state, captured_modules, layout_of, param_specs
 
 from . import comm, fp8
 from .model import GPT
 from .optim import build_optimizer, clip, grad_stats, lr_at
 from .parallel import Parallel, shard_model, tp_local
-from .run import DTYPES
 
 # Planted faults this backend implements (the others patch megatron-core).
 SUPPORTED_FAULTS = frozenset({"fp8-unreduced-amax", "gtp-peers-same-sample", "gtp-pad-leak",

@@ -14,14 +14,14 @@ import torch
 from harness import data as data_mod
 from harness.backends import Job
 from harness.capture import Capture
+from harness.dtypes import DTYPES
 from harness.gpt import captured_modules, canonical_state, layout_of, param_specs
 
+from .distributed import run_distributed
 from .model import GPT, token_losses
 from .optim import build_optimizer, clip, lr_at
 
-DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
-
-__all__ = ["DTYPES", "lr_at", "run"]
+__all__ = ["lr_at", "run"]
 
 
 def run(job: Job, cap: Capture) -> None:
@@ -29,8 +29,6 @@ def run(job: Job, cap: Capture) -> None:
     if side.world_size == 1 and side.recipe == "none" and side.precision in ("fp64", "fp32"):
         _run_golden(job, cap)
     else:
-        from .distributed import run_distributed
-
         run_distributed(job, cap)
 
 
