@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from harness.data import rank_sample_ids
 from harness.fault_catalog import CATALOG, RANK_FAULTS, Fault, check_name
+from harness.mesh import Mesh
 
 __all__ = ["CATALOG", "Context", "Fault", "check_name", "install", "uninstall"]
 
@@ -122,7 +123,7 @@ def route_samples(ctx: Context, step: int, ids: list[list[int]]) -> list[list[in
     if "gtp-peers-same-sample" not in ctx.active or ctx.side.gtp == 1:
         return ids
     # Every GTP peer reads what GTP rank 0 of its (tp, dp) slot reads.
-    rank0 = ctx.coord["tp"] + ctx.side.tp * ctx.side.gtp * ctx.coord["dp"]
+    rank0 = Mesh.of_side(ctx.side).rank({"tp": ctx.coord["tp"], "gtp": 0, "dp": ctx.coord["dp"]})
     return rank_sample_ids(step, rank0, ctx.side, _data(ctx))
 
 
