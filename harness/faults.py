@@ -20,6 +20,7 @@ import torch.distributed as dist
 from harness.data import rank_sample_ids
 from harness.fault_catalog import CATALOG, RANK_FAULTS, Fault, check_name
 from harness.mesh import Mesh
+from harness.patching import patch, undo_all
 
 __all__ = ["CATALOG", "Context", "Fault", "check_name", "install", "uninstall"]
 
@@ -39,15 +40,6 @@ class Context:
     saved: dict = field(default_factory=dict)
 
 
-_UNDO: list[Callable[[], None]] = []
-
-
-def _patch(obj, attr: str, value) -> None:
-    old = getattr(obj, attr)
-    setattr(obj, attr, value)
-    _UNDO.append(lambda: setattr(obj, attr, old))
-
-
 def _gtp():
     from megatron.core.tensor_parallel import generalized_tensor_parallelism as gtp
 
@@ -55,7 +47,7 @@ def _gtp():
 
 
 def _no_prescale(ctx: Context) -> None:
-    _patch(_gtp().GTPShardedParam, "_prescale_wgrads_for_mean_rs", lambda self, wgrads: None)
+    patch(_gtp().GTPShardedParam, "_prescale_wgrads_for_mean_rs", lambda self, wgrads: None)
 
 
 def _swap_gather(ctx: Context) -> None:
@@ -70,7 +62,7 @@ def _swap_gather(ctx: Context) -> None:
         out.copy_(torch.cat(chunks[::-1]))
         return out, None
 
-    _patch(gtp, "gather_along_first_dim", swapped)
+    patch(gtp, "gather_along_first_dim", swapped)
 
 
 def _skip_gtp_replicated_reduce(ctx: Context) -> None:
@@ -79,7 +71,7 @@ def _skip_gtp_replicated_reduce(ctx: Context) -> None:
     # The package re-exports the function under the module's name: import the module itself.
     fmg = importlib.import_module("megatron.core.distributed.finalize_model_grads")
 
-    _patch(fmg, "_allreduce_replicated_grads_over_gtp_remat_group", lambda *a, **k: None)
+    patch(fmg, "_allreduce_replicated_grads_over_gtp_remat_group", lambda *a, **k: None)
 
 
 def _double_count_norm(ctx: Context) -> None:
@@ -87,8 +79,8 @@ def _double_count_norm(ctx: Context) -> None:
     from megatron.core.optimizer import clip_grads
 
     # The grad-norm path reads it through the package (optimizer.py) and by name (clip_grads).
-    _patch(tensor_parallel, "param_is_not_gtp_duplicate", lambda param: True)
-    _patch(clip_grads, "param_is_not_gtp_duplicate", lambda param: True)
+    patch(tensor_parallel, "param_is_not_gtp_duplicate", lambda param: True)
+    patch(clip_grads, "param_is_not_gtp_duplicate", lambda param: True)
 
 
 # How each fault that patches megatron-core is planted (the others act through the hooks below).
@@ -112,8 +104,8 @@ def install(names: tuple[str, ...], ctx: Context) -> None:
 
 
 def uninstall() -> None:
-    while _UNDO:
-        _UNDO.pop()()
+    """Undo every run-time patch of this side (the faults' and the backend's)."""
+    undo_all()
 
 
 # --- hook points the backend calls (no-ops unless a fault is active) ---
