@@ -50,15 +50,9 @@ def _cmd_run(args) -> int:
 
 
 def _with_fault(s, names: list[str], role: str):
-    import dataclasses
+    from harness.planting import plant
 
-    from harness.faults import check_name
-
-    for n in names:
-        if (problem := check_name(n)) is not None:
-            raise BadInput("--inject", problem)
-    side = dataclasses.replace(s.sides[role], inject=tuple(names))
-    return dataclasses.replace(s, **{role: side})
+    return plant([s], names, role, where="--inject", side_where="--inject-side")[0]
 
 
 def _cmd_matrix(args) -> int:
