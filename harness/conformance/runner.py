@@ -17,7 +17,8 @@ from typing import Callable
 import torch.distributed as dist
 
 from harness.conformance import layout
-from harness.conformance.clauses import CLAUSES, PAIR_CLAUSES, TRACE_CLAUSES, Failure, summarize
+from harness.conformance.registry import CLAUSES, PAIR_CLAUSES, TRACE_CLAUSES
+from harness.conformance.failures import Failure, failure_lines
 from harness.conformance.drive import Case, Unsupported, default_cases, drive
 from harness.conformance.protocol import KIT_DISPATCH, Dispatch
 from harness.mesh import Mesh
@@ -303,7 +304,7 @@ def format_table(result: ConformanceResult, max_failures: int = 20) -> str:
     failures = result.failures()
     if failures:
         lines += ["", f"Failures ({len(failures)} records):"]
-        lines += [f"  {line}" for line in summarize(failures, max_failures)]
+        lines += [f"  {line}" for line in failure_lines(failures, max_failures)]
     verdict = "PASS" if result.passed else "FAIL"
     lines += [
         "",
