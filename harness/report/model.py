@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.report.summary import FirstDivergence, Region, ScenarioSummary, as_summary
+from harness.report.summary import FirstDivergence, Region, ResultRow, ScenarioSummary, as_summary
 
 ROLES = ("reference", "candidate", "golden")
 KIND_GROUPS = {
@@ -206,10 +206,10 @@ def drift(results: list[dict]) -> dict[str, list[tuple[float, float]]]:
         ("reference vs golden", "ref_err_golden"),
     ):
         per_step: dict[int, float] = {}
-        for row in results:
-            v = row.get(column)
+        for row in map(ResultRow.from_json, results):
+            v = getattr(row, column)
             if _finite(v):
-                per_step[row["step"]] = max(per_step.get(row["step"], 0.0), float(v))
+                per_step[row.step] = max(per_step.get(row.step, 0.0), float(v))
         if per_step:
             out[label] = [(float(s), v) for s, v in sorted(per_step.items())]
     return out
@@ -266,36 +266,36 @@ class Heatmap:
     epsilon (runs without a golden)."""
 
 
-def _error(row: dict, unit: str) -> float:
-    if row.get("bitwise_equal") is True:
+def _error(row: ResultRow, unit: str) -> float:
+    if row.bitwise_equal is True:
         return 0.0
-    failed = row.get("passed") is False
+    failed = row.passed is False
     if unit == "golden":
-        ref, cand = row.get("ref_err_golden"), row.get("cand_err_golden")
+        ref, cand = row.ref_err_golden, row.cand_err_golden
         if _finite(ref) and _finite(cand):
             if ref > 0:
                 return float(cand) / float(ref)
             if cand == 0:
                 return 0.0
         return math.inf if failed else 1.0
-    v = row.get("rel_l2")
-    eps = EPS.get(str(row.get("dtype", "")).replace("torch.", ""), EPS["float32"])
+    v = row.rel_l2
+    eps = EPS.get(str(row.dtype or "").replace("torch.", ""), EPS["float32"])
     return float(v) / eps if _finite(v) else (math.inf if failed else 0.0)
 
 
 def heatmap(results: list[dict]) -> Heatmap:
     """Error by layer x kind group x step (the unit: see :class:`Heatmap`)."""
     group_of = {k: g for g, kinds in KIND_GROUPS.items() for k in kinds}
-    rows = [r for r in results if r.get("kind") in group_of]
-    unit = "golden" if any(_finite(r.get("ref_err_golden")) for r in rows) else "eps"
+    rows = [r for r in map(ResultRow.from_json, results) if r.kind in group_of]
+    unit = "golden" if any(_finite(r.ref_err_golden) for r in rows) else "eps"
     acc: dict[tuple[str, str, int], list] = {}
     for row in rows:
-        key = (layer_of(str(row["tensor"])), group_of[row["kind"]], int(row["step"]))
+        key = (layer_of(str(row.tensor)), group_of[row.kind], int(row.step))
         v = _error(row, unit)
         a = acc.setdefault(key, [0.0, 0, 0, ""])
         if v >= a[0] or not a[3]:
-            a[0], a[3] = max(v, a[0]), str(row["tensor"])
-        a[1] += row.get("passed") is False
+            a[0], a[3] = max(v, a[0]), str(row.tensor)
+        a[1] += row.passed is False
         a[2] += 1
     cells = {k: Cell(value=a[0], failed=a[1], count=a[2], worst=a[3]) for k, a in acc.items()}
     return Heatmap(
@@ -307,12 +307,12 @@ def heatmap(results: list[dict]) -> Heatmap:
     )
 
 
-def worst_row(results: list[dict]) -> dict | None:
+def worst_row(results: list[dict]) -> ResultRow | None:
     """The comparison with the largest relative L2 difference (failing rows first)."""
-    rows = [r for r in results if _finite(r.get("rel_l2"))]
+    rows = [r for r in map(ResultRow.from_json, results) if _finite(r.rel_l2)]
     if not rows:
         return None
-    return max(rows, key=lambda r: (r.get("passed") is False, float(r["rel_l2"])))
+    return max(rows, key=lambda r: (r.passed is False, float(r.rel_l2)))
 
 
 def worst_metric(data: ScenarioData) -> str:
@@ -330,9 +330,9 @@ def worst_metric(data: ScenarioData) -> str:
     row = worst_row(data.results)
     if row is None:
         return "no tensors"
-    text = f"worst rel L2 {fmt(row['rel_l2'], 2)}"
+    text = f"worst rel L2 {fmt(row.rel_l2, 2)}"
     # What the per-tensor noise floor judged: how much further from the golden the candidate got.
-    ratios = [_error(r, "golden") for r in data.results
-              if r.get("policy") == "noise-floor" and _finite(r.get("ref_err_golden"))]  # fmt: skip
+    ratios = [_error(r, "golden") for r in map(ResultRow.from_json, data.results)
+              if r.policy == "noise-floor" and _finite(r.ref_err_golden)]  # fmt: skip
     ratios = [v for v in ratios if math.isfinite(v)]
     return f"{text}; err vs golden <= {fmt(max(ratios), 3)}x ref" if ratios else text

@@ -101,5 +101,25 @@ class ScenarioSummary:
         return sum(self.checked.values())
 
 
+@dataclass(frozen=True)
+class ResultRow:
+    """The columns of a ``results.csv`` row the report computes with (the table shows them all)."""
+
+    step: int
+    kind: str
+    tensor: str
+    passed: bool | None = None
+    policy: str | None = None
+    bitwise_equal: bool | None = None
+    dtype: str | None = None
+    rel_l2: float | None = None
+    ref_err_golden: float | None = None
+    cand_err_golden: float | None = None
+
+    @classmethod
+    def from_json(cls, row: dict) -> ResultRow:
+        return cls(**_known(cls, row))
+
+
 def as_summary(summary: ScenarioSummary | dict) -> ScenarioSummary:
     return summary if isinstance(summary, ScenarioSummary) else ScenarioSummary.from_json(summary)
