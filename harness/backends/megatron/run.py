@@ -3,7 +3,8 @@
 One call of :func:`run` trains one side on this rank, as Megatron-LM's ``pretrain_gpt.py``
 does: MCore's no-pipelining schedule over the rank's micro-batches, ``finalize_model_grads``
 as the schedule's finalize hook, MCore's optimizer and ``OptimizerParamScheduler`` (stepped
-in samples, as Megatron-LM does). Everything is recorded through :class:`harness.capture.Capture`.
+in samples, as Megatron-LM does). What a step records, and when, is
+:mod:`harness.backends.recording`'s; this module supplies how each step computes.
 """
 
 from __future__ import annotations

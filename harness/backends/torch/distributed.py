@@ -18,8 +18,8 @@ bf16 runs as megatron-core's ``Float16Module`` does: bf16 params and compute, fp
 and cross entropy, fp32 ``main_grad`` (GTP weight grads reduce-scattered in bf16, as the
 0.19.2 local path does, then added in).
 
-Everything is recorded as the megatron backend records it: same kinds, canonical names,
-layouts and scalars.
+Everything is recorded through :mod:`harness.backends.recording`, as the megatron backend
+records it: same kinds, canonical names, layouts and scalars.
 """
 
 from __future__ import annotations
