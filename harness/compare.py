@@ -14,7 +14,7 @@ Policies:
 - ``exact``: bitwise equal.
 - ``dtype``: ``|c - r| <= atol + rtol |r|`` with per-dtype tolerances from Transformer
   Engine's ``tests/pytorch/utils.py::dtype_tols`` (fp32 1.3e-6/1e-5, bf16 1.6e-2/1e-5, ...);
-  under a recipe, TE's distributed-vs-single-process tolerances for it (``RECIPE_TOLS``).
+  under a recipe, TE's distributed-vs-single-process tolerances for it (:mod:`harness.tolerance`).
 - ``noise-floor``: the candidate's RMS error against the golden is at most ``k`` times the
   reference's, plus ``floor * eps(dtype) * max|golden|``: GTP on must be no further from the
   fp64 truth than GTP off is. k = 4 absorbs the variation of rounding error between two
