@@ -1,21 +1,25 @@
 """Capture: record a rank's tensors and scalars into a trace, from any training loop.
 
-The public API, in the order a loop uses it::
+The public API, in the order a loop uses it (:mod:`harness.backends.recording` runs it for
+the built-in backends)::
 
     cap = Capture(trace_dir, rank=rank, world_size=world, coord={"tp": t, "gtp": g, "dp": d},
                   mesh={"tp": TP, "gtp": G, "dp": DP}, policy=CapturePolicy())
-    cap.attach(model, {"decoder.layers.0": model.decoder.layers[0], ...})  # activations
-    cap.params(step=0, named_params, layout_of=...)                        # initial weights
-    for step in 1..N:
+    cap.attach({"decoder.layers.0": model.decoder.layers[0]})   # activations, by forward hooks
+    layout = lambda name, p: from_mcore_param(p, cap.mesh)
+    cap.begin_step(0)
+    cap.params("param", named_params, layout)                    # initial weights
+    cap.end_step()
+    for step in range(1, steps + 1):
         cap.begin_step(step)
         for mb, ids in enumerate(microbatches):
-            cap.micro_batch(mb, ids)     # activations captured by hooks are tagged with ids
-            ... forward / backward ...
-        cap.params(step, named_params, kind="main_grad", value=lambda p: p.main_grad)
-        cap.scalar("grad_norm", gn)
-        cap.end_step()                   # one safetensors file per rank and step
-    cap.close()                          # the rank's index
-    Capture.finalize(trace_dir, ...)     # rank 0, after every rank closed: the manifest
+            cap.micro_batch(mb, ids)   # what the hooks capture next is tagged with these ids
+            ...                        # forward / backward
+        cap.params("main_grad", named_params, layout, value=lambda p: p.main_grad)
+        cap.scalar("grad_norm", grad_norm)
+        cap.end_step()                 # one safetensors file per rank and step
+    cap.close()                        # the rank's index
+    Capture.finalize(trace_dir, world_size=world, coords=coords, mesh=mesh)  # rank 0, last
 
 Layouts are declared per tensor (:class:`harness.layout.Layout`) or read off megatron-core's
 parameter attributes (:func:`harness.layout.from_mcore_param`). Activations are stored

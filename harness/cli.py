@@ -57,17 +57,9 @@ def _cmd_run(args) -> int:
 
 
 def _with_fault(s, names: list[str], role: str):
-    import dataclasses
+    from harness.planting import plant
 
-    from harness import scenario
-
-    side = dataclasses.replace(s.sides[role], inject=tuple(names))
-    planted = dataclasses.replace(s, **{role: side})
-    try:  # the scenario's own rules decide whether the fault exists and can fire on that side
-        scenario.validate(planted)
-    except BadInput as e:
-        raise BadInput(f"--inject (on {s.source})", str(e).removeprefix(f"{s.source}: ")) from None
-    return planted
+    return plant([s], names, role, where="--inject", side_where="--inject-side")[0]
 
 
 def _out_dir(path: str, flag: str) -> Path:

@@ -14,7 +14,7 @@ Policies:
 - ``exact``: bitwise equal.
 - ``dtype``: ``|c - r| <= atol + rtol |r|`` with per-dtype tolerances from Transformer
   Engine's ``tests/pytorch/utils.py::dtype_tols`` (fp32 1.3e-6/1e-5, bf16 1.6e-2/1e-5, ...);
-  under a recipe, TE's distributed-vs-single-process tolerances for it (``RECIPE_TOLS``).
+  under a recipe, TE's distributed-vs-single-process tolerances for it (:mod:`harness.tolerance`).
 - ``noise-floor``: the candidate's RMS error against the golden is at most ``k`` times the
   reference's, plus ``floor * eps(dtype) * max|golden|``: GTP on must be no further from the
   fp64 truth than GTP off is. k = 4 absorbs the variation of rounding error between two
@@ -30,45 +30,20 @@ Initial weights (step 0) are always judged ``exact``: every side starts from the
 from __future__ import annotations
 
 import math
+from collections import Counter
+from typing import NamedTuple
 
 import pandas as pd
 import torch
 
-from harness import bounds
+from harness import bounds, localize
 from harness.assemble import Logical, assemble_trace
 from harness.scenario import ComparePolicy
+from harness.steps import per_sample_losses, step_table
+from harness.tolerance import DTYPE_TOLS, recipe_of, tolerances
 from harness.trace import Trace
 
-# Transformer Engine tests/pytorch/utils.py dtype_tols (rtol, atol).
-DTYPE_TOLS = {
-    torch.float64: (1e-7, 1e-7),
-    torch.float32: (1.3e-6, 1e-5),
-    torch.bfloat16: (1.6e-2, 1e-5),
-    torch.float16: (1e-3, 1e-5),
-}
 SCALAR_NAMES = ("reduced_loss", "grad_norm", "lr", "skipped")
-# Transformer Engine's tolerances for a distributed run against a single-process one under a
-# recipe (tests/pytorch/distributed/run_numerics.py ``_get_tolerances``; current scaling is the
-# loosest there because each rank may hold its own scale_inv): the ``dtype`` policy's bound for
-# scenarios with a recipe, and what tells a precision loss from a wrong result.
-RECIPE_TOLS = {
-    "delayed": (0.125, 0.0625), "float8_current_scaling": (0.4, 0.25), "mxfp8": (0.125, 0.0625),
-    "float8_block_scaling": (0.125, 0.0625), "nvfp4": (0.125, 0.12),
-}  # fmt: skip
-
-
-def recipe_of(traces: dict[str, Trace]) -> str:
-    """The recipe a comparison runs under: the candidate's, else the reference's."""
-    for role in ("candidate", "reference"):
-        recipe = traces[role].manifest.get("recipe", "none") if role in traces else "none"
-        if recipe != "none":
-            return recipe
-    return "none"
-
-
-def within_tolerance(ref: torch.Tensor, cand: torch.Tensor, rtol: float, atol: float) -> bool:
-    r, c = ref.double(), cand.double()
-    return bool(((c - r).abs() <= atol + rtol * r.abs()).all())
 
 
 def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -125,30 +100,40 @@ def metrics(ref: torch.Tensor, cand: torch.Tensor) -> dict:
     return out
 
 
+class Judgement(NamedTuple):
+    passed: bool
+    policy: str  # the policy that decided: the scenario's, or exact/nonfinite/shape
+    bound: float
+    # RMS errors against the golden, when the noise floor measured them
+    ref_err_golden: float | None = None
+    cand_err_golden: float | None = None
+
+
 def judge(policy: ComparePolicy, step: int, ref, cand, golden, m: dict,
-          recipe: str = "none") -> tuple[bool, str, float]:
-    """(passed, policy used, bound) for one pair; ``recipe`` picks the ``dtype`` tolerance."""
+          recipe: str = "none") -> Judgement:
+    """The judgement of one pair with metrics ``m``; ``recipe`` picks the ``dtype`` tolerance."""
     if m["nonfinite_mismatch"]:
-        return False, "nonfinite", 0.0
+        return Judgement(False, "nonfinite", 0.0)
     if step == 0 or policy.policy == "exact":
-        return m["bitwise_equal"], "exact", 0.0
+        return Judgement(m["bitwise_equal"], "exact", 0.0)
     if m["bitwise_equal"]:
-        return True, policy.policy, 0.0
+        return Judgement(True, policy.policy, 0.0)
     dtype = cand.dtype if cand.dtype in DTYPE_TOLS else torch.float32
     if policy.policy == "noise-floor" and golden is not None:
         # Root-mean-square errors: the max of a few hundred elements is too noisy a statistic
         # to compare two runs' rounding by (small tensors such as LayerNorm params flip it).
-        g = golden.double()
-        ref_err = float((ref.double() - g).pow(2).mean().sqrt())
-        cand_err = float((cand.double() - g).pow(2).mean().sqrt())
+        ref_err, cand_err = rms_error(ref, golden), rms_error(cand, golden)
         eps = torch.finfo(dtype).eps
-        bound = policy.k_at(step) * ref_err + policy.floor * eps * float(g.abs().max())
-        m.update(ref_err_golden=ref_err, cand_err_golden=cand_err)
-        return cand_err <= bound, "noise-floor", bound
-    rtol, atol = RECIPE_TOLS.get(recipe) or DTYPE_TOLS[dtype]
+        bound = policy.k_at(step) * ref_err + policy.floor * eps * float(golden.double().abs().max())
+        return Judgement(cand_err <= bound, "noise-floor", bound, ref_err, cand_err)
+    rtol, atol = tolerances(recipe, dtype)
     r, c = ref.double(), cand.double()
     excess = ((c - r).abs() - (atol + rtol * r.abs())).max()
-    return bool(excess <= 0), "dtype", atol + rtol * float(r.abs().max())
+    return Judgement(bool(excess <= 0), "dtype", atol + rtol * float(r.abs().max()))
+
+
+def rms_error(x: torch.Tensor, golden: torch.Tensor) -> float:
+    return float((x.double() - golden.double()).pow(2).mean().sqrt())
 
 
 def _pairs(ref: Logical, cand: Logical, golden: Logical | None):
@@ -172,8 +157,6 @@ def _pairs(ref: Logical, cand: Logical, golden: Logical | None):
 
 def compare(traces: dict[str, Trace], policy: ComparePolicy | None = None) -> dict:
     """Compare the candidate with the reference (and golden); see the module docstring."""
-    from harness import localize
-
     policy = policy or ComparePolicy()
     logical = {role: assemble_trace(t) for role, t in traces.items()}
     ref, cand, golden = logical["reference"], logical["candidate"], logical.get("golden")
@@ -187,22 +170,39 @@ def compare(traces: dict[str, Trace], policy: ComparePolicy | None = None) -> di
         if g is not None and step == 0:
             g = g.to(c.dtype)  # initial weights: the golden's, cast as every side casts them
         m = metrics(r, c)
-        passed, used, bound = judge(policy, step, r, c, g, m, recipe)
-        if g is not None and "ref_err_golden" not in m:
-            m["ref_err_golden"] = float((r.double() - g.double()).pow(2).mean().sqrt())
-            m["cand_err_golden"] = float((c.double() - g.double()).pow(2).mean().sqrt())
-        rows.append({"step": step, "kind": kind, "tensor": name, "passed": passed, "policy": used,
-                     "bound": bound, "dtype": str(c.dtype).replace("torch.", ""),
+        j = judge(policy, step, r, c, g, m, recipe)
+        if j.ref_err_golden is not None:
+            m.update(ref_err_golden=j.ref_err_golden, cand_err_golden=j.cand_err_golden)
+        elif g is not None:
+            m.update(ref_err_golden=rms_error(r, g), cand_err_golden=rms_error(c, g))
+        rows.append({"step": step, "kind": kind, "tensor": name, "passed": j.passed, "policy": j.policy,
+                     "bound": j.bound, "dtype": str(c.dtype).replace("torch.", ""),
                      "shape": list(r.shape), "sample_ids": ids, **m})  # fmt: skip
     rows += compare_fingerprints(ref, cand, traces)
     scalars = _pool_loss_noise(_compare_scalars(traces, policy, recipe), policy)
     worlds = (traces["reference"].world_size, traces["candidate"].world_size)
     rows += _grad_norm_consistency(scalars, ref, cand, policy, worlds)
-    rows += localize.input_rows(ref, cand, traces)
+    rows += input_rows(ref, cand)
     df = pd.DataFrame(rows)
-    summary = localize.summarize(df, logical, traces, policy)
+    summary = localize.summarize(df, logical, traces, policy, recipe=recipe)
     summary["results"] = localize.order(df)
     return summary
+
+
+def input_rows(ref: Logical, cand: Logical) -> list[dict]:
+    """Per step: does the candidate read exactly the reference's samples, once each?"""
+    rows = []
+    for step in sorted(set(ref.inputs) & set(cand.inputs)):
+        r = Counter(i for ids in ref.inputs[step].values() for i in ids)
+        c = Counter(i for ids in cand.inputs[step].values() for i in ids)
+        dup = sorted(i for i, n in c.items() if n > 1)
+        missing = sorted(set(r) - set(c))
+        ranks = sorted(rk for rk, ids in cand.inputs[step].items() if set(ids) & set(dup))
+        passed = r == c
+        rows.append({"step": step, "kind": "input", "tensor": "sample_ids", "passed": passed,
+                     "policy": "exact", "bitwise_equal": passed, "duplicated": dup, "missing": missing,
+                     "ranks": ranks, "numel": sum(c.values())})  # fmt: skip
+    return rows
 
 
 def compare_fingerprints(ref: Logical, cand: Logical, traces: dict[str, Trace]) -> list[dict]:
@@ -245,8 +245,6 @@ def _fingerprint_norm(fps: dict[int, dict], trace: Trace) -> float:
 
 
 def _compare_scalars(traces: dict[str, Trace], policy: ComparePolicy, recipe: str = "none") -> list[dict]:
-    from harness.steps import per_sample_losses, step_table
-
     table = step_table(traces)
     rows = []
     if table.empty:
@@ -355,10 +353,11 @@ def _scalar_row(step, name, r, c, g, policy, recipe: str = "none") -> dict:
     rt, ct = torch.tensor([r], dtype=torch.float32), torch.tensor([c], dtype=torch.float32)
     gt = torch.tensor([g], dtype=torch.float64) if g is not None else None
     m = metrics(rt, ct)
-    passed, used, bound = judge(policy, step, rt, ct, gt, m, recipe)
-    if g is not None:
-        m.setdefault("ref_err_golden", abs(r - g))
-        m.setdefault("cand_err_golden", abs(c - g))
-    return {"step": step, "kind": "scalar", "tensor": name, "passed": passed, "policy": used,
-            "bound": bound, "dtype": "float32", "shape": [], "ref_value": r, "cand_value": c,
+    j = judge(policy, step, rt, ct, gt, m, recipe)
+    if j.ref_err_golden is not None:
+        m.update(ref_err_golden=j.ref_err_golden, cand_err_golden=j.cand_err_golden)
+    elif g is not None:
+        m.update(ref_err_golden=abs(r - g), cand_err_golden=abs(c - g))
+    return {"step": step, "kind": "scalar", "tensor": name, "passed": j.passed, "policy": j.policy,
+            "bound": j.bound, "dtype": "float32", "shape": [], "ref_value": r, "cand_value": c,
             "golden_value": g, **m}  # fmt: skip

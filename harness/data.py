@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from harness.mesh import Mesh
 from harness.scenario import DataConfig, ModelConfig, Side
 
 
@@ -28,11 +29,9 @@ def batch(seed: int, sample_ids: list[int], model: ModelConfig) -> tuple[torch.T
 
 
 def coord(rank: int, side: Side) -> dict[str, int]:
-    """Mesh coordinates of ``rank`` in MCore's tp-gtp_remat-cp-ep-dp-pp order."""
-    tp = rank % side.tp
-    gtp = (rank // side.tp) % side.gtp
-    dp = rank // (side.tp * side.gtp)
-    return {"tp": tp, "gtp": gtp, "dp": dp, "data": rank // side.tp}
+    """Mesh coordinates of ``rank`` (:mod:`harness.mesh`), with its data rank as ``data``."""
+    mesh = Mesh.of_side(side)
+    return {**mesh.coord(rank), "data": mesh.data_rank(rank)}
 
 
 def step_sample_ids(step: int, data: DataConfig) -> list[int]:
@@ -43,7 +42,7 @@ def step_sample_ids(step: int, data: DataConfig) -> list[int]:
 
 def rank_sample_ids(step: int, rank: int, side: Side, data: DataConfig) -> list[list[int]]:
     """Sample ids ``rank`` reads at ``step``, one list per micro-batch."""
-    data_rank = rank // side.tp
+    data_rank = Mesh.of_side(side).data_rank(rank)
     mbs, d = data.micro_batch_size, side.data_ranks
     base = (step - 1) * data.global_batch_size
     return [

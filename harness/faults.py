@@ -1,12 +1,12 @@
 """Planted faults: the harness's self-test.
 
-Each fault reproduces a row of the bug-class table (shared brief BUG_CLASSES.md) inside a
+Each fault of :mod:`harness.fault_catalog` reproduces one bug class (its ``bug_class``) inside a
 real megatron-core run, at run time only: by wrapping an MCore function in the worker
 process, or through the backend's hook points below. Installed files are never edited, and
 every patch is undone when the side finishes (:func:`uninstall`).
 
-Each entry says where the localizer should find the first divergence (``expect``); the
-fault-injection tests hold the localizer to it.
+Each catalogue entry says where the localizer should find the first divergence (``expect``);
+the fault-injection tests hold the localizer to it.
 """
 
 from __future__ import annotations
@@ -16,6 +16,13 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+from harness.data import rank_sample_ids
+from harness.fault_catalog import CATALOG, RANK_FAULTS, Fault, check_name
+from harness.mesh import Mesh
+from harness.patching import patch, undo_all
+
+__all__ = ["CATALOG", "Context", "Fault", "check_name", "install", "uninstall"]
 
 
 @dataclass
@@ -33,25 +40,6 @@ class Context:
     saved: dict = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class Fault:
-    name: str
-    bug_class: str
-    description: str
-    expect: dict
-    """Expected first divergence: step, phase, kind, tensor (fnmatch), signature."""
-    install: Callable[[Context], None] | None = None
-
-
-_UNDO: list[Callable[[], None]] = []
-
-
-def _patch(obj, attr: str, value) -> None:
-    old = getattr(obj, attr)
-    setattr(obj, attr, value)
-    _UNDO.append(lambda: setattr(obj, attr, old))
-
-
 def _gtp():
     from megatron.core.tensor_parallel import generalized_tensor_parallelism as gtp
 
@@ -59,7 +47,7 @@ def _gtp():
 
 
 def _no_prescale(ctx: Context) -> None:
-    _patch(_gtp().GTPShardedParam, "_prescale_wgrads_for_mean_rs", lambda self, wgrads: None)
+    patch(_gtp().GTPShardedParam, "_prescale_wgrads_for_mean_rs", lambda self, wgrads: None)
 
 
 def _swap_gather(ctx: Context) -> None:
@@ -74,7 +62,7 @@ def _swap_gather(ctx: Context) -> None:
         out.copy_(torch.cat(chunks[::-1]))
         return out, None
 
-    _patch(gtp, "gather_along_first_dim", swapped)
+    patch(gtp, "gather_along_first_dim", swapped)
 
 
 def _skip_gtp_replicated_reduce(ctx: Context) -> None:
@@ -83,7 +71,7 @@ def _skip_gtp_replicated_reduce(ctx: Context) -> None:
     # The package re-exports the function under the module's name: import the module itself.
     fmg = importlib.import_module("megatron.core.distributed.finalize_model_grads")
 
-    _patch(fmg, "_allreduce_replicated_grads_over_gtp_remat_group", lambda *a, **k: None)
+    patch(fmg, "_allreduce_replicated_grads_over_gtp_remat_group", lambda *a, **k: None)
 
 
 def _double_count_norm(ctx: Context) -> None:
@@ -91,68 +79,16 @@ def _double_count_norm(ctx: Context) -> None:
     from megatron.core.optimizer import clip_grads
 
     # The grad-norm path reads it through the package (optimizer.py) and by name (clip_grads).
-    _patch(tensor_parallel, "param_is_not_gtp_duplicate", lambda param: True)
-    _patch(clip_grads, "param_is_not_gtp_duplicate", lambda param: True)
+    patch(tensor_parallel, "param_is_not_gtp_duplicate", lambda param: True)
+    patch(clip_grads, "param_is_not_gtp_duplicate", lambda param: True)
 
 
-CATALOG: dict[str, Fault] = {
-    f.name: f
-    for f in [
-        Fault(
-            "gtp-rs-no-prescale", "gradient mean vs sum",
-            "GTP wgrad reduce-scatter without the 1/G pre-scale: GTP weights get the SUM over peers",
-            {"step": 1, "kind": "main_grad", "tensor": "*.weight", "signature": "ratio-G"},
-            _no_prescale,
-        ),
-        Fault(
-            "gtp-ag-swap-shards", "shard ordering",
-            "GTP all-gather assembles the shards in reverse rank order",
-            {"step": 1, "kind": "materialized", "tensor": "embedding.word_embeddings.weight",
-             "signature": "permuted-blocks"},
-            _swap_gather,
-        ),
-        Fault(
-            "gtp-ln-grad-not-reduced", "missing reduction of a partial gradient",
-            "replicated (non-GTP) params' grads are not averaged over the GTP group in finalize",
-            {"step": 1, "kind": "main_grad", "tensor": "*", "signature": "replica-drift"},
-            _skip_gtp_replicated_reduce,
-        ),
-        Fault(
-            "gtp-peers-same-sample", "misrouted data",
-            "GTP peers read the same micro-batch (every peer reads GTP rank 0's samples)",
-            {"step": 1, "kind": "input", "tensor": "sample_ids", "signature": "misrouted-samples"},
-        ),
-        Fault(
-            "gtp-pad-leak", "padding",
-            "pad rows of GTP main_grad shards receive gradient on the last GTP rank",
-            {"step": 1, "kind": "main_grad", "tensor": "*", "signature": "pad-rows"},
-        ),
-        Fault(
-            "optimizer-skips-weight", "stale or clobbered buffer",
-            "the optimizer update does not reach decoder.layers.0.mlp.linear_fc1.weight",
-            {"step": 1, "kind": "param", "tensor": "decoder.layers.0.mlp.linear_fc1.weight",
-             "signature": "stale-update"},
-        ),
-        Fault(
-            "loss-report-wrong-group", "loss reporting",
-            "the logged loss is averaged over the replicate-DP group, leaving out GTP peers",
-            {"step": 1, "kind": "scalar", "tensor": "reduced_loss", "signature": "loss-report-only"},
-        ),
-        Fault(
-            "grad-norm-double-count", "double counting",
-            "replicated params are counted on every GTP peer in the grad norm",
-            {"step": 1, "kind": "scalar", "tensor": "grad_norm", "signature": "grad-norm-only"},
-            _double_count_norm,
-        ),
-        Fault(
-            "fp8-unreduced-amax", "precision loss",
-            "FP8 quantized all-gather of GTP weights (torch backend): each shard is quantized with "
-            "its own per-tensor amax, not the amax reduced over the GTP group, and the gathered "
-            "weight is decoded with the local scale (TE assumes the scales are equal)",
-            {"step": 1, "kind": "activation", "tensor": "decoder.layers.0.self_attention",
-             "signature": "precision-loss"},
-        ),
-    ]
+# How each fault that patches megatron-core is planted (the others act through the hooks below).
+INSTALLERS: dict[str, Callable[[Context], None]] = {
+    "gtp-rs-no-prescale": _no_prescale,
+    "gtp-ag-swap-shards": _swap_gather,
+    "gtp-ln-grad-not-reduced": _skip_gtp_replicated_reduce,
+    "grad-norm-double-count": _double_count_norm,
 }
 
 
@@ -163,13 +99,13 @@ def install(names: tuple[str, ...], ctx: Context) -> None:
         raise ValueError(problems[0])
     ctx.active = tuple(names)
     for name in names:
-        if name in CATALOG and CATALOG[name].install is not None:
-            CATALOG[name].install(ctx)
+        if name in INSTALLERS:
+            INSTALLERS[name](ctx)
 
 
 def uninstall() -> None:
-    while _UNDO:
-        _UNDO.pop()()
+    """Undo every run-time patch of this side (the faults' and the backend's)."""
+    undo_all()
 
 
 # --- hook points the backend calls (no-ops unless a fault is active) ---
@@ -179,9 +115,7 @@ def route_samples(ctx: Context, step: int, ids: list[list[int]]) -> list[list[in
     if "gtp-peers-same-sample" not in ctx.active or ctx.side.gtp == 1:
         return ids
     # Every GTP peer reads what GTP rank 0 of its (tp, dp) slot reads.
-    from harness.data import rank_sample_ids
-
-    rank0 = ctx.coord["tp"] + ctx.side.tp * ctx.side.gtp * ctx.coord["dp"]
+    rank0 = Mesh.of_side(ctx.side).rank({"tp": ctx.coord["tp"], "gtp": 0, "dp": ctx.coord["dp"]})
     return rank_sample_ids(step, rank0, ctx.side, _data(ctx))
 
 
@@ -233,44 +167,6 @@ def loss_report_group(ctx: Context, group):
 
 # --- launcher self-test: a rank that dies or hangs (``exit:RANK:STEP``, ``hang:RANK:STEP``) ---
 
-_RANK_FAULTS = ("exit", "hang", "raise")
-
-
-def check_name(name: str) -> str | None:
-    """None if ``name`` is a known fault, else why not."""
-    if name in CATALOG:
-        return None
-    parts = name.split(":")
-    if len(parts) == 3 and parts[0] in _RANK_FAULTS and parts[1].isdigit() and parts[2].isdigit():
-        return None
-    return f"unknown fault {name!r}; known: {', '.join(CATALOG)}, or exit|hang|raise:RANK:STEP"
-
-
-# Faults that act on GTP's collectives, buffers or groups: on a side without GTP they never fire.
-_NEEDS_GTP = frozenset({"gtp-rs-no-prescale", "gtp-ag-swap-shards", "gtp-ln-grad-not-reduced",
-                        "gtp-peers-same-sample", "gtp-pad-leak", "loss-report-wrong-group",
-                        "grad-norm-double-count", "fp8-unreduced-amax"})  # fmt: skip
-# What the torch backend can plant (the others patch megatron-core's own functions).
-TORCH_FAULTS = frozenset({"fp8-unreduced-amax", "gtp-peers-same-sample", "gtp-pad-leak", "optimizer-skips-weight"})
-
-
-def check_reach(name: str, side) -> str | None:
-    """None if the (known) fault ``name`` can fire on ``side``, else why it never would: a
-    planted fault that cannot fire would make a clean run look like a caught fault's miss."""
-    parts = name.split(":")
-    if len(parts) == 3 and parts[0] in _RANK_FAULTS:
-        rank, step = int(parts[1]), int(parts[2])
-        if rank >= side.world_size:
-            return f"{name!r} never fires: rank {rank} is not in 0..{side.world_size - 1} (world_size {side.world_size})"
-        if not 1 <= step <= side.steps:
-            return f"{name!r} never fires: step {step} is not in 1..{side.steps} (the side's steps)"
-        return None
-    if name in _NEEDS_GTP and side.gtp == 1:
-        return f"{name!r} never fires on a side without GTP (gtp = 1)"
-    if side.backend == "torch" and name not in TORCH_FAULTS:
-        return f"{name!r} is not implemented by the torch backend; it implements {sorted(TORCH_FAULTS)}"
-    return None
-
 
 def at_step(ctx: Context, step: int) -> None:
     import os
@@ -278,7 +174,7 @@ def at_step(ctx: Context, step: int) -> None:
 
     for name in ctx.active:
         parts = name.split(":")
-        if len(parts) != 3 or parts[0] not in _RANK_FAULTS:
+        if len(parts) != 3 or parts[0] not in RANK_FAULTS:
             continue
         if int(parts[1]) == ctx.rank and int(parts[2]) == step:
             if parts[0] == "exit":

@@ -16,6 +16,7 @@ import torch
 from torch.distributed.tensor import Shard
 
 from harness.layout import Layout, gtp_pad
+from harness.mesh import Mesh
 from harness.scenario import ModelConfig, Side
 
 
@@ -82,7 +83,7 @@ def canonical_state(m: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
 
 
 def mesh_of(side: Side) -> dict[str, int]:
-    return {"tp": side.tp, "gtp": side.gtp, "dp": side.replicate_dp}
+    return Mesh.of_side(side).sizes()
 
 
 def layout_of(spec: ParamSpec, side: Side) -> Layout:

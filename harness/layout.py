@@ -19,7 +19,9 @@ from typing import Callable, Mapping
 import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
-MESH_AXES = ("tp", "gtp", "dp")
+from harness.mesh import AXES
+
+MESH_AXES = tuple(a.value for a in AXES)
 
 
 @dataclass(frozen=True, slots=True)

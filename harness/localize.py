@@ -15,11 +15,12 @@ from __future__ import annotations
 import itertools
 import math
 import re
-from collections import Counter
 
 import pandas as pd
 import torch
 from torch.distributed.tensor import Shard
+
+from harness.tolerance import tolerances, within_tolerance
 
 SIGNATURES = {
     "ratio-G": "candidate = G x reference: a mean over the GTP group became a sum (missing 1/G)",
@@ -104,22 +105,6 @@ def order(df: pd.DataFrame) -> pd.DataFrame:
     df["_order"] = keys
     df = df.sort_values("_order", key=lambda s: s.map(lambda k: k)).drop(columns="_order")
     return df.reset_index(drop=True)
-
-
-def input_rows(ref, cand, traces) -> list[dict]:
-    """Per step: does the candidate read exactly the reference's samples, once each?"""
-    rows = []
-    for step in sorted(set(ref.inputs) & set(cand.inputs)):
-        r = Counter(i for ids in ref.inputs[step].values() for i in ids)
-        c = Counter(i for ids in cand.inputs[step].values() for i in ids)
-        dup = sorted(i for i, n in c.items() if n > 1)
-        missing = sorted(set(r) - set(c))
-        ranks = sorted(rk for rk, ids in cand.inputs[step].items() if set(ids) & set(dup))
-        passed = r == c
-        rows.append({"step": step, "kind": "input", "tensor": "sample_ids", "passed": passed,
-                     "policy": "exact", "bitwise_equal": passed, "duplicated": dup, "missing": missing,
-                     "ranks": ranks, "numel": sum(c.values())})  # fmt: skip
-    return rows
 
 
 def _ratio_signature(ref: torch.Tensor, cand: torch.Tensor, mesh: dict) -> str | None:
@@ -210,13 +195,13 @@ def region_of(row: dict, owner: dict | None) -> dict:
     return region
 
 
-def summarize(df: pd.DataFrame, logical: dict, traces: dict, policy) -> dict:
-    """Verdict, first divergence with signature and region, counts per kind."""
-    from harness.compare import recipe_of  # compare imports this module
+def summarize(df: pd.DataFrame, logical: dict, traces: dict, policy, recipe: str = "none") -> dict:
+    """Verdict, first divergence with signature and region, counts per kind.
 
+    ``recipe`` is the one the comparison ran under (its tolerance tells a precision loss).
+    """
     df = order(df)
     cand = logical["candidate"]
-    logical = {**logical, "_recipe": recipe_of(traces)}
     mesh = traces["candidate"].manifest.get("mesh", {})
     checked = {k: int(n) for k, n in df.groupby("kind").size().items()} if not df.empty else {}
     failing = df[~df["passed"].astype(bool)] if not df.empty else df
@@ -245,7 +230,7 @@ def summarize(df: pd.DataFrame, logical: dict, traces: dict, policy) -> dict:
             sig = label
             first = {**first, "ranks": hit[0].get("ranks") or [hit[0].get("rank")], "rows": hit[0].get("rows")}
     if sig is None:
-        sig, extra = _signature(first, df, logical, mesh, key)
+        sig, extra = _signature(first, df, logical, mesh, key, recipe)
     owner = cand.shard_owner.get(key)
     region = region_of(first, owner)
     if kind == "input":
@@ -288,7 +273,8 @@ def _sample_readers(first: dict, cand, trace, step: int) -> tuple[list[int] | No
     return sorted(peers or readers) or None, sample
 
 
-def _signature(first: dict, df: pd.DataFrame, logical: dict, mesh: dict, key) -> tuple[str, dict]:
+def _signature(first: dict, df: pd.DataFrame, logical: dict, mesh: dict, key,
+               recipe: str = "none") -> tuple[str, dict]:
     step, kind, name = key
     ref, cand = logical["reference"], logical["candidate"]
     if kind == "input":
@@ -330,14 +316,8 @@ def _signature(first: dict, df: pd.DataFrame, logical: dict, mesh: dict, key) ->
     if perm:
         return "permuted-blocks", {"permutation": perm}
     if first.get("policy") == "noise-floor":
-        from harness.compare import DTYPE_TOLS, RECIPE_TOLS, within_tolerance
-
-        recipe = logical_recipe(logical)
-        rtol, atol = RECIPE_TOLS.get(recipe) or DTYPE_TOLS.get(c.dtype, DTYPE_TOLS[torch.float32])
+        rtol, atol = tolerances(recipe, c.dtype)
         if within_tolerance(r, c, rtol, atol):
             return "precision-loss", {"tolerance": {"rtol": rtol, "atol": atol, "recipe": recipe}}
     return "mismatch", {}
 
-
-def logical_recipe(logical: dict) -> str:
-    return logical.get("_recipe", "none")

@@ -7,6 +7,7 @@ the rule.
 from __future__ import annotations
 
 from harness.errors import BadInput
+from harness.fault_catalog import check_name, check_reach
 from harness.schema import (
     BACKENDS, CAPTURE_KINDS, CAPTURE_MODES, LIMITS, LR_DECAY_STYLES, OPTIMIZERS, POLICIES, PRECISIONS,
     RECIPE_NAMES, ModelConfig, Scenario, Side,
@@ -150,8 +151,6 @@ def _validate_recipe(s: Scenario, side: Side, where: str) -> None:
 
 
 def _validate_faults(name: str, side: Side, where: str) -> None:
-    from harness.faults import check_name, check_reach
-
     if name == "golden" and side.inject:
         raise BadInput(f"{where}.inject", "faults are planted in the reference or candidate, not the golden")
     for fault in side.inject:

@@ -24,7 +24,7 @@ def _pair(ratio: float):
                                                   (2, 4.5, False)])  # fmt: skip
 def test_k_first_step_applies_to_step_1_only(step, ratio, passes):
     ref, cand, golden = _pair(ratio)
-    ok, used, bound = judge(FP8, step, ref, cand, golden, metrics(ref, cand))
+    ok, used, bound, *_ = judge(FP8, step, ref, cand, golden, metrics(ref, cand))
     assert (ok, used) == (passes, "noise-floor")
     ref_err = float((ref.double() - golden).pow(2).mean().sqrt())
     assert bound == pytest.approx(FP8.k_at(step) * ref_err, rel=1e-3)
@@ -103,7 +103,7 @@ def test_dtype_policy_takes_the_recipe_tolerance(recipe, passes):
     # 5% apart: far outside fp32's dtype_tols, inside TE's distributed FP8 / FP4 tolerances.
     ref = torch.linspace(0.5, 1.0, 64)
     cand = ref * 1.05
-    ok, used, bound = judge(ComparePolicy(policy="dtype"), 1, ref, cand, None, metrics(ref, cand), recipe)
+    ok, used, bound, *_ = judge(ComparePolicy(policy="dtype"), 1, ref, cand, None, metrics(ref, cand), recipe)
     assert (ok, used) == (passes, "dtype")
 
 

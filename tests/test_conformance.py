@@ -18,7 +18,7 @@ import pytest
 from filelock import FileLock
 
 from harness.conformance import cli
-from harness.conformance.clauses import CLAUSES
+from harness.conformance.registry import CLAUSES
 from harness.conformance.reference import FAULTY
 from harness.conformance.runner import ConformanceResult
 

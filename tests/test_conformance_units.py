@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from harness.conformance import cli, layout
-from harness.conformance.clauses import CLAUSES, Failure, _compare, summarize
+from harness.conformance.registry import CLAUSES
+from harness.conformance.failures import Failure, compare_tensors, failure_lines
 from harness.conformance.drive import Case, _passthrough_problems, default_cases
 from harness.conformance.protocol import KIT_DISPATCH, CollectiveRecorder, overlaps
 from harness.conformance.runner import ClauseRecord, ConformanceResult, Topology, default_topologies
@@ -71,16 +72,16 @@ def test_compare_reports_count_worst_diff_and_index():
     want = torch.zeros(3, 4)
     got = want.clone()
     got[2, 1], got[0, 0] = 5.0, 1.0
-    found = _compare(got, want)
+    found = compare_tensors(got, want)
     assert found["mismatched"] == 2 and found["total"] == 12
     assert found["worst_abs_diff"] == 5.0 and found["worst_index"] == (2, 1)
-    assert _compare(got.double(), want) == {"found": "dtype torch.float64, not torch.float32"}
-    assert _compare(got, want, bound=torch.full((3, 4), 10.0)) is None
+    assert compare_tensors(got.double(), want) == {"found": "dtype torch.float64, not torch.float32"}
+    assert compare_tensors(got, want, bound=torch.full((3, 4), 10.0)) is None
 
 
 def test_summary_collapses_repeats():
     failure = Failure("finalize.values", "c", "overlap", 1, 0, "x", "y")
-    lines = summarize([failure, failure, failure])
+    lines = failure_lines([failure, failure, failure])
     assert lines == [failure.describe() + " (+2 more like it)"]
 
 

@@ -68,12 +68,6 @@ def test_one_rank_groups_are_none_and_collectives_are_no_ops():
     assert comm.all_gather_dim(t, None) is t and comm.reduce_scatter_rows(t, None) is t
 
 
-def test_rank_order_is_megatron_cores():
-    side = Side(world_size=8, tp=2, gtp=2)
-    order = [comm.rank_of(t, g, d, side) for d in range(2) for g in range(2) for t in range(2)]
-    assert order == list(range(8))
-
-
 def test_counted_once_for_replicated_params_always_for_shards():
     m = ModelConfig(num_layers=1, hidden_size=16, ffn_hidden_size=32, num_attention_heads=2,
                     seq_length=8, vocab_size=32)  # fmt: skip

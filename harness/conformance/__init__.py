@@ -5,7 +5,7 @@ TE's modules rely on: forward and backward materialization return the logical we
 ``finalize_group_grads`` leaves exactly this rank's rows of the GTP-group mean (or sum) in
 ``main_grad`` (pad rows zero, accumulating over micro-batches), one leader call serves a whole
 group, and the prefetch chain / async reduction change nothing. See
-:data:`harness.conformance.clauses.CLAUSES` for the clause list.
+:data:`harness.conformance.registry.CLAUSES` for the clause list.
 
 Modules: :mod:`.layout` (shard layout, seeded data), :mod:`.protocol` (dispatchers, collective
 recorder), :mod:`.drive` (cases, the protocol walk), :mod:`.clauses` (the checks),

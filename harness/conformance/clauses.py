@@ -1,119 +1,26 @@
 """The conformance clauses: plain functions from a recorded trace to a list of failure records.
 
-Each clause judges one :class:`~harness.conformance.drive.Trace` (one rank, one case, one mode)
-and returns :class:`Failure` records; an empty list is a pass. ``async.equivalence`` judges a
+Each clause judges one :class:`~harness.conformance.drive.Observation` (one rank, one case, one mode)
+and returns :class:`~harness.conformance.failures.Failure` records; an empty list is a pass. ``async.equivalence`` judges a
 pair of traces, the same case driven with the prefetch chain and async reduction on and off.
-Registries are plain dicts: :data:`TRACE_CLAUSES`, :data:`PAIR_CLAUSES`, and :data:`CLAUSES`
-(id -> one-line description) for reports.
+:mod:`harness.conformance.registry` names them.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
 
 from harness.conformance import layout
-from harness.conformance.drive import UPDATE_FACTOR, Trace
+from harness.conformance.drive import UPDATE_FACTOR, Observation
+from harness.conformance.failures import Failure, compare_tensors, failure
 
 MAX_ROUNDS_PER_CALL = 2
 """One round for the group's own data plus at most one prefetch of the next group."""
 
 
-@dataclass(frozen=True, slots=True)
-class Failure:
-    """One violated clause on one rank, as data (JSON via :meth:`to_json`)."""
-
-    clause: str
-    case: str
-    mode: str
-    rank: int
-    weight: int | None
-    """Flat weight index in forward order (module * group_size + member); None if not per weight."""
-    expected: str
-    found: str
-    worst_abs_diff: float | None = None
-    worst_index: tuple[int, ...] | None = None
-    mismatched: int | None = None
-    total: int | None = None
-    bound: float | None = None
-    """Allowed |diff| at the worst element; None for bitwise comparisons."""
-
-    def to_json(self) -> dict:
-        """A JSON-ready dict."""
-        record = asdict(self)
-        record["worst_index"] = list(self.worst_index) if self.worst_index is not None else None
-        return record
-
-    def describe(self) -> str:
-        """One line: where, what was expected, what was found."""
-        where = f"rank {self.rank}" + (f", weight {self.weight}" if self.weight is not None else "")
-        head = f"[{self.clause}] {self.case} ({self.mode}) {where}"
-        return f"{head}: expected {self.expected}; found {self.found}"
-
-
-def summarize(failures: list[Failure], limit: int = 20) -> list[str]:
-    """One line per (clause, case, mode, rank, weight), the first occurrence with a repeat count."""
-    groups: dict[tuple, list[Failure]] = {}
-    for f in failures:
-        groups.setdefault((f.clause, f.case, f.mode, f.rank, f.weight), []).append(f)
-    lines = []
-    for items in list(groups.values())[:limit]:
-        more = f" (+{len(items) - 1} more like it)" if len(items) > 1 else ""
-        lines.append(items[0].describe() + more)
-    if len(groups) > limit:
-        lines.append(f"... and {len(groups) - limit} more groups of failure records")
-    return lines
-
-
-def _compare(got, want: torch.Tensor, bound: torch.Tensor | None = None) -> dict | None:
-    """None when ``got`` matches ``want``; else the fields of a Failure describing the mismatch.
-
-    Attributes first (type, shape, dtype), then values: bitwise when ``bound`` is None, else
-    element-wise ``|got - want| <= bound`` in float64.
-    """
-    if not isinstance(got, torch.Tensor):
-        return {"found": f"a {got} instead of a tensor"}
-    if tuple(got.shape) != tuple(want.shape):
-        return {"found": f"shape {tuple(got.shape)}, not {tuple(want.shape)}"}
-    if bound is None and got.dtype != want.dtype:
-        return {"found": f"dtype {got.dtype}, not {want.dtype}"}
-    if bound is None and torch.equal(got, want):
-        return None
-    diff = (got.double() - want.double()).abs().nan_to_num(nan=float("inf"))
-    bad = diff > bound if bound is not None else got != want
-    if not bool(bad.any()):
-        return None
-    excess = torch.where(bad, diff, torch.full_like(diff, -1.0))
-    flat = int(excess.flatten().argmax())
-    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape))
-    count, total = int(bad.sum()), diff.numel()
-    worst = float(diff.flatten()[flat])
-    return {
-        "found": f"{count} of {total} elements differ ({100.0 * count / total:.1f}%), "
-        f"worst |diff| {worst:.3g} at {index}",
-        "worst_abs_diff": worst,
-        "worst_index": index,
-        "mismatched": count,
-        "total": total,
-        "bound": float(bound.flatten()[flat]) if bound is not None else None,
-    }
-
-
-def _fail(clause: str, trace: Trace, weight: int | None, expected: str, **found) -> Failure:
-    return Failure(
-        clause=clause,
-        case=trace.case.name,
-        mode=trace.mode,
-        rank=trace.coords.rank,
-        weight=weight,
-        expected=expected,
-        **found,
-    )
-
-
-def _flat(trace: Trace, module: int, member: int) -> int:
+def _flat(trace: Observation, module: int, member: int) -> int:
     return module * trace.case.group_size + member
 
 
@@ -121,7 +28,7 @@ def _phase(microbatch: int) -> str:
     return "after the optimizer step" if microbatch < 0 else f"in micro-batch {microbatch}"
 
 
-def _materialized(trace: Trace, clause: str, kind: str, wanted: Callable[[int], bool]) -> list:
+def _materialized(trace: Observation, clause: str, kind: str, wanted: Callable[[int], bool]) -> list:
     """Returned tensors equal the logical weights bitwise (scaled after the update step)."""
     failures = []
     for call in trace.calls:
@@ -132,7 +39,7 @@ def _materialized(trace: Trace, clause: str, kind: str, wanted: Callable[[int], 
             if j in call.aliased:
                 continue  # the copy raced an in-flight write; reported by *.no_inflight_alias
             want = trace.logical(call.module, j) * scale
-            mismatch = _compare(got, want)
+            mismatch = compare_tensors(got, want)
             if mismatch:
                 expected = (
                     f"{kind} materialization {_phase(call.microbatch)} bitwise equal to the "
@@ -140,12 +47,12 @@ def _materialized(trace: Trace, clause: str, kind: str, wanted: Callable[[int], 
                     f"{tuple(want.shape)} {want.dtype}"
                 )
                 failures.append(
-                    _fail(clause, trace, _flat(trace, call.module, j), expected, **mismatch)
+                    failure(clause, trace, _flat(trace, call.module, j), expected, **mismatch)
                 )
     return failures
 
 
-def check_capability_marker(trace: Trace) -> list[Failure]:
+def check_capability_marker(trace: Observation) -> list[Failure]:
     """Every weight is a strict torch.Tensor subclass with ``is_distributed_weight = True``,
     and the dispatcher recognizes it."""
     failures = []
@@ -162,22 +69,22 @@ def check_capability_marker(trace: Trace) -> list[Failure]:
         if problems:
             expected = "a torch.Tensor subclass with is_distributed_weight = True"
             failures.append(
-                _fail("capability.marker", trace, i, expected, found="; ".join(problems))
+                failure("capability.marker", trace, i, expected, found="; ".join(problems))
             )
     return failures
 
 
-def check_plain_passthrough(trace: Trace) -> list[Failure]:
+def check_plain_passthrough(trace: Observation) -> list[Failure]:
     """Plain tensors and nn.Parameters are not distributed weights; the dispatchers return them
     (and their wgrads) as the very same objects."""
     expected = "plain tensors passed through untouched"
     return [
-        _fail("capability.plain_passthrough", trace, None, expected, found=p)
+        failure("capability.plain_passthrough", trace, None, expected, found=p)
         for p in trace.passthrough
     ]
 
 
-def check_layout(trace: Trace) -> list[Failure]:
+def check_layout(trace: Observation) -> list[Failure]:
     """Each rank's local shard is bitwise its rows of the zero-padded logical weight."""
     case, failures = trace.case, []
     for i, got in enumerate(trace.shards):
@@ -187,42 +94,42 @@ def check_layout(trace: Trace) -> list[Failure]:
         cut = layout.shard_slice(
             logical.shape[0], case.gtp, case.pad_for_alignment, trace.coords.gtp_rank
         )
-        mismatch = _compare(got, layout.pad_dim0(logical, rows)[cut])
+        mismatch = compare_tensors(got, layout.pad_dim0(logical, rows)[cut])
         if mismatch:
             expected = f"padded rows [{cut.start}, {cut.stop}) of {rows} (pad rows zero)"
-            failures.append(_fail("layout.shard", trace, i, expected, **mismatch))
+            failures.append(failure("layout.shard", trace, i, expected, **mismatch))
     return failures
 
 
-def check_forward_values(trace: Trace) -> list[Failure]:
+def check_forward_values(trace: Observation) -> list[Failure]:
     """The first forward walk returns the logical weights bitwise, one per member, in order."""
     return _materialized(trace, "forward.values", "forward", lambda mb: mb == 0)
 
 
-def check_forward_repeat(trace: Trace) -> list[Failure]:
+def check_forward_repeat(trace: Observation) -> list[Failure]:
     """Later micro-batches (prefetch chain established) still return the logical weights."""
     return _materialized(trace, "forward.repeat", "forward", lambda mb: mb > 0)
 
 
-def check_forward_fresh(trace: Trace) -> list[Failure]:
+def check_forward_fresh(trace: Observation) -> list[Failure]:
     """After an in-place update of every shard the next forward reflects it (no stale cache)."""
     return _materialized(trace, "forward.fresh_after_update", "forward", lambda mb: mb < 0)
 
 
-def check_backward_values(trace: Trace) -> list[Failure]:
+def check_backward_values(trace: Observation) -> list[Failure]:
     """Every backward materialization equals the logical weights bitwise (updated ones after
     the optimizer step). Quantized columnwise forms are out of scope on CPU."""
     return _materialized(trace, "backward.values", "backward", lambda mb: True)
 
 
-def _no_inflight_alias(trace: Trace, kind: str) -> list[Failure]:
+def _no_inflight_alias(trace: Observation, kind: str) -> list[Failure]:
     clause, failures = f"{kind}.no_inflight_alias", []
     for call in trace.calls:
         if call.kind != kind:
             continue
         for j in call.aliased:
             failures.append(
-                _fail(
+                failure(
                     clause,
                     trace,
                     _flat(trace, call.module, j),
@@ -234,17 +141,17 @@ def _no_inflight_alias(trace: Trace, kind: str) -> list[Failure]:
     return failures
 
 
-def check_forward_alias(trace: Trace) -> list[Failure]:
+def check_forward_alias(trace: Observation) -> list[Failure]:
     """No async collective left in flight by a forward call writes into a tensor it returned."""
     return _no_inflight_alias(trace, "forward")
 
 
-def check_backward_alias(trace: Trace) -> list[Failure]:
+def check_backward_alias(trace: Observation) -> list[Failure]:
     """No async collective left in flight by a backward call writes into a tensor it returned."""
     return _no_inflight_alias(trace, "backward")
 
 
-def check_grad_buffer(trace: Trace) -> list[Failure]:
+def check_grad_buffer(trace: Observation) -> list[Failure]:
     """Each member's ``grad_buffer()`` has the logical shape and ``main_grad``'s dtype, and
     shares memory with neither ``main_grad`` nor a sibling's buffer."""
     failures, want_dtype = [], trace.case.main_grad_dtype
@@ -265,7 +172,7 @@ def check_grad_buffer(trace: Trace) -> list[Failure]:
             if problems:
                 expected = f"a fresh {want_shape} {want_dtype} buffer {_phase(call.microbatch)}"
                 failures.append(
-                    _fail(
+                    failure(
                         "grad_buffer.spec",
                         trace,
                         _flat(trace, call.module, j),
@@ -276,7 +183,7 @@ def check_grad_buffer(trace: Trace) -> list[Failure]:
     return failures
 
 
-def check_finalize_return(trace: Trace) -> list[Failure]:
+def check_finalize_return(trace: Observation) -> list[Failure]:
     """``finalize_group_grads`` returns, per member, None (async) or a dummy grad of the
     weight's own (shard) shape, usable as the parameter's ``.grad``."""
     failures = []
@@ -288,7 +195,7 @@ def check_finalize_return(trace: Trace) -> list[Failure]:
             want = tuple(trace.shards[index].shape) if index < len(trace.shards) else None
             if item is not None and item[0] != want:
                 failures.append(
-                    _fail(
+                    failure(
                         "finalize.return",
                         trace,
                         index,
@@ -299,7 +206,7 @@ def check_finalize_return(trace: Trace) -> list[Failure]:
     return failures
 
 
-def _real_rows(trace: Trace, index: int) -> int:
+def _real_rows(trace: Observation, index: int) -> int:
     """How many rows of weight ``index``'s shard on this rank are real (not padding)."""
     case = trace.case
     rows = case.shapes[index // case.group_size][0]
@@ -307,14 +214,14 @@ def _real_rows(trace: Trace, index: int) -> int:
     return max(0, min(rows, cut.stop) - cut.start)
 
 
-def _grad_dtype(trace: Trace, module: int, member: int) -> torch.dtype:
+def _grad_dtype(trace: Observation, module: int, member: int) -> torch.dtype:
     for call in trace.calls:
         if call.kind == "grad_buffer" and call.module == module and member < len(call.results):
             return layout.dtype_of(call.results[member]["dtype"])
     return layout.dtype_of(trace.case.main_grad_dtype)
 
 
-def _main_grads(trace: Trace, clause: str, microbatches, pad_only: bool) -> list[Failure]:
+def _main_grads(trace: Observation, clause: str, microbatches, pad_only: bool) -> list[Failure]:
     case, failures = trace.case, []
     for mb in microbatches:
         for i, got in enumerate(trace.main_grads[mb]):
@@ -337,9 +244,9 @@ def _main_grads(trace: Trace, clause: str, microbatches, pad_only: bool) -> list
                     "found": f"main_grad of shape {tuple(got.shape)}, not {tuple(exp.value.shape)}"
                 }
             elif pad_only:
-                mismatch = _compare(got[real:], exp.value[real:], exp.bound[real:])
+                mismatch = compare_tensors(got[real:], exp.value[real:], exp.bound[real:])
             else:
-                mismatch = _compare(got[:real], exp.value[:real], exp.bound[:real])
+                mismatch = compare_tensors(got[:real], exp.value[:real], exp.bound[:real])
             if mismatch:
                 what = (
                     "pad rows exactly zero"
@@ -347,28 +254,28 @@ def _main_grads(trace: Trace, clause: str, microbatches, pad_only: bool) -> list
                     else f"its rows of the group {case.reduction}"
                 )
                 expected = f"main_grad after {mb + 1} micro-batch(es) holds {what}"
-                failures.append(_fail(clause, trace, i, expected, **mismatch))
+                failures.append(failure(clause, trace, i, expected, **mismatch))
     return failures
 
 
-def check_finalize_values(trace: Trace) -> list[Failure]:
+def check_finalize_values(trace: Observation) -> list[Failure]:
     """After the first backward walk (and drain), ``main_grad``'s real rows equal this rank's
     rows of the GTP-group mean of the wgrads (sum under per-token loss), within the rounding
     bound of ``main_grad``'s dtype."""
     return _main_grads(trace, "finalize.values", range(min(1, len(trace.main_grads))), False)
 
 
-def check_finalize_accumulates(trace: Trace) -> list[Failure]:
+def check_finalize_accumulates(trace: Observation) -> list[Failure]:
     """After micro-batch k, ``main_grad`` holds the sum of k + 1 micro-batches' reductions."""
     return _main_grads(trace, "finalize.accumulates", range(1, len(trace.main_grads)), False)
 
 
-def check_finalize_padding(trace: Trace) -> list[Failure]:
+def check_finalize_padding(trace: Observation) -> list[Failure]:
     """``main_grad``'s pad rows stay exactly zero after every micro-batch."""
     return _main_grads(trace, "finalize.padding", range(len(trace.main_grads)), True)
 
 
-def check_finalize_flag(trace: Trace) -> list[Failure]:
+def check_finalize_flag(trace: Observation) -> list[Failure]:
     """``grad_added_to_main_grad`` (reset to False before each backward, as DDP does) is True
     on every member once the walk and drain are over."""
     failures = []
@@ -376,11 +283,11 @@ def check_finalize_flag(trace: Trace) -> list[Failure]:
         for i, flag in enumerate(flags):
             if flag is not True:
                 expected = f"grad_added_to_main_grad True after micro-batch {mb}"
-                failures.append(_fail("finalize.flag", trace, i, expected, found=repr(flag)))
+                failures.append(failure("finalize.flag", trace, i, expected, found=repr(flag)))
     return failures
 
 
-def check_leader_serves_group(trace: Trace) -> list[Failure]:
+def check_leader_serves_group(trace: Observation) -> list[Failure]:
     """The leader's single call serves all N members: N tensors from each materialization, N
     items from finalize, and every member's ``main_grad`` written."""
     failures, n = [], trace.case.group_size
@@ -389,7 +296,7 @@ def check_leader_serves_group(trace: Trace) -> list[Failure]:
             expected = f"{call.kind} through the leader returns {n} item(s) for its group"
             found = f"{len(call.results)} {_phase(call.microbatch)}"
             failures.append(
-                _fail(
+                failure(
                     "leader.serves_group",
                     trace,
                     _flat(trace, call.module, 0),
@@ -401,12 +308,12 @@ def check_leader_serves_group(trace: Trace) -> list[Failure]:
         if _real_rows(trace, i) and not bool(grad.any()):
             expected = "the leader's finalize writes every member's main_grad"
             failures.append(
-                _fail("leader.serves_group", trace, i, expected, found="main_grad still all zero")
+                failure("leader.serves_group", trace, i, expected, found="main_grad still all zero")
             )
     return failures
 
 
-def check_leader_communication(trace: Trace) -> list[Failure]:
+def check_leader_communication(trace: Observation) -> list[Failure]:
     """Only protocol calls communicate: ``grad_buffer()`` and attribute access issue no
     collective, and each leader call issues at most two rounds (its group, one prefetch)."""
     failures = []
@@ -416,7 +323,7 @@ def check_leader_communication(trace: Trace) -> list[Failure]:
             expected = f"at most {limit} collective round(s) per {call.kind} call"
             found = f"{call.rounds} {_phase(call.microbatch)}"
             failures.append(
-                _fail(
+                failure(
                     "leader.communication",
                     trace,
                     _flat(trace, call.module, 0),
@@ -427,12 +334,12 @@ def check_leader_communication(trace: Trace) -> list[Failure]:
     if trace.outside_rounds:
         expected = "no collectives outside protocol calls"
         failures.append(
-            _fail("leader.communication", trace, None, expected, found=f"{trace.outside_rounds}")
+            failure("leader.communication", trace, None, expected, found=f"{trace.outside_rounds}")
         )
     return failures
 
 
-def check_async_equivalence(overlap: Trace, serial: Trace) -> list[Failure]:
+def check_async_equivalence(overlap: Observation, serial: Observation) -> list[Failure]:
     """The same case with the prefetch chain and async reduction on and off gives bitwise the
     same materializations and the same ``main_grad`` after every micro-batch."""
     failures = []
@@ -457,7 +364,7 @@ def check_async_equivalence(overlap: Trace, serial: Trace) -> list[Failure]:
         for j, (x, y) in enumerate(zip(a.results, b.results)):
             if j in a.aliased or not isinstance(y, torch.Tensor):
                 continue
-            mismatch = _compare(x, y)
+            mismatch = compare_tensors(x, y)
             if mismatch:
                 fail(
                     _flat(overlap, a.module, j),
@@ -466,38 +373,7 @@ def check_async_equivalence(overlap: Trace, serial: Trace) -> list[Failure]:
                 )
     for mb, (xs, ys) in enumerate(zip(overlap.main_grads, serial.main_grads)):
         for i, (x, y) in enumerate(zip(xs, ys)):
-            mismatch = _compare(x, y)
+            mismatch = compare_tensors(x, y)
             if mismatch:
                 fail(i, f"main_grad after micro-batch {mb} as without overlap", mismatch)
     return failures
-
-
-TRACE_CLAUSES: dict[str, Callable[[Trace], list[Failure]]] = {
-    "capability.marker": check_capability_marker,
-    "capability.plain_passthrough": check_plain_passthrough,
-    "layout.shard": check_layout,
-    "forward.values": check_forward_values,
-    "forward.repeat": check_forward_repeat,
-    "forward.fresh_after_update": check_forward_fresh,
-    "forward.no_inflight_alias": check_forward_alias,
-    "backward.values": check_backward_values,
-    "backward.no_inflight_alias": check_backward_alias,
-    "grad_buffer.spec": check_grad_buffer,
-    "finalize.return": check_finalize_return,
-    "finalize.values": check_finalize_values,
-    "finalize.accumulates": check_finalize_accumulates,
-    "finalize.padding": check_finalize_padding,
-    "finalize.flag": check_finalize_flag,
-    "leader.serves_group": check_leader_serves_group,
-    "leader.communication": check_leader_communication,
-}
-
-PAIR_CLAUSES: dict[str, Callable[[Trace, Trace], list[Failure]]] = {
-    "async.equivalence": check_async_equivalence,
-}
-
-CLAUSES: dict[str, str] = {
-    name: " ".join(fn.__doc__.replace("``", "").split())
-    for name, fn in (*TRACE_CLAUSES.items(), *PAIR_CLAUSES.items())
-}
-"""Clause id -> what it checks, for tables and reports."""

@@ -8,7 +8,7 @@ optimizer-like in-place update to every shard and walks forward and backward onc
 
 Everything runs under ``torch.no_grad()``, as inside TE's autograd functions. Each protocol
 call is wrapped in a :class:`~harness.conformance.protocol.CollectiveRecorder` call log. The
-result is a :class:`Trace`: plain data that the clauses in :mod:`harness.conformance.clauses`
+result is a :class:`Observation`: plain data that the clauses in :mod:`harness.conformance.clauses`
 judge afterwards.
 """
 
@@ -135,7 +135,7 @@ class Call:
 
 
 @dataclass
-class Trace:
+class Observation:
     """Everything one rank observed while driving one case in one mode."""
 
     case: Case
@@ -262,9 +262,9 @@ def drive(
     gtp_group,
     dispatch: Dispatch,
     seed: int = 1234,
-) -> Trace:
+) -> Observation:
     """Build the case's weights with ``factory`` and drive them; every rank calls this."""
-    trace = Trace(case=case, overlap=overlap, coords=coords, seed=seed, dispatch=dispatch.name)
+    trace = Observation(case=case, overlap=overlap, coords=coords, seed=seed, dispatch=dispatch.name)
     n = case.group_size
     logical = [trace.logical(m, j) for m in range(len(case.shapes)) for j in range(n)]
     weights = factory(

@@ -23,20 +23,21 @@ from dataclasses import dataclass
 
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from harness.dtypes import BY_TORCH_NAME
+from harness.mesh import Mesh
 
 
 def dtype_of(name: str) -> torch.dtype:
     """Map a dtype name used in cases and JSON ("float32", "bfloat16") to the torch dtype."""
     try:
-        return DTYPES[name]
+        return BY_TORCH_NAME[name]
     except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPES)}") from None
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(BY_TORCH_NAME)}") from None
 
 
 @dataclass(frozen=True, slots=True)
 class Coords:
-    """This rank's place in a ``TP x G x DP`` layout."""
+    """This rank's place in a ``TP x G x DP`` mesh (:class:`harness.mesh.Mesh`)."""
 
     tp: int
     """Tensor-parallel size."""
@@ -48,30 +49,31 @@ class Coords:
     """Global rank."""
 
     @property
+    def mesh(self) -> Mesh:
+        return Mesh(self.tp, self.gtp, self.dp)
+
+    @property
     def tp_rank(self) -> int:
         """Rank inside the TP group."""
-        return self.rank % self.tp
+        return self.mesh.coord(self.rank)["tp"]
 
     @property
     def gtp_rank(self) -> int:
         """Rank inside the GTP group."""
-        return (self.rank // self.tp) % self.gtp
+        return self.mesh.coord(self.rank)["gtp"]
 
     @property
     def dp_rank(self) -> int:
         """Rank inside the replicate group."""
-        return self.rank // (self.tp * self.gtp)
+        return self.mesh.coord(self.rank)["dp"]
 
     def global_rank(self, *, tp_rank: int, gtp_rank: int, dp_rank: int) -> int:
-        """Global rank of the given coordinates (``t + TP * (g + G * d)``)."""
-        return tp_rank + self.tp * (gtp_rank + self.gtp * dp_rank)
+        """Global rank of the given coordinates."""
+        return self.mesh.rank({"tp": tp_rank, "gtp": gtp_rank, "dp": dp_rank})
 
     def gtp_peers(self) -> list[int]:
         """Global ranks of this rank's GTP group, in GTP-rank order."""
-        return [
-            self.global_rank(tp_rank=self.tp_rank, gtp_rank=g, dp_rank=self.dp_rank)
-            for g in range(self.gtp)
-        ]
+        return self.mesh.group(self.rank, "gtp")
 
 
 def padded_rows(rows: int, gtp: int, pad_for_alignment: int) -> int:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import pytest
 
+from harness.pytest_options import resolve
+
 IMPL_HELP = "DistributedWeight factory to check, as module:factory (run pytest under torchrun)"
 TOPOLOGY_HELP = "comma-separated TxG topologies for the conformance kit (default: all that fit)"
 
@@ -42,20 +44,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("distributed_weight_topology", TOPOLOGY_HELP, default="")
 
 
-def _setting(config: pytest.Config, name: str) -> tuple[str, str]:
-    """The value of option ``name`` and where it came from (command line wins over ini)."""
-    value = config.getoption(name)
-    if value:
-        return value, f"--{name.replace('_', '-')}"
-    return config.getini(name), f"ini option {name} in {config.inipath or 'no ini file'}"
-
-
 def pytest_configure(config: pytest.Config) -> None:
     """Register the conformance session only when an implementer is named.
 
     Everything heavier than option parsing (torch, the kit) is imported only then.
     """
-    spec, source = _setting(config, "distributed_weight_impl")
+    impl = resolve(config, "distributed_weight_impl")
+    spec, source = impl.value, impl.where
     if not spec:
         return
     from harness.conformance.pytest_session import ConformanceSession
@@ -65,7 +60,8 @@ def pytest_configure(config: pytest.Config) -> None:
         factory = load_factory(spec)
     except BadSpec as exc:
         raise pytest.UsageError(f"{source}: {exc}") from None
-    text, topo_source = _setting(config, "distributed_weight_topology")
+    topology = resolve(config, "distributed_weight_topology")
+    text, topo_source = topology.value or "", topology.where
     try:
         topologies = [Topology.parse(t) for t in text.split(",") if t.strip()]
     except ValueError as exc:

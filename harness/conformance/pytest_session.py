@@ -11,7 +11,8 @@ import os
 import pytest
 import torch.distributed as dist
 
-from harness.conformance.clauses import CLAUSES, summarize
+from harness.conformance.registry import CLAUSES
+from harness.conformance.failures import failure_lines
 from harness.conformance.runner import (
     ConformanceResult,
     Topology,
@@ -104,7 +105,7 @@ class ClauseItem(pytest.Item):
             lines += [
                 f"error: {r.case} ({r.mode}): {r.reason}" for r in records if r.status == "error"
             ]
-            lines += summarize(result.failures(self.name))
+            lines += failure_lines(result.failures(self.name))
             raise ClauseFailed("\n".join(lines))
 
     def repr_failure(self, excinfo, style=None):

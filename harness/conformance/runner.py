@@ -17,9 +17,11 @@ from typing import Callable
 import torch.distributed as dist
 
 from harness.conformance import layout
-from harness.conformance.clauses import CLAUSES, PAIR_CLAUSES, TRACE_CLAUSES, Failure, summarize
+from harness.conformance.registry import CLAUSES, PAIR_CLAUSES, TRACE_CLAUSES
+from harness.conformance.failures import Failure, failure_lines
 from harness.conformance.drive import Case, Unsupported, default_cases, drive
 from harness.conformance.protocol import KIT_DISPATCH, Dispatch
+from harness.mesh import Mesh
 
 STATUS_ORDER = ("pass", "skip", "fail", "error")
 """Merging ranks keeps the most severe status, in this order."""
@@ -166,19 +168,13 @@ class ConformanceResult:
 
 def build_groups(topology: Topology, world: int, rank: int):
     """Create every TP and GTP group of ``topology`` (all ranks, same order); return this rank's."""
-    tp, g = topology.tp, topology.gtp
-    dp = world // (tp * g)
+    mesh = Mesh.of_world(world, topology.tp, topology.gtp)
     mine = {}
-    for kind, outer, inner in (("tp", g, tp), ("gtp", tp, g)):
-        for d in range(dp):
-            for o in range(outer):
-                if kind == "tp":
-                    ranks = [t + tp * (o + g * d) for t in range(inner)]
-                else:
-                    ranks = [o + tp * (i + g * d) for i in range(inner)]
-                group = dist.new_group(ranks)
-                if rank in ranks:
-                    mine[kind] = group
+    for axis in ("tp", "gtp"):
+        for ranks in mesh.groups(axis):
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine[axis] = group
     return mine["tp"], mine["gtp"]
 
 
@@ -248,9 +244,8 @@ def run_conformance(
     for topology in topologies:
         topology.check(world)
         tp_group, gtp_group = build_groups(topology, world, rank)
-        coords = layout.Coords(
-            topology.tp, topology.gtp, world // (topology.tp * topology.gtp), rank
-        )
+        mesh = Mesh.of_world(world, topology.tp, topology.gtp)
+        coords = layout.Coords(mesh.tp, mesh.gtp, mesh.dp, rank)
         for case in cases(topology.tp, topology.gtp):
             traces, problems = {}, {}
             for overlap in (True, False):
@@ -309,7 +304,7 @@ def format_table(result: ConformanceResult, max_failures: int = 20) -> str:
     failures = result.failures()
     if failures:
         lines += ["", f"Failures ({len(failures)} records):"]
-        lines += [f"  {line}" for line in summarize(failures, max_failures)]
+        lines += [f"  {line}" for line in failure_lines(failures, max_failures)]
     verdict = "PASS" if result.passed else "FAIL"
     lines += [
         "",

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.report.model import ScenarioData
+from harness.report.summary import Region
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,19 +90,19 @@ def _shard_dim(layout: dict, axis: str) -> int | None:
 
 def picture(data: ScenarioData) -> Picture | None:
     """The shard picture of the first divergence, or None when there is nothing to draw."""
-    fd = data.summary.get("first_divergence")
+    fd = data.summary.first_divergence
     trace = data.trace_dirs.get("candidate")
-    if not fd or trace is None or fd.get("kind") in ("input", "scalar", "loss"):
+    if fd is None or trace is None or fd.kind in ("input", "scalar", "loss"):
         return None
-    layout = find_layout(trace, fd.get("step"), fd.get("kind"), fd.get("tensor"))
+    layout = find_layout(trace, fd.step, fd.kind, fd.tensor)
     if layout is None or not 1 <= len(layout["logical_shape"]) <= 2:
         return None
     coords = {int(r): c for r, c in (data.manifests.get("candidate", {}).get("coords") or {}).items()}
-    return build(str(fd["tensor"]), layout, coords, fd.get("region") or {}, fd.get("permutation"))
+    return build(str(fd.tensor), layout, coords, fd.region, fd.permutation)
 
 
 def build(
-    tensor: str, layout: dict, coords: dict[int, dict], region: dict, permutation: dict | None = None
+    tensor: str, layout: dict, coords: dict[int, dict], region: Region | dict, permutation: dict | None = None
 ) -> Picture:
     """Blocks of a logical tensor under ``layout``; mark what ``region`` names."""
     shape = tuple(int(n) for n in layout["logical_shape"])
@@ -115,10 +116,11 @@ def build(
     L = R // row_split  # logical rows of one TP block of dim 0
     col_w = C // tp if tp_dim not in (None, 0) else C
     chunk = (L + pad) // g
-    shard = region.get("shard") or {}
-    if not shard and region.get("rank") is not None and region.get("rank") in coords:
-        shard = {a: coords[region["rank"]].get(a) for a in ("tp", "gtp")}
-    named = set(region.get("ranks") or ([region["rank"]] if region.get("rank") is not None else []))
+    region = region if isinstance(region, Region) else Region.from_json(region)
+    shard = region.shard
+    if not shard and region.rank is not None and region.rank in coords:
+        shard = {a: coords[region.rank].get(a) for a in ("tp", "gtp")}
+    named = set(region.ranks or ([region.rank] if region.rank is not None else []))
     pic = Picture(tensor=tensor, logical_shape=shape, rows=row_split * (L + pad), cols=C,
                   placements=dict(layout.get("placements", {})),
                   pads=dict(layout.get("pads", {})))  # fmt: skip
@@ -136,13 +138,13 @@ def build(
                 else (bool(named) and set(ranks) <= named and len(named) < len(coords))
             )
             pic.blocks.append(Block(top, top + chunk, left, left + col_w, i, j, ranks, pad_rows, hit))
-    idx = region.get("worst_index")
+    idx = region.worst_index
     if idx:
         r = int(idx[0])
         c = int(idx[1]) if len(idx) > 1 else 0
         pic.worst = ((r // L) * (L + pad) + r % L if tp_dim == 0 else r, c)
-    if region.get("rows") is not None:
-        lo, hi = (int(x) for x in region["rows"])
+    if region.rows is not None:
+        lo, hi = (int(x) for x in region.rows)
         i = shard.get("tp", 0) if tp > 1 else 0
         base = i * (L + pad) if tp_dim == 0 else 0
         left = i * col_w if tp_dim not in (None, 0) else 0

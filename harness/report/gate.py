@@ -119,8 +119,8 @@ def baseline_doc(scenario_dir: Path) -> dict:
         "steps": data.steps,
         "provenance": {
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "config_hash": config_hash(data.summary, data.manifests),
-            "config": data.summary.get("config"),
+            "config_hash": config_hash(data.doc, data.manifests),
+            "config": data.doc.get("config"),
             "versions": {r: m.get("versions") for r, m in data.manifests.items()},
         },
     }

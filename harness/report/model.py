@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness.report.summary import FirstDivergence, Region, ResultRow, ScenarioSummary, as_summary
+
 ROLES = ("reference", "candidate", "golden")
 KIND_GROUPS = {
     "activation": ("activation", "logits", "loss"),
@@ -31,7 +33,9 @@ class ScenarioData:
 
     name: str
     folder: Path
-    summary: dict
+    summary: ScenarioSummary
+    doc: dict
+    """summary.json as written."""
     steps: list[dict] = field(default_factory=list)
     """Rows of steps.csv: side, step, reduced_loss, grad_norm, lr, ..."""
     results: list[dict] = field(default_factory=list)
@@ -42,7 +46,7 @@ class ScenarioData:
 
     @property
     def verdict(self) -> str:
-        return str(self.summary.get("verdict", "error"))
+        return self.summary.verdict
 
 
 def _number(text: str):
@@ -83,12 +87,13 @@ def resolve_trace(path: str | None, run_dir: Path) -> Path | None:
 def load_scenario(folder: Path) -> ScenarioData:
     """Read a scenario folder written by ``gtp-parity run`` (or ``compare``)."""
     folder = Path(folder)
-    summary = json.loads((folder / "summary.json").read_text())
+    doc = json.loads((folder / "summary.json").read_text())
+    summary = ScenarioSummary.from_json({"scenario": folder.name, **doc})
     run_dir = folder.parent.parent
-    data = ScenarioData(name=str(summary.get("scenario", folder.name)), folder=folder, summary=summary,
+    data = ScenarioData(name=str(summary.scenario), folder=folder, summary=summary, doc=doc,
                         steps=read_csv(folder / "steps.csv"),
                         results=read_csv(folder / "results.csv"))  # fmt: skip
-    for role, path in (summary.get("traces") or {}).items():
+    for role, path in summary.traces.items():
         trace = resolve_trace(path, run_dir)
         if trace is not None:
             data.trace_dirs[role] = trace
@@ -110,44 +115,41 @@ def fmt(value, digits: int = 4) -> str:
     return str(value)
 
 
-def region_text(fd: dict) -> str:
+def region_text(fd: FirstDivergence) -> str:
     """Where in the logical tensor the first divergence sits, in words."""
-    r = fd.get("region") or {}
+    r: Region = fd.region
     parts = []
-    if r.get("duplicated") or r.get("missing"):
-        parts.append(f"samples read twice {r.get('duplicated') or []}, never read {r.get('missing') or []}")
-    if r.get("rows") is not None:
-        lo, hi = r["rows"]
-        parts.append(f"pad rows {lo}-{hi} of the padded block held by rank {r.get('rank')}")
-    if r.get("gtp_block_rows"):
-        lo, hi = r["gtp_block_rows"]
-        parts.append(f"rows {lo}-{hi} (GTP block {(r.get('shard') or {}).get('gtp')})")
-    if r.get("tp_block"):
-        lo, hi, dim = r["tp_block"]
-        parts.append(f"{dim} {lo}-{hi} (TP block {(r.get('shard') or {}).get('tp')})")
-    if r.get("worst_index") and len(r["worst_index"]) > 0 and fd.get("kind") != "scalar":
-        parts.append(f"worst element at {list(r['worst_index'])}")
+    if r.duplicated or r.missing:
+        parts.append(f"samples read twice {r.duplicated}, never read {r.missing}")
+    if r.rows is not None:
+        lo, hi = r.rows
+        parts.append(f"pad rows {lo}-{hi} of the padded block held by rank {r.rank}")
+    if r.gtp_block_rows:
+        lo, hi = r.gtp_block_rows
+        parts.append(f"rows {lo}-{hi} (GTP block {r.shard.get('gtp')})")
+    if r.tp_block:
+        lo, hi, dim = r.tp_block
+        parts.append(f"{dim} {lo}-{hi} (TP block {r.shard.get('tp')})")
+    if r.worst_index and fd.kind != "scalar":
+        parts.append(f"worst element at {list(r.worst_index)}")
     return "; ".join(parts)
 
 
-def divergence_line(summary: dict) -> str:
+def divergence_line(summary: ScenarioSummary | dict) -> str:
     """The first divergence (or the run error) of one scenario summary, in one line."""
-    name = summary.get("scenario", "?")
-    if summary.get("verdict") == "error":
-        errors = summary.get("error") or {}
-        text = "; ".join(f"{role}: {' '.join(str(msg).split())}" for role, msg in errors.items())
-        return f"{name}: run failed: {text or 'no error message recorded'}"
-    fd = summary.get("first_divergence")
-    if not fd:
-        return f"{name}: parity holds"
-    m = fd.get("metrics") or {}
-    ranks = fd.get("ranks")
+    s = as_summary(summary)
+    if s.verdict == "error":
+        text = "; ".join(f"{role}: {' '.join(str(msg).split())}" for role, msg in s.error.items())
+        return f"{s.scenario}: run failed: {text or 'no error message recorded'}"
+    fd = s.first_divergence
+    if fd is None:
+        return f"{s.scenario}: parity holds"
     where = region_text(fd)
-    detail = ", ".join(f"{k} {fmt(m[k])}" for k in ("max_abs", "max_rel", "bound") if m.get(k) is not None)
+    detail = ", ".join(f"{k} {fmt(fd.metrics[k])}" for k in ("max_abs", "max_rel", "bound") if k in fd.metrics)
     return (
-        f"{name}: first divergence at step {fd.get('step')} {fd.get('phase')} {fd.get('kind')} "
-        f"{fd.get('tensor')}" + (f" on ranks {ranks}" if ranks else "") + (f" [{where}]" if where else "")
-        + f": {fd.get('signature')} ({fd.get('explanation') or 'no explanation'})"
+        f"{s.scenario}: first divergence at step {fd.step} {fd.phase} {fd.kind} {fd.tensor}"
+        + (f" on ranks {fd.ranks}" if fd.ranks else "") + (f" [{where}]" if where else "")
+        + f": {fd.signature} ({fd.explanation or 'no explanation'})"
         + (f"; {detail}" if detail else "")
     )  # fmt: skip
 
@@ -156,12 +158,11 @@ def expectation_failures(summary: dict, expect: str = "pass", signature: str | N
     """Why a run summary does not meet the expected verdict (and signature), one line per
     scenario ([] if it does)."""
     out = []
-    for s in summary.get("scenarios", []):
-        verdict, fd = s.get("verdict"), s.get("first_divergence") or {}
-        if verdict != expect:
-            what = divergence_line(s) if verdict != "pass" else f"{s.get('scenario')}: parity holds"
+    for s in map(ScenarioSummary.from_json, summary.get("scenarios", [])):
+        if s.verdict != expect:
+            what = divergence_line(s) if s.verdict != "pass" else f"{s.scenario}: parity holds"
             out.append(what + ("" if expect == "pass" else f" (expected verdict {expect})"))
-        elif signature is not None and fd.get("signature") != signature:
+        elif signature is not None and (s.first_divergence or FirstDivergence()).signature != signature:
             out.append(f"expected signature {signature}, got {divergence_line(s)}")
     return out
 
@@ -169,15 +170,15 @@ def expectation_failures(summary: dict, expect: str = "pass", signature: str | N
 def verdict_line(data: ScenarioData) -> str:
     """The verdict in one sentence."""
     s = data.summary
-    total = sum((s.get("checked") or {}).values())
-    policy = (s.get("policy") or {}).get("name", "?")
+    total = s.total_checked
     if data.verdict == "pass":
-        return f"PASS: all {total} comparisons hold under the {policy} policy"
+        return f"PASS: all {total} comparisons hold under the {s.policy.get('name', '?')} policy"
     if data.verdict == "fail":
-        fd = s.get("first_divergence") or {}
-        return (f"FAIL: {s.get('failing', '?')} of {total} comparisons fail; the first is step "
-                f"{fd.get('step')} {fd.get('phase')} {fd.get('tensor')} ({fd.get('signature')})")  # fmt: skip
-    return f"ERROR: a run failed ({', '.join(s.get('error') or {}) or 'unknown side'}); nothing was compared"
+        fd = s.first_divergence or FirstDivergence()
+        failing = "?" if s.failing is None else s.failing
+        return (f"FAIL: {failing} of {total} comparisons fail; the first is step "
+                f"{fd.step} {fd.phase} {fd.tensor} ({fd.signature})")  # fmt: skip
+    return f"ERROR: a run failed ({', '.join(s.error) or 'unknown side'}); nothing was compared"
 
 
 # --- series, drift, heatmap ------------------------------------------------------------------
@@ -205,10 +206,10 @@ def drift(results: list[dict]) -> dict[str, list[tuple[float, float]]]:
         ("reference vs golden", "ref_err_golden"),
     ):
         per_step: dict[int, float] = {}
-        for row in results:
-            v = row.get(column)
+        for row in map(ResultRow.from_json, results):
+            v = getattr(row, column)
             if _finite(v):
-                per_step[row["step"]] = max(per_step.get(row["step"], 0.0), float(v))
+                per_step[row.step] = max(per_step.get(row.step, 0.0), float(v))
         if per_step:
             out[label] = [(float(s), v) for s, v in sorted(per_step.items())]
     return out
@@ -265,36 +266,36 @@ class Heatmap:
     epsilon (runs without a golden)."""
 
 
-def _error(row: dict, unit: str) -> float:
-    if row.get("bitwise_equal") is True:
+def _error(row: ResultRow, unit: str) -> float:
+    if row.bitwise_equal is True:
         return 0.0
-    failed = row.get("passed") is False
+    failed = row.passed is False
     if unit == "golden":
-        ref, cand = row.get("ref_err_golden"), row.get("cand_err_golden")
+        ref, cand = row.ref_err_golden, row.cand_err_golden
         if _finite(ref) and _finite(cand):
             if ref > 0:
                 return float(cand) / float(ref)
             if cand == 0:
                 return 0.0
         return math.inf if failed else 1.0
-    v = row.get("rel_l2")
-    eps = EPS.get(str(row.get("dtype", "")).replace("torch.", ""), EPS["float32"])
+    v = row.rel_l2
+    eps = EPS.get(str(row.dtype or "").replace("torch.", ""), EPS["float32"])
     return float(v) / eps if _finite(v) else (math.inf if failed else 0.0)
 
 
 def heatmap(results: list[dict]) -> Heatmap:
     """Error by layer x kind group x step (the unit: see :class:`Heatmap`)."""
     group_of = {k: g for g, kinds in KIND_GROUPS.items() for k in kinds}
-    rows = [r for r in results if r.get("kind") in group_of]
-    unit = "golden" if any(_finite(r.get("ref_err_golden")) for r in rows) else "eps"
+    rows = [r for r in map(ResultRow.from_json, results) if r.kind in group_of]
+    unit = "golden" if any(_finite(r.ref_err_golden) for r in rows) else "eps"
     acc: dict[tuple[str, str, int], list] = {}
     for row in rows:
-        key = (layer_of(str(row["tensor"])), group_of[row["kind"]], int(row["step"]))
+        key = (layer_of(str(row.tensor)), group_of[row.kind], int(row.step))
         v = _error(row, unit)
         a = acc.setdefault(key, [0.0, 0, 0, ""])
         if v >= a[0] or not a[3]:
-            a[0], a[3] = max(v, a[0]), str(row["tensor"])
-        a[1] += row.get("passed") is False
+            a[0], a[3] = max(v, a[0]), str(row.tensor)
+        a[1] += row.passed is False
         a[2] += 1
     cells = {k: Cell(value=a[0], failed=a[1], count=a[2], worst=a[3]) for k, a in acc.items()}
     return Heatmap(
@@ -306,33 +307,32 @@ def heatmap(results: list[dict]) -> Heatmap:
     )
 
 
-def worst_row(results: list[dict]) -> dict | None:
+def worst_row(results: list[dict]) -> ResultRow | None:
     """The comparison with the largest relative L2 difference (failing rows first)."""
-    rows = [r for r in results if _finite(r.get("rel_l2"))]
+    rows = [r for r in map(ResultRow.from_json, results) if _finite(r.rel_l2)]
     if not rows:
         return None
-    return max(rows, key=lambda r: (r.get("passed") is False, float(r["rel_l2"])))
+    return max(rows, key=lambda r: (r.passed is False, float(r.rel_l2)))
 
 
 def worst_metric(data: ScenarioData) -> str:
     """One short text for a matrix cell: the signature, or how far the worst tensor moved."""
-    fd = data.summary.get("first_divergence")
+    fd = data.summary.first_divergence
     if data.verdict == "error":
         return "run failed"
-    if fd:
-        m = fd.get("metrics") or {}
-        if (fd.get("region") or {}).get("duplicated"):
-            return f"{fd.get('signature')}, samples {fd['region']['duplicated']} read twice"
+    if fd is not None:
+        if fd.region.duplicated:
+            return f"{fd.signature}, samples {fd.region.duplicated} read twice"
         for key, label in (("max_rel", "max rel"), ("max_abs", "max abs")):
-            if m.get(key) is not None:
-                return f"{fd.get('signature')}, {label} {fmt(m[key], 3)}"
-        return str(fd.get("signature"))
+            if key in fd.metrics:
+                return f"{fd.signature}, {label} {fmt(fd.metrics[key], 3)}"
+        return str(fd.signature)
     row = worst_row(data.results)
     if row is None:
         return "no tensors"
-    text = f"worst rel L2 {fmt(row['rel_l2'], 2)}"
+    text = f"worst rel L2 {fmt(row.rel_l2, 2)}"
     # What the per-tensor noise floor judged: how much further from the golden the candidate got.
-    ratios = [_error(r, "golden") for r in data.results
-              if r.get("policy") == "noise-floor" and _finite(r.get("ref_err_golden"))]  # fmt: skip
+    ratios = [_error(r, "golden") for r in map(ResultRow.from_json, data.results)
+              if r.policy == "noise-floor" and _finite(r.ref_err_golden)]  # fmt: skip
     ratios = [v for v in ratios if math.isfinite(v)]
     return f"{text}; err vs golden <= {fmt(max(ratios), 3)}x ref" if ratios else text

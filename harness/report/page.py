@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 
-from harness.report import blocks, svg
+from harness.report.blocks import picture
 from harness.report.model import (
     ROLES,
     ScenarioData,
@@ -23,7 +23,8 @@ from harness.report.model import (
     step_series,  # fmt: skip
     verdict_line,
 )
-from harness.report.svg import esc
+from harness.report.summary import FirstDivergence
+from harness.report.svg import blocks_svg, esc, heatmap_svg, line_chart
 
 TABLE_COLUMNS = [
     ("step", "step"), ("phase", "phase"), ("kind", "kind"), ("tensor", "tensor"), ("passed", "ok"),
@@ -61,34 +62,31 @@ def _kv(pairs) -> str:
 def _divergence(data: ScenarioData) -> str:
     s = data.summary
     if data.verdict == "error":
-        errs = s.get("error") or {}
         return "<h2>Run failure</h2>" + "".join(
-            f"<p><b>{esc(role)}</b></p><pre>{esc(msg)}</pre>" for role, msg in errs.items()
+            f"<p><b>{esc(role)}</b></p><pre>{esc(msg)}</pre>" for role, msg in s.error.items()
         )
-    fd = s.get("first_divergence")
-    if not fd:
+    fd = s.first_divergence
+    if fd is None:
         return "<h2>First divergence</h2><p>None: every comparison holds.</p>"
-    m = fd.get("metrics") or {}
-    pairs = [("step", esc(fd.get("step"))), ("phase", esc(fd.get("phase"))), ("kind", esc(fd.get("kind"))),
-             ("tensor", f"<code>{esc(fd.get('tensor'))}</code>"), ("ranks", esc(fd.get("ranks"))),
+    pairs = [("step", esc(fd.step)), ("phase", esc(fd.phase)), ("kind", esc(fd.kind)),
+             ("tensor", f"<code>{esc(fd.tensor)}</code>"), ("ranks", esc(fd.ranks)),
              ("region", esc(region_text(fd) or "\u2013")),
-             ("signature", f"<b>{esc(fd.get('signature'))}</b>: {esc(_explain(fd))}")]  # fmt: skip
-    for extra in ("permutation", "norm_ratio"):
-        if fd.get(extra) is not None:
-            pairs.append(
-                (extra, esc(json.dumps(fd[extra]) if isinstance(fd[extra], dict) else fmt(fd[extra])))
-            )
-    metrics = [(k, esc(fmt(m[k], 6))) for k in METRIC_KEYS if m.get(k) is not None]
+             ("signature", f"<b>{esc(fd.signature)}</b>: {esc(_explain(fd))}")]  # fmt: skip
+    if fd.permutation is not None:
+        pairs.append(("permutation", esc(json.dumps(fd.permutation))))
+    if fd.norm_ratio is not None:
+        pairs.append(("norm_ratio", esc(fmt(fd.norm_ratio))))
+    metrics = [(k, esc(fmt(fd.metrics[k], 6))) for k in METRIC_KEYS if k in fd.metrics]
     return (f'<h2>First divergence</h2><p class="mono" id="divergence">{esc(divergence_line(s))}</p>'
             + _kv(pairs) + ("<h3>Metrics</h3>" + _kv(metrics) if metrics else ""))  # fmt: skip
 
 
-def _explain(fd: dict) -> str:
-    if fd.get("explanation"):
-        return str(fd["explanation"])
+def _explain(fd: FirstDivergence) -> str:
+    if fd.explanation:
+        return str(fd.explanation)
     from harness.localize import SIGNATURES
 
-    return SIGNATURES.get(fd.get("signature"), "")
+    return SIGNATURES.get(fd.signature, "")
 
 
 NO_PICTURE = {"input": "sample ids have no shards", "scalar": "a scalar", "loss": "a per-sample loss"}
@@ -104,38 +102,37 @@ NONE = "\u2013"
 
 
 def _where(data: ScenarioData) -> str:
-    fd = data.summary.get("first_divergence")
-    if not fd:
+    fd = data.summary.first_divergence
+    if fd is None:
         return ""
-    pic = blocks.picture(data)
+    pic = picture(data)
     head = "<h2>Where in the tensor</h2>"
     if pic is None:
-        why = NO_PICTURE.get(fd.get("kind"), "without a sharded layout in the candidate trace")
-        return f"{head}<p>No shard picture: <code>{esc(fd.get('tensor'))}</code> is {esc(why)}.</p>"
+        why = NO_PICTURE.get(fd.kind, "without a sharded layout in the candidate trace")
+        return f"{head}<p>No shard picture: <code>{esc(fd.tensor)}</code> is {esc(why)}.</p>"
     note = f"<p>{esc(pic.note)}</p>" if pic.note else ""
-    return head + PICTURE_NOTE + svg.blocks_svg(pic) + note
+    return head + PICTURE_NOTE + blocks_svg(pic) + note
 
 
 def _curves(data: ScenarioData) -> str:
     charts = [
-        svg.line_chart("reduced loss", step_series(data.steps, "reduced_loss")),
-        svg.line_chart("grad norm", step_series(data.steps, "grad_norm")),
-        svg.line_chart("learning rate (applied)", step_series(data.steps, "lr")),
+        line_chart("reduced loss", step_series(data.steps, "reduced_loss")),
+        line_chart("grad norm", step_series(data.steps, "grad_norm")),
+        line_chart("learning rate (applied)", step_series(data.steps, "lr")),
     ]
-    drift_chart = svg.line_chart("max RMS error vs golden (log)", drift(data.results), log_y=True, width=420)
+    drift_chart = line_chart("max RMS error vs golden (log)", drift(data.results), log_y=True, width=420)
     return (f'<h2>Per-step scalars</h2><div class="charts">{"".join(charts)}</div>'
             f"<h2>Drift against the golden</h2>{DRIFT_NOTE}{drift_chart}")  # fmt: skip
 
 
 def _heatmap(data: ScenarioData) -> str:
     hm = heatmap(data.results)
-    body = svg.heatmap_svg(hm) if hm.cells else "<p>No tensor comparisons.</p>"
+    body = heatmap_svg(hm) if hm.cells else "<p>No tensor comparisons.</p>"
     return "<h2>Error by layer, kind and step</h2>" + HEAT_NOTE.format(unit=HEAT_NOTES[hm.unit]) + body
 
 
 def _invariants(data: ScenarioData) -> str:
-    inv = data.summary.get("invariants") or {}
-    items = [(name, v) for name, vs in inv.items() for v in vs]
+    items = [(name, v) for name, vs in data.summary.invariants.items() for v in vs]
     if not items:
         return ""
     lis = []
@@ -184,14 +181,14 @@ def _listing(items) -> str:
 
 def _provenance(data: ScenarioData) -> str:
     s = data.summary
-    cfg = s.get("config") or {}
+    cfg = s.config
     pairs = [
         ("scenario", esc(data.name)),
         ("source", esc(cfg.get("source", NONE))),
         ("description", esc(cfg.get("description") or NONE)),
-        ("policy", _listing((s.get("policy") or {}).items())),
-        ("matrix axes", _listing((k, f"= {v}") for k, v in (s.get("axes") or {}).items())),
-        ("checked", _listing(sorted((s.get("checked") or {}).items()))),
+        ("policy", _listing(s.policy.items())),
+        ("matrix axes", _listing((k, f"= {v}") for k, v in s.axes.items())),
+        ("checked", _listing(sorted(s.checked.items()))),
     ]
     columns = ("side", "label", "mesh (tp, gtp, dp)", "world", "python", "torch", "megatron-core",
                "transformer-engine", "trace")  # fmt: skip
@@ -207,7 +204,7 @@ def _provenance(data: ScenarioData) -> str:
             ", ".join(str(mesh.get(a, "?")) for a in ("tp", "gtp", "dp")) if mesh else NONE,
             man.get("world_size", NONE),
             *(ver.get(k) or NONE for k in ("python", "torch", "megatron-core", "transformer-engine")),
-            (s.get("traces") or {}).get(role) or NONE,
+            s.traces.get(role) or NONE,
         ]
         rows.append("<tr>" + "".join(f'<td class="t">{esc(c)}</td>' for c in cells) + "</tr>")
     table = f'<table class="prov"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'

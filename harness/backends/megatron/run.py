@@ -3,7 +3,8 @@
 One call of :func:`run` trains one side on this rank, as Megatron-LM's ``pretrain_gpt.py``
 does: MCore's no-pipelining schedule over the rank's micro-batches, ``finalize_model_grads``
 as the schedule's finalize hook, MCore's optimizer and ``OptimizerParamScheduler`` (stepped
-in samples, as Megatron-LM does). Everything is recorded through :class:`harness.capture.Capture`.
+in samples, as Megatron-LM does). What a step records, and when, is
+:mod:`harness.backends.recording`'s; this module supplies how each step computes.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from harness import data as data_mod
 from harness import faults
 from harness.backends import Job
 from harness.backends.megatron import compat
+from harness.backends.megatron.gathers import record_gathers
+from harness.backends.recording import Materialized, Recording, StepScalars, gathered, train
 from harness.capture import Capture
+from harness.dtypes import DTYPES
 from harness.gpt import canonical_state, captured_modules, layout_of, mesh_of, param_specs
-from harness.layout import Layout, from_mcore_param, shard
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+from harness.layout import from_mcore_param, shard
 
 
 def canonical_name(name: str) -> str:
@@ -152,11 +154,11 @@ def _optimizer(job: Job, ddp):
     return opt, scheduler
 
 
-def _loss_func(cap: Capture, mb_state: dict, loss_mask, output_tensor):
+def _loss_func(rec: Recording, mb_state: dict, loss_mask, output_tensor):
     losses = output_tensor.float()
     loss = torch.sum(losses * loss_mask)
     num_tokens = loss_mask.sum().to(torch.int)
-    cap.scalar("loss", (loss / num_tokens).item(), micro_batch=mb_state["mb"], sample_ids=list(mb_state["ids"]))
+    rec.loss((loss / num_tokens).item(), mb_state["mb"], mb_state["ids"])
     return loss, num_tokens, {"lm loss": torch.cat([loss.detach().view(1), num_tokens.float().view(1)])}
 
 
@@ -172,8 +174,7 @@ def run(job: Job, cap: Capture) -> None:
         opt, scheduler = _optimizer(job, ddp)
         _train(job, cap, config, ddp, opt, scheduler, mesh, get_forward_backward_func(), finalize_model_grads)
     finally:
-        _UNDO.close()
-        faults.uninstall()
+        faults.uninstall()  # the faults' patches and the gather recorder's
         ps.destroy_model_parallel()
         compat.reset_gtp_state()
 
@@ -181,11 +182,10 @@ def run(job: Job, cap: Capture) -> None:
 def _train(job, cap, config, ddp, opt, scheduler, mesh, forward_backward, finalize_model_grads):
     from megatron.core import parallel_state as ps
 
-    side, m, d = job.side, job.model, job.data
+    side = job.side
     rank = dist.get_rank()
     layouts = {canonical_name(n): from_mcore_param(p, mesh) for n, p in ddp.named_parameters()}
     named = [(canonical_name(n), p) for n, p in ddp.named_parameters()]
-    layout_of_name = lambda name, p: layouts[name]  # noqa: E731
     inner = ddp.module.module if side.precision == "bf16" else ddp.module
     cap.attach(captured_modules(inner), vocab_parallel=["output_layer"])
     cap.info["gtp_params"] = {n: getattr(p, "chain_id", None) for n, p in named
@@ -194,31 +194,48 @@ def _train(job, cap, config, ddp, opt, scheduler, mesh, forward_backward, finali
     cap.info["data_parallel_size"] = ps.get_data_parallel_world_size()
     ctx = faults.Context(backend="megatron", side=side, model=ddp, optimizer=opt, rank=rank,
                          coord=data_mod.coord(rank, side), named_params=named)  # fmt: skip
-    ctx.saved["data"] = d
+    ctx.saved["data"] = job.data
     faults.install(side.inject, ctx)
-
-    cap.begin_step(0)
-    cap.params("param", named, layout_of_name)
-    cap.end_step()
-    materialize = _capture_materialized(cap, named, layouts, side.gtp > 1)
+    rec = Recording(cap, named, layouts)
+    fns = _MegatronStep(job, rec, ctx, config, ddp, opt, scheduler, forward_backward)
 
     def finalize(model_chunks, num_tokens=None, **kw):
         finalize_model_grads(model_chunks, num_tokens, **kw)
         faults.after_finalize(ctx)
-        cap.params("main_grad", named, layout_of_name, value=lambda p: getattr(p, "main_grad", None))
+        rec.grads(lambda p: getattr(p, "main_grad", None))
 
     config.finalize_model_grads_func = finalize
     config.grad_scale_func = opt.scale_loss
-    mask = torch.triu(torch.ones(1, 1, m.seq_length, m.seq_length, dtype=torch.bool), 1)
-    positions = torch.arange(m.seq_length)[None]
-    data_group = ps.get_data_parallel_group()  # GTP-inclusive: the data-distribution group
-    skipped = 0
-    for step in range(1, side.steps + 1):
-        cap.begin_step(step)
-        materialize.begin_step()
-        faults.at_step(ctx, step)
-        ids = data_mod.rank_sample_ids(step, rank, side, d)
-        ids = faults.route_samples(ctx, step, ids)
+    train(rec, side.steps, fns)
+
+
+class _MegatronStep:
+    """One step as Megatron-LM's ``train_step`` runs it: MCore's schedule, optimizer, scheduler."""
+
+    def __init__(self, job, rec: Recording, ctx, config, ddp, opt, scheduler, forward_backward):
+        from megatron.core import parallel_state as ps
+
+        self.job, self.rec, self.ctx, self.ddp, self.opt, self.scheduler = job, rec, ctx, ddp, opt, scheduler
+        self.forward_backward_func = forward_backward
+        m = job.model
+        self.mask = torch.triu(torch.ones(1, 1, m.seq_length, m.seq_length, dtype=torch.bool), 1)
+        self.positions = torch.arange(m.seq_length)[None]
+        self.data_group = ps.get_data_parallel_group()  # GTP-inclusive: the data-distribution group
+        self.skipped = 0
+        gtp_on = job.side.gtp > 1
+        # Where GTP is off the weight each GEMM reads is the parameter itself.
+        direct = [] if gtp_on else [(n, p) for n, p in rec.named if _GTP_SHARDABLE(n)]
+        self.materialized = Materialized(rec.cap, {n: gathered(l) for n, l in rec.layouts.items()}, direct)
+        if gtp_on:
+            record_gathers(rec.named, self.materialized.record)
+
+    def begin(self, step: int) -> None:
+        self.materialized.begin_step()
+        faults.at_step(self.ctx, step)
+
+    def forward_backward(self, step: int) -> None:
+        side, m, d, cap = self.job.side, self.job.model, self.job.data, self.rec.cap
+        ids = faults.route_samples(self.ctx, step, data_mod.rank_sample_ids(step, self.ctx.rank, side, d))
         mb_state = {"mb": None, "ids": None}
 
         def batches():
@@ -227,99 +244,48 @@ def _train(job, cap, config, ddp, opt, scheduler, mesh, forward_backward, finali
                 cap.micro_batch(mb, mb_ids)
                 yield data_mod.batch(d.seed, mb_ids, m)
 
-        it = batches()
-
         def forward_step(data_iterator, model):
             tokens, labels = next(data_iterator)
-            out = model(tokens, positions.expand(tokens.shape[0], -1), mask, labels=labels)
-            return out, partial(_loss_func, cap, mb_state, torch.ones_like(labels, dtype=torch.float32))
+            out = model(tokens, self.positions.expand(tokens.shape[0], -1), self.mask, labels=labels)
+            return out, partial(_loss_func, self.rec, mb_state, torch.ones_like(labels, dtype=torch.float32))
 
-        ddp.zero_grad_buffer()
-        opt.zero_grad()
-        cap.progress("forward_backward")
-        losses = forward_backward(
-            forward_step_func=forward_step, data_iterator=it, model=[ddp],
+        self.ddp.zero_grad_buffer()
+        self.opt.zero_grad()
+        self.losses = self.forward_backward_func(
+            forward_step_func=forward_step, data_iterator=batches(), model=[self.ddp],
             num_microbatches=side.num_microbatches(d), seq_length=m.seq_length,
             micro_batch_size=d.micro_batch_size, forward_only=False,
         )  # fmt: skip
-        lr_applied = opt.param_groups[0]["lr"]
-        cap.params("param_before", named, layout_of_name)
-        cap.progress("optimizer")
-        faults.before_step(ctx)
-        ok, grad_norm, num_zeros = opt.step()
-        skipped += 0 if ok else 1
-        scheduler.step(increment=d.global_batch_size)
-        faults.after_step(ctx)
-        cap.params("param", named, layout_of_name)
-        if cap.wants("optimizer"):
-            cap.optimizer_state(named, layout_of_name, *_optimizer_state(opt, named))
 
-        totals = torch.stack([x["lm loss"] for x in losses]).sum(0)
-        group = faults.loss_report_group(ctx, data_group)
-        dist.all_reduce(totals, group=group)
-        cap.scalar("reduced_loss", (totals[0] / totals[1]).item())
-        cap.scalar("grad_norm", float(grad_norm) if grad_norm is not None else float("nan"))
-        cap.scalar("lr", lr_applied)
-        cap.scalar("lr_logged", opt.param_groups[0]["lr"])
-        cap.scalar("num_zeros", float(num_zeros) if num_zeros is not None else float("nan"))
-        cap.scalar("skipped", float(skipped))
-        cap.end_step()
+    def prepare_update(self, step: int) -> None:
+        self.lr_applied = self.opt.param_groups[0]["lr"]
 
+    def update(self, step: int) -> None:
+        faults.before_step(self.ctx)
+        ok, self.grad_norm, self.num_zeros = self.opt.step()
+        self.skipped += 0 if ok else 1
+        self.scheduler.step(increment=self.job.data.global_batch_size)
+        faults.after_step(self.ctx)
 
-class _Undo(list):
-    def close(self):
-        while self:
-            self.pop()()
+    def optimizer_state(self):
+        return _optimizer_state(self.opt, self.rec.named)
 
-
-_UNDO = _Undo()
-
-
-class _Materialized:
-    """Records the weight each GEMM reads, once per step: the all-gathered (unpadded) weight of
-    a GTP param, or the parameter itself where GTP is off. Replicated over GTP peers."""
-
-    def __init__(self, cap: Capture, named, layouts, gtp_on: bool):
-        self.cap, self.named, self.gtp_on, self.seen = cap, named, gtp_on, set()
-        self.layouts = {n: Layout(l.logical_shape, l.mesh, {"tp": l.placement("tp")})
-                        for n, l in layouts.items() if "gtp" in l.placements or not gtp_on}  # fmt: skip
-        self.gtp_names = {n for n, l in layouts.items() if "gtp" in l.placements}
-
-    def begin_step(self):
-        self.seen = set()
-        if not self.gtp_on:
-            for name, p in self.named:
-                if name in self.layouts and _GTP_SHARDABLE(name):
-                    self.record(name, p)
-
-    def record(self, name, tensor):
-        if name not in self.seen and self.cap.wants("materialized", name):
-            self.seen.add(name)
-            self.cap.tensor("materialized", name, tensor, layout=self.layouts[name])
+    def scalars(self, step: int) -> StepScalars:
+        totals = torch.stack([x["lm loss"] for x in self.losses]).sum(0)
+        dist.all_reduce(totals, group=faults.loss_report_group(self.ctx, self.data_group))
+        nan = float("nan")
+        return StepScalars(
+            reduced_loss=(totals[0] / totals[1]).item(),
+            grad_norm=float(self.grad_norm) if self.grad_norm is not None else nan,
+            lr=self.lr_applied, lr_logged=self.opt.param_groups[0]["lr"],
+            num_zeros=float(self.num_zeros) if self.num_zeros is not None else nan,
+            skipped=float(self.skipped),
+        )  # fmt: skip
 
 
 def _GTP_SHARDABLE(name: str) -> bool:
     return name.endswith(("word_embeddings.weight", "linear_qkv.weight", "linear_proj.weight",
                           "linear_fc1.weight", "linear_fc2.weight", "output_layer.weight"))
-
-
-def _capture_materialized(cap: Capture, named, layouts, gtp_on: bool) -> _Materialized:
-    mat = _Materialized(cap, named, layouts, gtp_on)
-    if gtp_on:
-        from megatron.core.tensor_parallel.generalized_tensor_parallelism import GTPShardedParam
-
-        names = {id(p): n for n, p in named}
-        original = GTPShardedParam.all_gather_and_prefetch
-
-        def all_gather_and_prefetch(self, fwd=True, nvtx_label=None):
-            out = original(self, fwd=fwd, nvtx_label=nvtx_label)
-            if fwd and id(self) in names:
-                mat.record(names[id(self)], out)
-            return out
-
-        GTPShardedParam.all_gather_and_prefetch = all_gather_and_prefetch
-        _UNDO.append(lambda: setattr(GTPShardedParam, "all_gather_and_prefetch", original))
-    return mat
 
 
 def _parts(opt) -> list:

@@ -1,7 +1,6 @@
 """Process groups and the collectives of TP x GTP x DP, written on plain torch.distributed.
 
-Ranks are ordered as megatron-core orders them (tp-gtp_remat-dp, PP = CP = 1):
-``rank = tp + TP * (g + G * dp)``. Every collective is an autograd function or a plain call
+Ranks are ordered as megatron-core orders them (:mod:`harness.mesh`). Every collective is an autograd function or a plain call
 with the reduction megatron-core performs at the same point:
 
 - TP: column-parallel inputs are copied (backward: SUM all-reduce of the input grad),
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from harness.mesh import Mesh
 from harness.scenario import Side
 
 
@@ -44,11 +44,10 @@ class Groups:
     """FP8 amax reduction (TP x GTP x DP, megatron-core's ``get_amax_reduction_group``)."""
 
 
+# The mesh axes each group spans.
+SPANS = {"tp": ("tp",), "gtp": ("gtp",), "dp": ("dp",), "data": ("gtp", "dp"), "model": ("tp", "gtp"),
+         "amax": ("tp", "gtp", "dp")}  # fmt: skip
 _CACHE: dict[tuple[int, int, int], Groups] = {}
-
-
-def rank_of(tp: int, g: int, dp: int, side: Side) -> int:
-    return tp + side.tp * (g + side.gtp * dp)
 
 
 def groups_for(side: Side) -> Groups:
@@ -62,31 +61,17 @@ def groups_for(side: Side) -> Groups:
     key = (side.world_size, side.tp, side.gtp)
     if key in _CACHE:
         return _CACHE[key]
-    rank = dist.get_rank()
-    tp, g, dp = side.tp, side.gtp, side.replicate_dp
-    coords = [(t, gi, d) for d in range(dp) for gi in range(g) for t in range(tp)]
-    axes = {
-        "tp": lambda c: (c[1], c[2]),
-        "gtp": lambda c: (c[0], c[2]),
-        "dp": lambda c: (c[0], c[1]),
-        "data": lambda c: (c[0],),
-        "model": lambda c: (c[2],),
-        "amax": lambda c: (),
-    }
+    rank, mesh = dist.get_rank(), Mesh.of_side(side)
     made = {}
-    for axis, fixed in axes.items():
-        members: dict[tuple, list[int]] = {}
-        for c in coords:
-            members.setdefault(fixed(c), []).append(rank_of(*c, side))
+    for name, axes in SPANS.items():
         mine = None
-        for ranks in members.values():
-            ranks = sorted(ranks)
+        for ranks in mesh.groups(*axes):
             if len(ranks) == 1:
                 continue
             group = dist.new_group(ranks)
             if rank in ranks:
                 mine = group
-        made[axis] = mine
+        made[name] = mine
     groups = Groups(**made)
     _CACHE[key] = groups
     return groups

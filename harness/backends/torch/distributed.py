@@ -18,8 +18,8 @@ bf16 runs as megatron-core's ``Float16Module`` does: bf16 params and compute, fp
 and cross entropy, fp32 ``main_grad`` (GTP weight grads reduce-scattered in bf16, as the
 0.19.2 local path does, then added in).
 
-Everything is recorded as the megatron backend records it: same kinds, canonical names,
-layouts and scalars.
+Everything is recorded through :mod:`harness.backends.recording`, as the megatron backend
+records it: same kinds, canonical names, layouts and scalars.
 """
 
 from __future__ import annotations
@@ -30,17 +30,19 @@ import torch.distributed as dist
 from harness import data as data_mod
 from harness import faults
 from harness.backends import Job
+from harness.backends.recording import Materialized, Recording, StepScalars, gathered, train
 from harness.capture import Capture
+from harness.dtypes import DTYPES
+from harness.fault_catalog import TORCH_FAULTS
 from harness.gpt import canonical_state, captured_modules, layout_of, param_specs
 
 from . import comm, fp8
 from .model import GPT
 from .optim import build_optimizer, clip, grad_stats, lr_at
-from .parallel import Parallel, shard_model, tp_local
-from .run import DTYPES
+from .parallel import Parallel, shard_model
 
 # Planted faults this backend implements (the others patch megatron-core).
-SUPPORTED_FAULTS = faults.TORCH_FAULTS
+SUPPORTED_FAULTS = TORCH_FAULTS
 # Recipes whose weight quantization has a per-tensor amax (the others are block-scaled only).
 PER_TENSOR_AMAX = frozenset({"delayed", "float8_current_scaling", "nvfp4"})
 
@@ -83,85 +85,87 @@ def run_distributed(job: Job, cap: Capture) -> None:
 
 
 def _train(job: Job, cap: Capture, model: GPT, par: Parallel, ctx: faults.Context) -> None:
-    side, m, d = job.side, job.model, job.data
-    groups, coord, rank = par.groups, par.coord, ctx.rank
+    side, m = job.side, job.model
     specs = {s.name: s for s in param_specs(m)}
     layouts = {n: layout_of(s, side) for n, s in specs.items()}
     named = ctx.named_params
-    layout_of_name = lambda name, p: layouts[name]  # noqa: E731
     cap.attach(captured_modules(model), vocab_parallel=["output_layer"])
     cap.info["gtp_params"] = {n: None for n, p in named if getattr(p, "is_gtp_weight_remat", False)}
-    cap.info["data_parallel_rank"] = coord["data"]
+    cap.info["data_parallel_rank"] = par.coord["data"]
     cap.info["data_parallel_size"] = side.data_ranks
-    masters = _masters(named) if side.precision == "bf16" else {}
-    opt = build_optimizer(side, [(n, masters.get(n, p)) for n, p in named])
-    if masters:  # megatron-core's Float16 optimizer names, which the fault hooks read
-        opt.float16_groups = [[p for _, p in named]]
-        opt.fp32_from_float16_groups = [[masters[n] for n, _ in named]]
-    ctx.optimizer = opt
+    rec = Recording(cap, named, layouts)
+    train(rec, side.steps, _DistributedStep(job, rec, model, par, ctx, specs))
 
-    cap.begin_step(0)
-    cap.params("param", named, layout_of_name)
-    cap.end_step()
-    seen: set[str] = set()
 
-    def materialized(name: str, full: torch.Tensor) -> None:
-        if name not in seen:  # the first (forward) gather of the step
-            seen.add(name)
-            cap.tensor("materialized", name, full, layout=tp_local(layouts[name]))
+class _DistributedStep:
+    """One TP x GTP x DP step on torch.distributed (see the module docstring)."""
 
-    par.on_gather = materialized
-    for step in range(1, side.steps + 1):
-        cap.begin_step(step)
-        seen.clear()
-        if side.gtp == 1:  # the weight each GEMM reads is the parameter itself
-            for name, p in named:
-                if specs[name].gtp:
-                    materialized(name, p)
-        faults.at_step(ctx, step)
-        ids = faults.route_samples(ctx, step, data_mod.rank_sample_ids(step, rank, side, d))
+    def __init__(self, job: Job, rec: Recording, model: GPT, par: Parallel, ctx: faults.Context, specs):
+        side, named = job.side, rec.named
+        self.job, self.rec, self.model, self.par, self.ctx = job, rec, model, par, ctx
+        self.masters = _masters(named) if side.precision == "bf16" else {}
+        self.opt = build_optimizer(side, [(n, self.masters.get(n, p)) for n, p in named])
+        if self.masters:  # megatron-core's Float16 optimizer names, which the fault hooks read
+            self.opt.float16_groups = [[p for _, p in named]]
+            self.opt.fp32_from_float16_groups = [[self.masters[n] for n, _ in named]]
+        ctx.optimizer = self.opt
+        # Where GTP is off the weight each GEMM reads is the parameter itself.
+        direct = [(n, p) for n, p in named if specs[n].gtp] if side.gtp == 1 else []
+        self.materialized = Materialized(rec.cap, {n: gathered(l) for n, l in rec.layouts.items()}, direct)
+        par.on_gather = self.materialized.record
+
+    def begin(self, step: int) -> None:
+        self.materialized.begin_step()
+        faults.at_step(self.ctx, step)
+
+    def forward_backward(self, step: int) -> None:
+        side, named, ctx = self.job.side, self.rec.named, self.ctx
+        ids = faults.route_samples(ctx, step, data_mod.rank_sample_ids(step, ctx.rank, side, self.job.data))
         for _, p in named:
             p.main_grad.zero_()
             p.grad = None
-        cap.progress("forward_backward")
-        totals = [_micro_batch(cap, model, par, mb, mb_ids, len(ids), job) for mb, mb_ids in enumerate(ids)]
-        _finalize(named, groups)
+        self.totals = [_micro_batch(self.rec, self.model, self.par, mb, mb_ids, len(ids), self.job)
+                       for mb, mb_ids in enumerate(ids)]  # fmt: skip
+        _finalize(named, self.par.groups)
         faults.after_finalize(ctx)
-        cap.params("main_grad", named, layout_of_name, value=lambda p: p.main_grad)
+        self.rec.grads(lambda p: p.main_grad)
 
-        grad_norm, num_zeros = grad_stats(named, layouts, coord, groups.model)
-        clip([p.main_grad for _, p in named], side.clip_grad, grad_norm)
-        lr = lr_at(side, step, d.global_batch_size)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        cap.params("param_before", named, layout_of_name)
-        cap.progress("optimizer")
-        faults.before_step(ctx)
+    def prepare_update(self, step: int) -> None:
+        side, named = self.job.side, self.rec.named
+        self.grad_norm, self.num_zeros = grad_stats(named, self.rec.layouts, self.par.coord, self.par.groups.model)
+        clip([p.main_grad for _, p in named], side.clip_grad, self.grad_norm)
+        self.lr = lr_at(side, step, self.job.data.global_batch_size)
+        for group in self.opt.param_groups:
+            group["lr"] = self.lr
+
+    def update(self, step: int) -> None:
+        named, masters = self.rec.named, self.masters
+        faults.before_step(self.ctx)
         for name, p in named:
             masters.get(name, p).grad = p.main_grad
-        opt.step()
+        self.opt.step()
         with torch.no_grad():
             for name, p in named:
                 if name in masters:
                     p.copy_(masters[name])  # fp32 master -> bf16 param, round to nearest even
-        faults.after_step(ctx)
-        cap.params("param", named, layout_of_name)
-        cap.optimizer_state(named, layout_of_name, {id(p): st for p, st in opt.state.items()}, masters)
+        faults.after_step(self.ctx)
 
-        total = comm.all_reduce(torch.stack(totals).sum(0), groups.data)
-        cap.scalar("reduced_loss", (total[0] / total[1]).item())
-        cap.scalar("grad_norm", grad_norm)
-        cap.scalar("lr", lr)
-        cap.scalar("lr_logged", lr_at(side, step + 1, d.global_batch_size))
-        cap.scalar("num_zeros", num_zeros)
-        cap.scalar("skipped", 0.0)
-        cap.end_step()
+    def optimizer_state(self):
+        return {id(p): st for p, st in self.opt.state.items()}, self.masters
+
+    def scalars(self, step: int) -> StepScalars:
+        total = comm.all_reduce(torch.stack(self.totals).sum(0), self.par.groups.data)
+        return StepScalars(
+            reduced_loss=(total[0] / total[1]).item(), grad_norm=self.grad_norm, lr=self.lr,
+            lr_logged=lr_at(self.job.side, step + 1, self.job.data.global_batch_size),
+            num_zeros=self.num_zeros, skipped=0.0,
+        )  # fmt: skip
 
 
-def _micro_batch(cap: Capture, model: GPT, par: Parallel, mb: int, ids: list[int], n_mb: int, job: Job):
+def _micro_batch(rec: Recording, model: GPT, par: Parallel, mb: int, ids: list[int], n_mb: int, job: Job):
     """Forward and backward of one micro-batch; returns its (token-loss sum, tokens)."""
     m, d = job.model, job.data
-    cap.micro_batch(mb, ids)
+    rec.cap.micro_batch(mb, ids)
     tokens, labels = data_mod.batch(d.seed, ids, m)
     logits = model(tokens)  # [s, b, V/TP]
     losses = comm.vocab_parallel_cross_entropy(logits, labels.t().contiguous(), par.groups.tp)
@@ -170,7 +174,7 @@ def _micro_batch(cap: Capture, model: GPT, par: Parallel, mb: int, ids: list[int
     mask = torch.ones_like(labels, dtype=acc)
     loss = torch.sum(losses.to(acc) * mask)
     num_tokens = mask.sum().to(torch.int)
-    cap.scalar("loss", (loss / num_tokens).item(), micro_batch=mb, sample_ids=list(ids))
+    rec.loss((loss / num_tokens).item(), mb, ids)
     out = loss / torch.clamp(num_tokens, min=1) / n_mb
     out.backward()
     for p in model.parameters():

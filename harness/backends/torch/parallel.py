@@ -161,8 +161,3 @@ def _check_tp_local_shapes(model: GPT, layouts: dict[str, Layout], side: Side) -
         want = layouts[name].local_shape()
         if tuple(p.shape) != tuple(want):
             raise RuntimeError(f"{name}: shard is {tuple(p.shape)}, layout says {want} on {side.label()}")
-
-
-def tp_local(layout: Layout) -> Layout:
-    """Layout of a gathered (materialized) weight: the param's TP placement only."""
-    return Layout(layout.logical_shape, layout.mesh, {"tp": layout.placement("tp")})

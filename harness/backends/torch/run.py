@@ -13,15 +13,16 @@ import torch
 
 from harness import data as data_mod
 from harness.backends import Job
+from harness.backends.recording import Materialized, Recording, StepScalars, train
 from harness.capture import Capture
+from harness.dtypes import DTYPES
 from harness.gpt import captured_modules, canonical_state, layout_of, param_specs
 
+from .distributed import run_distributed
 from .model import GPT, token_losses
 from .optim import build_optimizer, clip, lr_at
 
-DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
-
-__all__ = ["DTYPES", "lr_at", "run"]
+__all__ = ["lr_at", "run"]
 
 
 def run(job: Job, cap: Capture) -> None:
@@ -29,13 +30,11 @@ def run(job: Job, cap: Capture) -> None:
     if side.world_size == 1 and side.recipe == "none" and side.precision in ("fp64", "fp32"):
         _run_golden(job, cap)
     else:
-        from .distributed import run_distributed
-
         run_distributed(job, cap)
 
 
 def _run_golden(job: Job, cap: Capture) -> None:
-    side, m, d = job.side, job.model, job.data
+    side, m = job.side, job.model
     dtype = DTYPES[side.precision]
     model = GPT(m).to(dtype)
     state = canonical_state(m, side.seed)
@@ -45,44 +44,55 @@ def _run_golden(job: Job, cap: Capture) -> None:
     specs = {s.name: s for s in param_specs(m)}
     layouts = {n: layout_of(s, side) for n, s in specs.items()}
     named = list(model.named_parameters())
-    layout_of_name = lambda name, p: layouts[name]  # noqa: E731
     cap.attach(captured_modules(model), vocab_parallel=["output_layer"])
-    opt = build_optimizer(side, named)
+    rec = Recording(cap, named, layouts)
+    train(rec, side.steps, _GoldenStep(job, rec, model, specs))
 
-    cap.begin_step(0)
-    cap.params("param", named, layout_of_name)
-    cap.end_step()
-    for step in range(1, side.steps + 1):
-        cap.begin_step(step)
-        for name, p in named:
-            if specs[name].gtp:  # the weight each GEMM reads (materialized, in GTP terms)
-                cap.tensor("materialized", name, p, layout=layouts[name])
+
+class _GoldenStep:
+    """One step of the golden model: the whole global batch in one forward, full tensors."""
+
+    def __init__(self, job: Job, rec: Recording, model: GPT, specs: dict):
+        self.job, self.rec, self.model = job, rec, model
+        self.opt = build_optimizer(job.side, rec.named)
+        # The weight each GEMM reads is the parameter itself (materialized, in GTP terms).
+        self.materialized = Materialized(rec.cap, rec.layouts, [(n, p) for n, p in rec.named if specs[n].gtp])
+
+    def begin(self, step: int) -> None:
+        self.materialized.begin_step()
+
+    def forward_backward(self, step: int) -> None:
+        d, m = self.job.data, self.job.model
         ids = data_mod.step_sample_ids(step, d)
-        cap.micro_batch(0, ids)
+        self.rec.cap.micro_batch(0, ids)
         tokens, labels = data_mod.batch(d.seed, ids, m)
-        opt.zero_grad(set_to_none=True)
-        cap.progress("forward_backward")
-        losses = token_losses(model(tokens), labels)  # [b, s]
-        loss = losses.mean()
-        loss.backward()
+        self.opt.zero_grad(set_to_none=True)
+        losses = token_losses(self.model(tokens), labels)  # [b, s]
+        self.loss = losses.mean()
+        self.loss.backward()
         for i, sid in enumerate(ids):
-            cap.scalar("loss", losses[i].mean().item(), micro_batch=0, sample_ids=[sid])
-        cap.params("main_grad", named, layout_of_name, value=lambda p: p.grad)
-        grads = [p.grad for p in model.parameters()]
-        grad_norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads)).item()
-        clip(grads, side.clip_grad, grad_norm)
-        lr = lr_at(side, step, d.global_batch_size)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        cap.params("param_before", named, layout_of_name)
-        cap.progress("optimizer")
-        opt.step()
-        cap.params("param", named, layout_of_name)
-        cap.optimizer_state(named, layout_of_name, {id(p): st for p, st in opt.state.items()})
-        cap.scalar("reduced_loss", loss.item())
-        cap.scalar("grad_norm", grad_norm)
-        cap.scalar("lr", lr)
-        cap.scalar("lr_logged", lr_at(side, step + 1, d.global_batch_size))
-        cap.scalar("num_zeros", float(sum(int((g == 0).sum()) for g in grads)))
-        cap.scalar("skipped", 0.0)
-        cap.end_step()
+            self.rec.loss(losses[i].mean().item(), 0, [sid])
+        self.rec.grads(lambda p: p.grad)
+
+    def prepare_update(self, step: int) -> None:
+        side, gbs = self.job.side, self.job.data.global_batch_size
+        self.grads = [p.grad for p in self.model.parameters()]
+        self.grad_norm = torch.sqrt(sum((g.double() ** 2).sum() for g in self.grads)).item()
+        clip(self.grads, side.clip_grad, self.grad_norm)
+        self.lr = lr_at(side, step, gbs)
+        for group in self.opt.param_groups:
+            group["lr"] = self.lr
+
+    def update(self, step: int) -> None:
+        self.opt.step()
+
+    def optimizer_state(self):
+        return {id(p): st for p, st in self.opt.state.items()}, None
+
+    def scalars(self, step: int) -> StepScalars:
+        side, gbs = self.job.side, self.job.data.global_batch_size
+        return StepScalars(
+            reduced_loss=self.loss.item(), grad_norm=self.grad_norm, lr=self.lr,
+            lr_logged=lr_at(side, step + 1, gbs),
+            num_zeros=float(sum(int((g == 0).sum()) for g in self.grads)), skipped=0.0,
+        )  # fmt: skip

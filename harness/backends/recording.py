@@ -1,0 +1,137 @@
+"""What a training step records, and in which order: the trace schema the comparison reads.
+
+Every backend's loop runs through :func:`train`; a backend supplies only how to compute (a
+:class:`StepFunctions`), never what is recorded or when. Per rank:
+
+- step 0: the initial weights (``param``);
+- each step: the weights each GEMM reads (``materialized``, :class:`Materialized`); per
+  micro-batch its sample ids (``input``), activations and logits (forward hooks) and its
+  ``loss``; ``main_grad`` after the gradients are final; ``param_before``; the update;
+  ``param`` and the optimizer state; then the six step scalars of :data:`STEP_SCALARS`.
+
+The heartbeat names the phase a rank is in (``forward_backward``, ``optimizer``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import astuple, dataclass, fields
+from typing import Protocol
+
+import torch
+
+from harness.capture import Capture
+from harness.layout import Layout
+
+
+@dataclass(frozen=True)
+class StepScalars:
+    """What a step reports, as Megatron-LM logs it."""
+
+    reduced_loss: float
+    """Token-weighted loss summed over the data group (the logged loss)."""
+    grad_norm: float
+    lr: float
+    """The LR the optimizer applied."""
+    lr_logged: float
+    """The LR Megatron-LM prints after the step (its scheduler has stepped)."""
+    num_zeros: float
+    skipped: float
+    """Steps skipped so far (loss-scale overflow)."""
+
+
+STEP_SCALARS = tuple(f.name for f in fields(StepScalars))
+
+
+class StepFunctions(Protocol):
+    """How a backend computes one training step; :func:`train` calls these in order."""
+
+    def begin(self, step: int) -> None:
+        """Before the forward: per-step set-up (planted rank faults, materialized weights)."""
+
+    def forward_backward(self, step: int) -> None:
+        """Every micro-batch (``Capture.micro_batch``, then :meth:`Recording.loss`), then the
+        final gradients (:meth:`Recording.grads`)."""
+
+    def prepare_update(self, step: int) -> None:
+        """Everything before the weights change: grad norm, clipping, the LR."""
+
+    def update(self, step: int) -> None:
+        """The optimizer step."""
+
+    def optimizer_state(self) -> tuple[Mapping[int, dict], Mapping[str, torch.Tensor] | None]:
+        """(states by id of the stepped tensor, fp32 masters by name) for :meth:`Capture.optimizer_state`."""
+
+    def scalars(self, step: int) -> StepScalars:
+        """The step's scalars (collectives here run on every rank)."""
+
+
+@dataclass
+class Recording:
+    """One rank's trace of a training loop: the capture and the parameters it records."""
+
+    cap: Capture
+    named: list[tuple[str, torch.Tensor]]
+    layouts: Mapping[str, Layout]
+
+    def layout_of(self, name: str, p: torch.Tensor) -> Layout:
+        return self.layouts[name]
+
+    def weights(self, kind: str) -> None:
+        self.cap.params(kind, self.named, self.layout_of)
+
+    def grads(self, value: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
+        self.cap.params("main_grad", self.named, self.layout_of, value=value)
+
+    def loss(self, value: float, index: int, sample_ids: list[int]) -> None:
+        """The token-mean loss of micro-batch ``index`` (or of one sample of it)."""
+        self.cap.scalar("loss", value, micro_batch=index, sample_ids=list(sample_ids))
+
+
+def train(rec: Recording, steps: int, fns: StepFunctions) -> None:
+    """Run ``steps`` optimizer steps of ``fns``, recording each in the trace's order."""
+    cap = rec.cap
+    cap.begin_step(0)
+    rec.weights("param")
+    cap.end_step()
+    for step in range(1, steps + 1):
+        cap.begin_step(step)
+        fns.begin(step)
+        cap.progress("forward_backward")
+        fns.forward_backward(step)
+        fns.prepare_update(step)
+        rec.weights("param_before")
+        cap.progress("optimizer")
+        fns.update(step)
+        rec.weights("param")
+        if cap.wants("optimizer"):
+            cap.optimizer_state(rec.named, rec.layout_of, *fns.optimizer_state())
+        for name, value in zip(STEP_SCALARS, astuple(fns.scalars(step))):
+            cap.scalar(name, value)
+        cap.end_step()
+
+
+class Materialized:
+    """The weight each GEMM reads, once per step: a GTP param's all-gathered (unpadded) weight
+    at its first (forward) gather, reported through :meth:`record`; where GTP is off, the
+    parameters ``direct`` themselves at the start of the step. Replicated over GTP peers."""
+
+    def __init__(self, cap: Capture, layouts: Mapping[str, Layout],
+                 direct: list[tuple[str, torch.Tensor]] = ()):  # fmt: skip
+        self.cap, self.layouts, self.direct = cap, layouts, list(direct)
+        self.seen: set[str] = set()
+
+    def begin_step(self) -> None:
+        self.seen = set()
+        for name, p in self.direct:
+            self.record(name, p)
+
+    def record(self, name: str, tensor: torch.Tensor) -> None:
+        if name not in self.seen and self.cap.wants("materialized", name):
+            self.seen.add(name)
+            self.cap.tensor("materialized", name, tensor, layout=self.layouts[name])
+
+
+def gathered(layout: Layout) -> Layout:
+    """Layout of a gathered (materialized) weight: the param's TP placement only."""
+    return Layout(layout.logical_shape, layout.mesh, {"tp": layout.placement("tp")})

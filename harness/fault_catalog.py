@@ -1,0 +1,116 @@
+"""The planted faults' catalogue: names, bug classes and where each should be localized.
+
+Free of torch and of the scenario schema so both the scenario checks and the command line
+can name faults; :mod:`harness.faults` implements them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    bug_class: str
+    description: str
+    expect: dict
+    """Expected first divergence: step, phase, kind, tensor (fnmatch), signature."""
+
+
+CATALOG: dict[str, Fault] = {
+    f.name: f
+    for f in [
+        Fault(
+            "gtp-rs-no-prescale", "gradient mean vs sum",
+            "GTP wgrad reduce-scatter without the 1/G pre-scale: GTP weights get the SUM over peers",
+            {"step": 1, "kind": "main_grad", "tensor": "*.weight", "signature": "ratio-G"},
+        ),
+        Fault(
+            "gtp-ag-swap-shards", "shard ordering",
+            "GTP all-gather assembles the shards in reverse rank order",
+            {"step": 1, "kind": "materialized", "tensor": "embedding.word_embeddings.weight",
+             "signature": "permuted-blocks"},
+        ),
+        Fault(
+            "gtp-ln-grad-not-reduced", "missing reduction of a partial gradient",
+            "replicated (non-GTP) params' grads are not averaged over the GTP group in finalize",
+            {"step": 1, "kind": "main_grad", "tensor": "*", "signature": "replica-drift"},
+        ),
+        Fault(
+            "gtp-peers-same-sample", "misrouted data",
+            "GTP peers read the same micro-batch (every peer reads GTP rank 0's samples)",
+            {"step": 1, "kind": "input", "tensor": "sample_ids", "signature": "misrouted-samples"},
+        ),
+        Fault(
+            "gtp-pad-leak", "padding",
+            "pad rows of GTP main_grad shards receive gradient on the last GTP rank",
+            {"step": 1, "kind": "main_grad", "tensor": "*", "signature": "pad-rows"},
+        ),
+        Fault(
+            "optimizer-skips-weight", "stale or clobbered buffer",
+            "the optimizer update does not reach decoder.layers.0.mlp.linear_fc1.weight",
+            {"step": 1, "kind": "param", "tensor": "decoder.layers.0.mlp.linear_fc1.weight",
+             "signature": "stale-update"},
+        ),
+        Fault(
+            "loss-report-wrong-group", "loss reporting",
+            "the logged loss is averaged over the replicate-DP group, leaving out GTP peers",
+            {"step": 1, "kind": "scalar", "tensor": "reduced_loss", "signature": "loss-report-only"},
+        ),
+        Fault(
+            "grad-norm-double-count", "double counting",
+            "replicated params are counted on every GTP peer in the grad norm",
+            {"step": 1, "kind": "scalar", "tensor": "grad_norm", "signature": "grad-norm-only"},
+        ),
+        Fault(
+            "fp8-unreduced-amax", "precision loss",
+            "FP8 quantized all-gather of GTP weights (torch backend): each shard is quantized with "
+            "its own per-tensor amax, not the amax reduced over the GTP group, and the gathered "
+            "weight is decoded with the local scale (TE assumes the scales are equal)",
+            {"step": 1, "kind": "activation", "tensor": "decoder.layers.0.self_attention",
+             "signature": "precision-loss"},
+        ),
+    ]
+}
+
+
+# --- launcher self-test: a rank that dies or hangs (``exit:RANK:STEP``, ``hang:RANK:STEP``) ---
+
+RANK_FAULTS = ("exit", "hang", "raise")
+
+
+def check_name(name: str) -> str | None:
+    """None if ``name`` is a known fault, else why not."""
+    if name in CATALOG:
+        return None
+    parts = name.split(":")
+    if len(parts) == 3 and parts[0] in RANK_FAULTS and parts[1].isdigit() and parts[2].isdigit():
+        return None
+    return f"unknown fault {name!r}; known: {', '.join(CATALOG)}, or exit|hang|raise:RANK:STEP"
+
+
+# Faults that act on GTP's collectives, buffers or groups: on a side without GTP they never fire.
+_NEEDS_GTP = frozenset({"gtp-rs-no-prescale", "gtp-ag-swap-shards", "gtp-ln-grad-not-reduced",
+                        "gtp-peers-same-sample", "gtp-pad-leak", "loss-report-wrong-group",
+                        "grad-norm-double-count", "fp8-unreduced-amax"})  # fmt: skip
+# What the torch backend can plant (the others patch megatron-core's own functions).
+TORCH_FAULTS = frozenset({"fp8-unreduced-amax", "gtp-peers-same-sample", "gtp-pad-leak", "optimizer-skips-weight"})
+
+
+def check_reach(name: str, side) -> str | None:
+    """None if the (known) fault ``name`` can fire on ``side``, else why it never would: a
+    planted fault that cannot fire would make a clean run look like a caught fault's miss."""
+    parts = name.split(":")
+    if len(parts) == 3 and parts[0] in RANK_FAULTS:
+        rank, step = int(parts[1]), int(parts[2])
+        if rank >= side.world_size:
+            return f"{name!r} never fires: rank {rank} is not in 0..{side.world_size - 1} (world_size {side.world_size})"
+        if not 1 <= step <= side.steps:
+            return f"{name!r} never fires: step {step} is not in 1..{side.steps} (the side's steps)"
+        return None
+    if name in _NEEDS_GTP and side.gtp == 1:
+        return f"{name!r} never fires on a side without GTP (gtp = 1)"
+    if side.backend == "torch" and name not in TORCH_FAULTS:
+        return f"{name!r} is not implemented by the torch backend; it implements {sorted(TORCH_FAULTS)}"
+    return None

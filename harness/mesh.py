@@ -1,0 +1,97 @@
+"""The device mesh: which rank sits where on the TP x GTP x DP axes, and the groups they form.
+
+Ranks are ordered as megatron-core orders them for the dense decoder: TP fastest, then GTP,
+then DP (``parallel_state._inject_gtp_remat_axis`` turns the default ``tp-cp-ep-dp-pp`` into
+``tp-gtp_remat-cp-ep-dp-pp``; CP = EP = PP = 1 here), so ``rank = tp + TP * (gtp + G * dp)``.
+New axes (expert parallel, expert GTP, pipeline stage) belong here and nowhere else.
+Torch-free: traces, scenarios and process groups all read it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Axis(StrEnum):
+    TP = "tp"
+    """Tensor parallel."""
+    GTP = "gtp"
+    """GTP weight rematerialization (megatron-core's ``gtp_remat``): the group of size G."""
+    DP = "dp"
+    """Replicate data parallel: world / (TP * G)."""
+
+
+AXES = tuple(Axis)
+"""Every axis, fastest-varying first (the rank order)."""
+
+
+@dataclass(frozen=True)
+class Mesh:
+    tp: int = 1
+    gtp: int = 1
+    dp: int = 1
+
+    @classmethod
+    def of_world(cls, world_size: int, tp: int = 1, gtp: int = 1) -> Mesh:
+        """The mesh of ``world_size`` ranks with TP and G given (DP is what remains)."""
+        if world_size % (tp * gtp):
+            raise ValueError(f"world size {world_size} is not a multiple of TP x G = {tp * gtp}")
+        return cls(tp, gtp, world_size // (tp * gtp))
+
+    @classmethod
+    def of_side(cls, side) -> Mesh:
+        """The mesh of a scenario side (anything with ``world_size``, ``tp`` and ``gtp``)."""
+        return cls.of_world(side.world_size, side.tp, side.gtp)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.gtp * self.dp
+
+    def size(self, axis: str) -> int:
+        return getattr(self, Axis(axis).value)
+
+    def sizes(self) -> dict[str, int]:
+        """``{"tp": TP, "gtp": G, "dp": DP}``: the mesh as traces and layouts record it."""
+        return {a.value: self.size(a) for a in AXES}
+
+    def coord(self, rank: int) -> dict[str, int]:
+        """``rank``'s coordinate on every axis."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside a mesh of {self.world_size} ranks")
+        out = {}
+        for axis in AXES:
+            rank, out[axis.value] = divmod(rank, self.size(axis))
+        return out
+
+    def rank(self, coord: Mapping[str, int]) -> int:
+        """The rank at ``coord`` (an axis left out is coordinate 0)."""
+        rank, stride = 0, 1
+        for axis in AXES:
+            c = coord.get(axis.value, 0)
+            if not 0 <= c < self.size(axis):
+                raise ValueError(f"{axis.value} coordinate {c} is outside 0..{self.size(axis) - 1}")
+            rank += c * stride
+            stride *= self.size(axis)
+        return rank
+
+    def data_rank(self, rank: int) -> int:
+        """``rank``'s index among the ranks that read distinct samples (GTP x DP: GTP peers are
+        data ranks, TP peers read the same samples)."""
+        return rank // self.tp
+
+    def group(self, rank: int, *axes: str) -> list[int]:
+        """The ranks that differ from ``rank`` only on ``axes``, in rank order."""
+        return next(g for g in self.groups(*axes) if rank in g)
+
+    def groups(self, *axes: str) -> list[list[int]]:
+        """Every group spanning ``axes`` (the other axes fixed), each in rank order, listed by
+        first rank: the groups megatron-core's ``RankGenerator.get_ranks`` makes for them."""
+        varying = {Axis(a) for a in axes}
+        fixed = [a for a in AXES if a not in varying]
+        out: dict[tuple, list[int]] = {}
+        for rank in range(self.world_size):
+            c = self.coord(rank)
+            out.setdefault(tuple(c[a.value] for a in fixed), []).append(rank)
+        return list(out.values())

@@ -1,0 +1,25 @@
+"""Run-time patches of library attributes, undone together when a side finishes.
+
+One stack for the whole worker process: planted faults and the megatron backend's capture
+hooks both wrap megatron-core functions in place (installed files are never edited), and
+:func:`undo_all` puts every attribute back, newest first.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+_UNDO: list[Callable[[], None]] = []
+
+
+def patch(obj: Any, attr: str, value: Any) -> Any:
+    """Set ``obj.attr = value`` until :func:`undo_all`; returns the attribute replaced."""
+    old = getattr(obj, attr)
+    setattr(obj, attr, value)
+    _UNDO.append(lambda: setattr(obj, attr, old))
+    return old
+
+
+def undo_all() -> None:
+    while _UNDO:
+        _UNDO.pop()()
