@@ -3,8 +3,9 @@ run one training step, and record which weight every GEMM actually consumed.
 
 Everything numeric is megatron-core's own code (local layer spec, GTPShardedParam, DDP,
 ``finalize_model_grads``, the no-pipelining schedule); the CPU compatibility layer of the
-harness swaps only CUDA/TE plumbing. Nothing here changes what megatron-core computes: the
-recorder only reads tensors (clones them) around the calls it wraps.
+harness swaps only CUDA/TE plumbing. The recorder only reads tensors (clones them) around the
+calls it wraps; the two controls that do change behaviour are explicit sides of a run
+(``sync_gathers``, ``te_recompute_phase``).
 """
 
 from __future__ import annotations
