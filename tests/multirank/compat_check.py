@@ -13,6 +13,29 @@ from harness.data import coord, rank_sample_ids
 from harness.scenario import DataConfig, Side
 
 
+def _issue_order(group, n: int, rounds: int = 200) -> bool:
+    """Two async collectives into one output, issued back to back: the later one's result must
+    be what stays (a CUDA stream / NCCL communicator runs them in issue order); gloo alone
+    lets them finish in either order, and rewrites a reduce-scatter's output at every wait."""
+    rows = 1 << 12
+    gathered = torch.empty(rows * n)
+    scattered = torch.empty(rows)
+    ok = True
+    for _ in range(rounds):
+        handles = [compat.gather_along_first_dim(torch.full((rows,), float(v)), group, async_op=True,
+                                                 output_tensor=gathered)[1] for v in (1, 2)]
+        handles += [compat.reduce_scatter_along_first_dim(torch.full((rows * n,), float(v)), group,
+                                                          async_op=True, output=scattered)[1]
+                    for v in (1, 2)]  # fmt: skip
+        for h in reversed(handles):
+            h.wait()
+        scattered_once = bool(scattered.eq(2 * n).all())
+        for h in handles:  # waiting again (GTP and the ordering both may) must not rewrite
+            h.wait()
+        ok &= bool(gathered.eq(2).all()) and scattered_once and bool(scattered.eq(2 * n).all())
+    return ok
+
+
 def main(report_path):
     compat.install()
     dist.init_process_group("gloo")
@@ -38,6 +61,7 @@ def main(report_path):
         dist.all_reduce(full, group=group)
         me = members.index(rank)
         checks[f"reduce-scatter-{name}"] = torch.equal(rs, full.chunk(n)[me])
+        checks[f"issue-order-{name}"] = _issue_order(group, n)
         z = torch.full((3,), float(rank + 1))
         dist.all_reduce(z, op=dist.ReduceOp.AVG, group=group)
         checks[f"avg-{name}"] = torch.allclose(z, torch.full((3,), sum(m + 1 for m in members) / n))

@@ -71,6 +71,42 @@ _CURRENT_STREAM = _Stream()
 
 # --- the TE collectives GTP imports, on torch.distributed (signatures of TE's distributed.py) ---
 
+# On a GPU, GTP enqueues a chain's gathers on one side stream and NCCL runs one communicator's
+# collectives in issue order, so of two gathers into one buffer the later one's data stays.
+# Gloo differs twice: its worker threads may run two async collectives of one group at once
+# and finish them in either order (or interleave their writes), and an async reduce-scatter
+# writes its output inside wait(), again at every wait(). So each GTP collective starts only
+# after the previous one of its group has completed (the caller waits for that previous one,
+# never for the one it issues), and the handle GTP gets completes its work once.
+_IN_FLIGHT: dict[int, "_Once"] = {}
+
+
+class _Once:
+    """An async collective's handle whose wait() runs the underlying wait exactly once."""
+
+    def __init__(self, work):
+        self._work = work
+
+    def wait(self):
+        work, self._work = self._work, None
+        if work is not None:
+            work.wait()
+        return True
+
+
+def _after_previous(group) -> None:
+    previous = _IN_FLIGHT.pop(id(group), None)
+    if previous is not None:
+        previous.wait()
+
+
+def _issued(group, work):
+    if work is None:
+        return None
+    handle = _IN_FLIGHT[id(group)] = _Once(work)
+    return handle
+
+
 
 def gather_along_first_dim(
     inp, process_group, async_op=False, quantizer=None, output_tensor=None, external_coalescing=False
@@ -84,10 +120,11 @@ def gather_along_first_dim(
     world = dist.get_world_size(process_group)
     shape = (inp.shape[0] * world, *inp.shape[1:])
     out = output_tensor if output_tensor is not None else inp.new_empty(shape)
+    _after_previous(process_group)
     handle = dist.all_gather_into_tensor(
         out, inp.contiguous(), group=process_group, async_op=async_op
     )
-    return out, (handle if async_op else None)
+    return out, _issued(process_group, handle if async_op else None)
 
 
 def reduce_scatter_along_first_dim(inp, process_group, async_op=False, output=None):
@@ -95,10 +132,11 @@ def reduce_scatter_along_first_dim(inp, process_group, async_op=False, output=No
     world = dist.get_world_size(process_group)
     shape = (inp.shape[0] // world, *inp.shape[1:])
     out = output if output is not None else inp.new_empty(shape)
+    _after_previous(process_group)
     handle = dist.reduce_scatter_tensor(
         out, inp.contiguous(), op=dist.ReduceOp.SUM, group=process_group, async_op=async_op
     )
-    return out, (handle if async_op else None)
+    return out, _issued(process_group, handle if async_op else None)
 
 
 def get_dummy_wgrad(shape, dtype, zero=False):
@@ -277,3 +315,4 @@ def reset_gtp_state() -> None:
     gtp._RS_STREAMS.clear()
     gtp._wgrad_buf_pool.clear()
     gtp.GTP_CONFIG.__init__()
+    _IN_FLIGHT.clear()

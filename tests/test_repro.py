@@ -1,0 +1,114 @@
+"""The GTP reproducers in repro/ still show what repro/FINDINGS.md claims about megatron-core
+0.19.2: each runs real megatron-core on CPU ranks (gloo) and the claims are checked on every
+rank. A change in megatron-core (a fix) or in the CPU layer that alters them fails here."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.multirank
+
+QKV = "decoder.layers.{}.self_attention.linear_qkv.weight"
+FC1 = "decoder.layers.{}.mlp.linear_fc1.weight"
+FC2 = "decoder.layers.{}.mlp.linear_fc2.weight"
+
+
+def _run(script: str, sides: list[str], tmp: Path) -> list[dict]:
+    out = tmp / f"{Path(script).stem}.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "repro" / script), "--json", str(out), "--sides", ",".join(sides)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def _wrong(side: dict) -> set[tuple[str, str, str]]:
+    return {(g["phase"], g["param"], g["verdict"]) for g in side["wrong_gemms"]}
+
+
+def _consumed(phase: str, param: str, instead_of: str) -> tuple[str, str, str]:
+    return (phase, instead_of, f"consumed {param}'s weight instead of {instead_of}'s")
+
+
+@pytest.fixture(scope="module")
+def recompute(tmp_path_factory):
+    sides = ["gtp-off", "gtp2-prefetch-off", "gtp2-prefetch-on", "gtp2-prefetch-on-sync-gathers",
+             "gtp2-prefetch-on-te-phase-iter2"]  # fmt: skip
+    return _run("gtp_full_recompute_prefetch.py", sides, tmp_path_factory.mktemp("recompute"))
+
+
+def test_full_recompute_prefetch_off_is_bitwise_gtp_off(recompute):
+    # TP1: GTP's wgrad (x 1/2, exact) SUM-reduce-scattered equals DDP's (a + b) / 2 bit for bit.
+    for rank in recompute:
+        off, side = rank["gtp-off"], rank["gtp2-prefetch-off"]
+        assert side["loss"] == off["loss"] and side["first_grad_diff_vs_gtp-off"] is None
+        assert side["gemms"] > 0 and not side["wrong_gemms"]
+
+
+@pytest.mark.parametrize("label", ["gtp2-prefetch-on", "gtp2-prefetch-on-sync-gathers",
+                                   "gtp2-prefetch-on-te-phase-iter2"])  # fmt: skip
+def test_full_recompute_prefetch_on_recomputes_layer0_with_layer1_qkv(recompute, label):
+    # Forward untouched (loss bitwise); the recompute of layer 0 reads layer 1's gathered qkv
+    # weight, whether gathers overlap or not and on either recompute chain (fwd chain under
+    # tensor_parallel.checkpoint, recompute chain under TE's recompute phase, from its 2nd pass).
+    for rank in recompute:
+        side = rank[label]
+        assert side["loss"] == rank["gtp-off"]["loss"]
+        assert side["first_grad_diff_vs_gtp-off"] is not None
+        assert _wrong(side) == {_consumed("recompute", QKV.format(1), QKV.format(0))}
+
+
+@pytest.fixture(scope="module")
+def sequence_parallel(tmp_path_factory):
+    sides = ["gtp-off", "gtp2-prefetch-off", "gtp2-prefetch-on-sync-gathers",
+             "gtp2-prefetch-on-no-sp-sync-gathers"]  # fmt: skip
+    return _run("gtp_sequence_parallel_prefetch.py", sides, tmp_path_factory.mktemp("sp"))
+
+
+def test_sequence_parallel_prefetch_off_reads_every_weight_right(sequence_parallel):
+    for rank in sequence_parallel:
+        side = rank["gtp2-prefetch-off"]
+        assert side["loss"] == rank["gtp-off"]["loss"]
+        assert side["gemms"] > 0 and not side["wrong_gemms"]
+
+
+@pytest.mark.parametrize("label", ["gtp2-prefetch-on-sync-gathers",
+                                   "gtp2-prefetch-on-no-sp-sync-gathers"])  # fmt: skip
+def test_prefetch_of_same_shaped_fc2_lands_in_fc1s_buffer(sequence_parallel, label):
+    # Sequence parallel or not: fc1 and fc2 are both 128 x 128 at TP2, share one gather
+    # buffer, and fc1's own forward prefetch of fc2 overwrites the weight fc1 is about to read.
+    expected = {_consumed("forward", FC2.format(i), FC1.format(i)) for i in (0, 1)}
+    for rank in sequence_parallel:
+        side = rank[label]
+        assert _wrong(side) == expected
+        assert side["loss"] != rank["gtp-off"]["loss"]
+
+
+@pytest.fixture(scope="module")
+def per_token(tmp_path_factory):
+    sides = ["gtp-off", "gtp2-transformer-config-only", "gtp2-config-and-gtp-recipe"]
+    return _run("gtp_per_token_loss_config.py", sides, tmp_path_factory.mktemp("per-token"))
+
+
+def test_per_token_loss_on_transformer_config_alone_halves_gtp_wgrads(per_token):
+    # The pre-scale multiplies by 1/G = 1/2, exact in binary floating point, so the norm ratio
+    # (sums of squares in float64, sqrt) is exactly 0.5 on GTP-sharded weights, 1 elsewhere.
+    for rank in per_token:
+        side = rank["gtp2-transformer-config-only"]
+        assert side["gtp_config_per_token_loss"] is False
+        assert side["grad_ratio_vs_gtp_off"] == {"gtp_sharded": 0.5, "replicated": 1.0}
+        assert side["loss"] == rank["gtp-off"]["loss"]
+
+
+def test_per_token_loss_through_gtp_recipe_is_bitwise_gtp_off(per_token):
+    for rank in per_token:
+        side = rank["gtp2-config-and-gtp-recipe"]
+        assert side["gtp_config_per_token_loss"] is True
+        assert side["first_grad_diff_vs_gtp-off"] is None and not side["wrong_gemms"]
