@@ -107,6 +107,7 @@ class Capture:
         self._ids: tuple[int, ...] | None = None
         self._pending: dict[str, torch.Tensor] = {}
         self._entries: list[Entry] = []
+        self._recorded: set[tuple[int, str]] = set()
         self._scalars: list[dict] = []
         self._hooks = []
         self.info: dict = {}
@@ -133,6 +134,11 @@ class Capture:
         self.step = step
         self.progress("begin")
 
+    @property
+    def micro_batch_index(self) -> int | None:
+        """The micro-batch being recorded (None outside one)."""
+        return self._mb
+
     def micro_batch(self, index: int, sample_ids: Iterable[int]) -> None:
         """Tag what is captured next with this micro-batch and its global sample ids."""
         self._mb, self._ids = index, tuple(int(i) for i in sample_ids)
@@ -158,6 +164,9 @@ class Capture:
             return
         value = value.detach()
         key = tensor_key(kind, name, micro_batch)
+        if (step, key) in self._recorded:
+            raise RuntimeError(f"{key} recorded twice at step {step}: one tensor, one record")
+        self._recorded.add((step, key))
         entry = Entry(
             rank=self.rank, step=step, kind=kind, name=name, key=key, dtype=str(value.dtype),
             local_shape=tuple(value.shape), layout=layout, micro_batch=micro_batch,
@@ -244,6 +253,8 @@ class Capture:
             out = output[0] if isinstance(output, tuple) else output
             if self.step is None or self._mb is None or not self.wants(kind, name):
                 return
+            if torch._C._current_graph_task_id() != -1:
+                return  # activation recompute re-runs the forward inside backward: recorded once, at the forward
             value = out.detach().transpose(0, 1)
             shape = list(value.shape)
             placements = {}

@@ -42,6 +42,8 @@ SIGNATURES = {
                       "golden than the reference's noise floor allows: precision lost (e.g. an "
                       "amax not reduced, a reduction in lower precision)",
     "mismatch": "values differ beyond the policy with no recognised pattern",
+    "gemm-consumed-foreign-weight": "a GEMM consumed another parameter's weight: a GTP gather buffer "
+                                    "was reused before the GEMM read it",
 }
 
 _PHASE_OF_KIND = {
@@ -251,12 +253,36 @@ def summarize(df: pd.DataFrame, logical: dict, traces: dict, policy, recipe: str
     if sig.startswith("ratio") or sig in ("missing-gradient", "stale-update"):
         # A whole-tensor pattern: every rank holding the tensor shows it, not only the worst one.
         ranks = sorted(int(r) for r in traces["candidate"].coords())
+    explanation = SIGNATURES.get(sig, "")
+    if consumed := consumed_foreign(traces["candidate"], step):
+        # The weight a GEMM read was not its own: that explains whatever diverged after it.
+        sig, explanation = "gemm-consumed-foreign-weight", consumed["text"]
+        ranks = consumed["ranks"]
+        extra = {**extra, "consumed": consumed["events"]}
     doc.update(verdict="fail", first_divergence={
         "step": step, "phase": phase_of(kind, name), "kind": kind, "tensor": name,
-        "ranks": ranks, "region": region, "signature": sig, "explanation": SIGNATURES.get(sig, ""),
+        "ranks": ranks, "region": region, "signature": sig, "explanation": explanation,
         "metrics": metrics, **extra,
     })  # fmt: skip
     return doc
+
+
+def consumed_foreign(trace, step: int) -> dict | None:
+    """The candidate's first GEMMs (at or before ``step``) that consumed another parameter's
+    weight, as the megatron backend audits every GTP hand-out; None if none did."""
+    events = [{**e, "rank": int(r)} for r, info in trace.infos.items()
+              for e in info.get("consumed_foreign", []) if e.get("step") is not None and e["step"] <= step]
+    if not events:
+        return None
+    first_step = min(e["step"] for e in events)
+    first = [e for e in events if e["step"] == first_step]
+    pairs = sorted({(e["phase"], e["param"], e["consumed"]) for e in first})
+    text = "; ".join(
+        f"the {phase} GEMM of {param} consumed "
+        + ("a stale or partially gathered buffer" if other == "unknown" else f"{other}'s weight")
+        for phase, param, other in pairs
+    ) + f" (step {first_step}): a GTP gather buffer was reused before the GEMM read it"
+    return {"text": text, "ranks": sorted({e["rank"] for e in first}), "events": first[:16]}
 
 
 def _sample_readers(first: dict, cand, trace, step: int) -> tuple[list[int] | None, int | None]:

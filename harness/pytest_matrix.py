@@ -23,7 +23,7 @@ class ScenarioCase(pytest.Function):
 
 
 def _run_matrix_scenario(request, tmp_path_factory):
-    from harness.report.model import expectation_failures
+    from harness.report.model import divergence_line, expectation_failures
 
     state: ParityState = request.config.stash[STATE]
     item = request.node
@@ -39,5 +39,10 @@ def _run_matrix_scenario(request, tmp_path_factory):
         summary = execute(state, todo, out, report, parallel=1 if state.worker else 2)
         for s in summary["scenarios"]:
             state.matrix_runs[s["scenario"]] = s
-    if problems := expectation_failures({"scenarios": [state.matrix_runs[item.name]]}):
+    doc = state.matrix_runs[item.name]
+    if doc.get("verdict") == "known-divergence":  # diverged exactly as recorded: an expected failure
+        pytest.xfail(divergence_line(doc))
+    if doc.get("verdict") == "skip":
+        pytest.skip(doc.get("reason") or "skipped")
+    if problems := expectation_failures({"scenarios": [doc]}):
         pytest.fail("\n".join(problems), pytrace=False)

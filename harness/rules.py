@@ -9,8 +9,8 @@ from __future__ import annotations
 from harness.errors import BadInput
 from harness.fault_catalog import check_name, check_reach
 from harness.schema import (
-    BACKENDS, CAPTURE_KINDS, CAPTURE_MODES, LIMITS, LR_DECAY_STYLES, OPTIMIZERS, POLICIES, PRECISIONS,
-    RECIPE_NAMES, ModelConfig, Scenario, Side,
+    BACKENDS, CAPTURE_KINDS, CAPTURE_MODES, COLLECTIVES, LIMITS, LR_DECAY_STYLES, MEGATRON_PATH_OPTIONS,
+    OPTIMIZERS, PER_TOKEN_LOSSES, POLICIES, PRECISIONS, RECIPE_NAMES, RECOMPUTES, ModelConfig, Scenario, Side,
 )  # fmt: skip
 
 
@@ -29,10 +29,12 @@ def validate(s: Scenario, limits: bool = True) -> None:
         _validate_topology(s, name, side, where)
         _validate_recipe(s, side, where)
         _validate_faults(name, side, where)
+        _validate_paths(s, side, where)
         steps[name] = side.steps
     if len(set(steps.values())) != 1:
         raise BadInput(f"{s.source}: steps", f"every side must run the same number of steps, got {steps}")
     _validate_capture_compare(s)
+    _validate_expect(s)
 
 
 def _validate_model(s: Scenario) -> None:
@@ -158,6 +160,39 @@ def _validate_faults(name: str, side: Side, where: str) -> None:
             raise BadInput(f"{where}.inject", problem)
     if "fp8-unreduced-amax" in side.inject and (side.backend != "torch" or side.recipe == "none"):
         raise BadInput(f"{where}.inject", "fp8-unreduced-amax needs the torch backend with a recipe")
+
+
+# The Literal choices of the GTP path options (their types already refuse non-strings).
+_PATH_CHOICES = {"gtp_collectives": COLLECTIVES, "recompute": RECOMPUTES, "per_token_loss": PER_TOKEN_LOSSES}
+
+
+def _validate_paths(s: Scenario, side: Side, where: str) -> None:
+    """GTP's other code paths: the megatron backend's switches, with megatron-core's own guards."""
+    defaults = Side()
+    for key, choices in _PATH_CHOICES.items():
+        if getattr(side, key) not in choices:
+            raise BadInput(f"{where}.{key}", f"{getattr(side, key)!r}: one of {sorted(choices)}")
+    if side.backend != "megatron":
+        for key in MEGATRON_PATH_OPTIONS:
+            if getattr(side, key) != getattr(defaults, key):
+                raise BadInput(f"{where}.{key}", f"only the megatron backend takes this option (backend {side.backend!r})")
+    if side.bucket_size is not None and side.bucket_size < 1:
+        raise BadInput(f"{where}.bucket_size", f"must be >= 1 elements, got {side.bucket_size}")
+    if side.bucket_size is not None and not side.overlap_grad_reduce:
+        # megatron-core buckets only when it overlaps (DistributedDataParallel's bucket_size rule).
+        raise BadInput(f"{where}.bucket_size", "takes effect only with overlap_grad_reduce = true")
+
+
+def _validate_expect(s: Scenario) -> None:
+    e = s.expect
+    if e is None:
+        return
+    if e.verdict != "known-divergence":
+        raise BadInput(f"{s.source}: [expect].verdict", f"{e.verdict!r}: one of ['known-divergence']")
+    if not e.reason.strip():
+        raise BadInput(f"{s.source}: [expect].reason", "a known divergence states its root cause (file:function:line)")
+    if e.step is not None and not 1 <= e.step <= s.reference.steps:
+        raise BadInput(f"{s.source}: [expect].step", f"step {e.step} is not in 1..{s.reference.steps}")
 
 
 def _validate_capture_compare(s: Scenario) -> None:

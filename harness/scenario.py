@@ -24,8 +24,8 @@ from harness.matrix import expand_matrix, read_toml
 from harness.rules import parameter_count, validate
 # The schema's names are this module's vocabulary too: callers import them from here.
 from harness.schema import (  # noqa: F401
-    CAPTURE_KINDS, HARD_INT_LIMIT, LIMITS, POLICIES, TOP_KEYS, CapturePolicy, ComparePolicy, DataConfig,
-    ModelConfig, Scenario, Side, check_scenario_name,
+    CAPTURE_KINDS, HARD_INT_LIMIT, LIMITS, MEGATRON_PATH_OPTIONS, POLICIES, TOP_KEYS, CapturePolicy,
+    ComparePolicy, DataConfig, Expectation, ModelConfig, Scenario, Side, check_scenario_name,
 )  # fmt: skip
 
 
@@ -106,7 +106,8 @@ def parse_scenario(raw: dict, source: str, limits: bool = True) -> Scenario:
     for key in ("description",):
         if not isinstance(raw.get(key, ""), str):
             raise BadInput(f"{source}: {key}", f"must be a string, got {shown(raw[key])}")
-    for key in ("model", "data", "train", "reference", "candidate", "golden", "capture", "compare", "axes"):
+    for key in ("model", "data", "train", "reference", "candidate", "golden", "capture", "compare", "axes",
+                "expect"):
         if key in raw and not isinstance(raw[key], dict):
             raise BadInput(f"{source}: [{key}]", f"must be a table, got {shown(raw[key])}")
     for side in ("reference", "candidate"):
@@ -119,7 +120,8 @@ def parse_scenario(raw: dict, source: str, limits: bool = True) -> Scenario:
     # The golden side inherits training settings but not topology, precision or faults.
     golden_defaults = {"backend": "torch", "precision": "fp64", "world_size": 1, "tp": 1, "gtp": 1,
                        "recipe": "none"}
-    inherited = {k: v for k, v in train.items() if k not in {*golden_defaults, "dp", "inject"}}
+    inherited = {k: v for k, v in train.items()
+                 if k not in {*golden_defaults, "dp", "inject", *MEGATRON_PATH_OPTIONS}}  # fmt: skip
     sides = {
         "reference": {**train, **raw["reference"]},
         "candidate": {**train, **raw["candidate"]},
@@ -136,6 +138,7 @@ def parse_scenario(raw: dict, source: str, limits: bool = True) -> Scenario:
         data=data,
         capture=_build(CapturePolicy, raw.get("capture", {}), f"{source}: [capture]"),
         compare=_build(ComparePolicy, raw.get("compare", {}), f"{source}: [compare]"),
+        expect=_build(Expectation, raw["expect"], f"{source}: [expect]") if "expect" in raw else None,
         **sides,
     )
     validate(scenario, limits=limits)

@@ -28,6 +28,10 @@ DecayStyle = Literal["constant", "linear", "cosine"]
 CaptureKind = Literal["input", "activation", "logits", "loss", "param", "main_grad", "optimizer", "scalar"]
 CaptureMode = Literal["full", "fingerprint"]
 PolicyName = Literal["exact", "dtype", "noise-floor"]
+Recompute = Literal["none", "selective", "full"]
+PerTokenLoss = Literal["none", "transformer-config", "both"]
+Collectives = Literal["async", "eager"]
+Expected = Literal["known-divergence"]
 
 BACKENDS = frozenset(get_args(Backend))
 PRECISIONS = {"megatron": frozenset({"fp32", "bf16"}), "torch": frozenset(get_args(Precision))}
@@ -37,11 +41,14 @@ LR_DECAY_STYLES = frozenset(get_args(DecayStyle))
 CAPTURE_KINDS = frozenset(get_args(CaptureKind))
 CAPTURE_MODES = frozenset(get_args(CaptureMode))
 POLICIES = frozenset(get_args(PolicyName))
+RECOMPUTES = frozenset(get_args(Recompute))
+PER_TOKEN_LOSSES = frozenset(get_args(PerTokenLoss))
+COLLECTIVES = frozenset(get_args(Collectives))
 
 # The top-level keys of a scenario file (a matrix file adds [matrix]).
 TOP_KEYS = frozenset({
     "name", "description", "timeout_s", "model", "data", "train", "reference", "candidate",
-    "golden", "capture", "compare", "axes",
+    "golden", "capture", "compare", "axes", "expect",
 })  # fmt: skip
 # Any integer beyond this is a typo or an attack whatever the machine (sizes, seeds, steps).
 HARD_INT_LIMIT = 2**31
@@ -149,6 +156,25 @@ class Side:
     adam_eps: float = 1e-8
     sgd_momentum: float = 0.0
     """SGD momentum (0: plain SGD, which exposes gradient scaling faults)."""
+    # --- GTP's other code paths (megatron backend; the golden does not inherit them) ---
+    gtp_weight_prefetch: bool = True
+    """GTP's weight prefetch chains (megatron-core's default): ``update_gtp_config(weight_prefetch=)``."""
+    gtp_collectives: Collectives = "async"
+    """``async``: GTP's collectives overlap compute as megatron-core issues them; ``eager``: each
+    completes when it is issued, the schedule of a communication stream running ahead of the
+    GEMMs, which makes a GEMM that reads a reused gather buffer read it deterministically."""
+    recompute: Recompute = "none"
+    """Activation recompute: ``selective`` (core attention) or ``full`` (uniform, one layer per
+    checkpoint): TransformerConfig ``recompute_granularity`` / ``recompute_method``."""
+    per_token_loss: PerTokenLoss = "none"
+    """Loss summed over tokens and normalized by the global token count:
+    ``transformer-config`` sets TransformerConfig ``calculate_per_token_loss`` alone (as a user
+    of the API would); ``both`` also ``configure_gtp_remat_from_recipe(calculate_per_token_loss=)``
+    (as Megatron-LM's arguments do)."""
+    overlap_grad_reduce: bool = False
+    """DDP overlaps its grad reduce-scatters / all-reduces with backward (bucketed)."""
+    bucket_size: int | None = None
+    """DDP bucket size in elements (small: several buckets); None: megatron-core's default."""
     inject: tuple[str, ...] = ()
     """Planted faults (names from ``gtp-parity inject --list``), for the harness's self-test."""
 
@@ -210,6 +236,28 @@ class ComparePolicy:
         return self.k_first_step if step == 1 and self.k_first_step is not None else self.k
 
 
+# Keys of a side that only the megatron backend reads; the golden side does not inherit them.
+MEGATRON_PATH_OPTIONS = ("gtp_weight_prefetch", "gtp_collectives", "recompute", "per_token_loss",
+                         "overlap_grad_reduce", "bucket_size")  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Expectation:
+    """A divergence the scenario is known to show: megatron-core's, with its root cause.
+
+    A matching failure is reported as ``known-divergence`` (its own verdict, never a pass, and
+    no failing exit code); a scenario that passes, or fails differently, fails: the gate is on
+    the divergence changing, not on it existing."""
+
+    verdict: Expected = "known-divergence"
+    reason: str = ""
+    """The root cause (file:function:line), shown in the report."""
+    signature: str | None = None
+    """The first divergence's signature it must have (None: any)."""
+    step: int | None = None
+    """The step of the first divergence it must have (None: any)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Scenario:
     """A reference and a candidate, measured against a golden, on one model and data."""
@@ -227,6 +275,8 @@ class Scenario:
     timeout_s: float = 600.0
     axes: dict = field(default_factory=dict)
     """Matrix axis -> value label this scenario was expanded with (empty outside a matrix)."""
+    expect: Expectation | None = None
+    """A known divergence (``[expect]``), or None: parity is expected."""
 
     @property
     def sides(self) -> dict[str, Side]:

@@ -54,11 +54,12 @@ def junit_tree(doc: dict, suite: str = "gtp-parity", run_name: str = "run") -> E
     classname = _classname(scenarios, run_name)
     failures = sum(s.get("verdict") == "fail" for s in scenarios)
     errors = sum(s.get("verdict") == "error" for s in scenarios)
+    skipped = sum(s.get("verdict") in ("skip", "known-divergence") for s in scenarios)
     root = ET.Element(
         "testsuites", name=suite, tests=str(len(scenarios)), failures=str(failures), errors=str(errors)
     )
     ts = ET.SubElement(root, "testsuite", name=suite, tests=str(len(scenarios)), failures=str(failures),
-                       errors=str(errors), skipped="0")  # fmt: skip
+                       errors=str(errors), skipped=str(skipped))  # fmt: skip
     for s in scenarios:
         case = ET.SubElement(ts, "testcase", classname=classname, name=_clean(s.get("scenario", "?")))
         axes = s.get("axes") or {}
@@ -72,6 +73,10 @@ def junit_tree(doc: dict, suite: str = "gtp-parity", run_name: str = "run") -> E
                 case, "failure", message=_clean(divergence_line(s)), type=_clean(fd.get("signature", ""))
             )
             el.text = _clean(_details(s))
+        elif s.get("verdict") in ("skip", "known-divergence"):
+            # A known divergence is not a pass: reported like an expected failure, with its cause.
+            el = ET.SubElement(case, "skipped", type=str(s["verdict"]), message=_clean(divergence_line(s)))
+            el.text = _clean((s.get("expect") or {}).get("reason", "") or s.get("reason", "") or "")
         elif s.get("verdict") != "pass":
             el = ET.SubElement(case, "error", message=_clean(divergence_line(s)), type="run-failed")
             el.text = _clean("\n\n".join(f"{role}:\n{msg}" for role, msg in (s.get("error") or {}).items()))

@@ -93,7 +93,7 @@ def render_index(title: str, cells: list[IndexCell], verdict: str) -> str:
             verdict_here = _worst(here) if here else ""
             tds.append(f'<td class="{esc(verdict_here)}">{"".join(map(_link, here))}</td>')
         body.append(f'<tr><td class="t">{esc(r)}</td>{"".join(tds)}</tr>')
-    counts = {v: sum(c.verdict == v for c in cells) for v in ("pass", "fail", "error")}
+    counts = {v: sum(c.verdict == v for c in cells) for v in ("pass", "known-divergence", "fail", "error", "skip")}
     summary = ", ".join(f"{n} {v}" for v, n in counts.items() if n)
     listing = "".join(
         f'<tr class="{esc(c.verdict)}"><td class="t"><a href="{esc(c.href)}">{esc(c.label)}</a></td>'
@@ -120,7 +120,10 @@ def _link(c: IndexCell) -> str:
 
 def _worst(cells: list[IndexCell]) -> str:
     verdicts = {c.verdict for c in cells}
-    return "error" if "error" in verdicts else "fail" if "fail" in verdicts else "pass"
+    for v in ("error", "fail", "known-divergence", "pass"):
+        if v in verdicts:
+            return v
+    return "skip"
 
 
 def write_scenario_page(scenario_dir: Path, out_html: Path) -> Path:

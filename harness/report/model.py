@@ -142,12 +142,22 @@ def divergence_line(summary: ScenarioSummary | dict) -> str:
         text = "; ".join(f"{role}: {' '.join(str(msg).split())}" for role, msg in s.error.items())
         return f"{s.scenario}: run failed: {text or 'no error message recorded'}"
     fd = s.first_divergence
+    if s.verdict == "skip":
+        return f"{s.scenario}: skipped: {s.reason or 'no reason recorded'}"
     if fd is None:
-        return f"{s.scenario}: parity holds"
+        return f"{s.scenario}: parity holds" + (f" ({s.expectation})" if s.expectation else "")
+    if s.expectation:
+        return f"{s.scenario}: {s.expectation}; " + _first_divergence_text(s, fd)
+    if s.verdict == "known-divergence":
+        return f"{s.scenario}: known divergence: " + _first_divergence_text(s, fd)
+    return _first_divergence_text(s, fd, prefix=f"{s.scenario}: ")
+
+
+def _first_divergence_text(s: ScenarioSummary, fd: FirstDivergence, prefix: str = "") -> str:
     where = region_text(fd)
     detail = ", ".join(f"{k} {fmt(fd.metrics[k])}" for k in ("max_abs", "max_rel", "bound") if k in fd.metrics)
     return (
-        f"{s.scenario}: first divergence at step {fd.step} {fd.phase} {fd.kind} {fd.tensor}"
+        f"{prefix}first divergence at step {fd.step} {fd.phase} {fd.kind} {fd.tensor}"
         + (f" on ranks {fd.ranks}" if fd.ranks else "") + (f" [{where}]" if where else "")
         + f": {fd.signature} ({fd.explanation or 'no explanation'})"
         + (f"; {detail}" if detail else "")
@@ -178,6 +188,12 @@ def verdict_line(data: ScenarioData) -> str:
         failing = "?" if s.failing is None else s.failing
         return (f"FAIL: {failing} of {total} comparisons fail; the first is step "
                 f"{fd.step} {fd.phase} {fd.tensor} ({fd.signature})")  # fmt: skip
+    if data.verdict == "known-divergence":
+        fd = s.first_divergence or FirstDivergence()
+        return (f"KNOWN DIVERGENCE: step {fd.step} {fd.phase} {fd.tensor} ({fd.signature}), as recorded: "
+                f"{(s.expect or {}).get('reason', '')}")  # fmt: skip
+    if data.verdict == "skip":
+        return f"SKIP: {s.reason or 'not run'}"
     return f"ERROR: a run failed ({', '.join(s.error) or 'unknown side'}); nothing was compared"
 
 

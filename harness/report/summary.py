@@ -72,7 +72,7 @@ class FirstDivergence:
 class ScenarioSummary:
     scenario: str = "?"
     verdict: str = "error"
-    """pass, fail, error (a run failed) or skip."""
+    """pass, fail, known-divergence (failed as ``expect`` records), error (a run failed) or skip."""
     first_divergence: FirstDivergence | None = None
     checked: dict[str, int] = field(default_factory=dict)
     """Comparisons per kind."""
@@ -86,6 +86,10 @@ class ScenarioSummary:
     axes: dict[str, str] = field(default_factory=dict)
     config: dict = field(default_factory=dict)
     traces: dict[str, str] = field(default_factory=dict)
+    expect: dict | None = None
+    """The scenario's known divergence (reason, signature, step), if it records one."""
+    expectation: str | None = None
+    """Why a scenario with a known divergence failed anyway."""
 
     @classmethod
     def from_json(cls, doc: dict) -> ScenarioSummary:

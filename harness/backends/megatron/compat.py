@@ -100,9 +100,24 @@ def _after_previous(group) -> None:
         previous.wait()
 
 
+# Eager: each GTP collective completes before its call returns (a scenario's
+# ``gtp_collectives = "eager"``): the order of a GPU whose communication stream runs ahead of
+# the GEMMs, under which a GEMM reading a gather buffer that a later prefetch reuses reads the
+# later weight every time instead of when gloo's timing happens to allow it.
+_EAGER = False
+
+
+def set_eager_collectives(on: bool) -> None:
+    global _EAGER
+    _EAGER = bool(on)
+
+
 def _issued(group, work):
     if work is None:
         return None
+    if _EAGER:
+        work.wait()
+        return _Done()
     handle = _IN_FLIGHT[id(group)] = _Once(work)
     return handle
 

@@ -51,8 +51,12 @@ def _build(job: Job):
     model_parallel_cuda_manual_seed(side.seed)
     torch.manual_seed(side.seed)
     if side.gtp > 1:
-        gtp_api.configure_gtp_remat_from_recipe()
-        gtp_impl.update_gtp_config(pad_for_alignment=side.gtp_pad_alignment)
+        # Megatron-LM passes --calculate-per-token-loss here too; a user of the API may not
+        # (per_token_loss = "transformer-config"): GTP then keeps its 1/G wgrad pre-scale.
+        gtp_api.configure_gtp_remat_from_recipe(calculate_per_token_loss=side.per_token_loss == "both")
+        gtp_impl.update_gtp_config(pad_for_alignment=side.gtp_pad_alignment,
+                                   weight_prefetch=side.gtp_weight_prefetch)  # fmt: skip
+    compat.set_eager_collectives(side.gtp_collectives == "eager")
     bf16 = side.precision == "bf16"
     config = TransformerConfig(
         num_layers=m.num_layers,
@@ -73,6 +77,8 @@ def _build(job: Job):
         pipeline_dtype=DTYPES[side.precision],
         init_method_std=m.init_std,
         deterministic_mode=True,
+        calculate_per_token_loss=side.per_token_loss != "none",
+        **_RECOMPUTE[side.recompute],
     )
     model = GPTModel(
         config=config,
@@ -87,11 +93,23 @@ def _build(job: Job):
     _load_canonical(model, job, mesh, coord)
     if bf16:
         model = Float16Module(config, model)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=side.overlap_grad_reduce,
+                                               bucket_size=side.bucket_size)  # fmt: skip
     ddp = DistributedDataParallel(config, ddp_config, model)
+    if side.overlap_grad_reduce:  # as Megatron-LM's train() wires an overlapping DDP
+        config.no_sync_func = ddp.no_sync
+        config.grad_sync_func = ddp.start_grad_sync
     if side.gtp > 1:
         gtp_api.classify_gtp_remat_chains(ddp)
     return config, ddp, mesh, coord
+
+
+# TransformerConfig's recompute settings per scenario choice (full: one layer per checkpoint).
+_RECOMPUTE = {
+    "none": {},
+    "selective": {"recompute_granularity": "selective"},
+    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+}
 
 
 def _load_canonical(model, job: Job, mesh: dict, coord: dict) -> None:
@@ -174,6 +192,7 @@ def run(job: Job, cap: Capture) -> None:
         opt, scheduler = _optimizer(job, ddp)
         _train(job, cap, config, ddp, opt, scheduler, mesh, get_forward_backward_func(), finalize_model_grads)
     finally:
+        compat.set_eager_collectives(False)
         faults.uninstall()  # the faults' patches and the gather recorder's
         ps.destroy_model_parallel()
         compat.reset_gtp_state()
@@ -227,7 +246,9 @@ class _MegatronStep:
         direct = [] if gtp_on else [(n, p) for n, p in rec.named if _GTP_SHARDABLE(n)]
         self.materialized = Materialized(rec.cap, {n: gathered(l) for n, l in rec.layouts.items()}, direct)
         if gtp_on:
-            record_gathers(rec.named, self.materialized.record)
+            events = rec.cap.info.setdefault("consumed_foreign", [])
+            record_gathers(rec.named, self.materialized.record, events,
+                           lambda: {"step": rec.cap.step, "micro_batch": rec.cap.micro_batch_index})  # fmt: skip
 
     def begin(self, step: int) -> None:
         self.materialized.begin_step()
