@@ -147,7 +147,8 @@ def _check_padding(trace, key, by_rank, layout, coords, out: Logical) -> None:
 
 
 def _assemble_samples(trace, key, entries, coords, out: Logical) -> None:
-    """Per sample id: concatenate the TP shards (vocab-parallel logits) or take TP rank 0."""
+    """Per sample id: concatenate the TP shards (vocab-parallel logits, sequence-parallel
+    activations) or take TP rank 0."""
     per_sample: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)
     for e in entries:
         t = trace.tensor(e)
@@ -156,14 +157,17 @@ def _assemble_samples(trace, key, entries, coords, out: Logical) -> None:
             # A sample read by several data ranks (a routing fault) keeps the first reading.
             per_sample[sid].setdefault(tp, t[i])
     layout = entries[0].layout
-    sharded = layout is not None and isinstance(layout.placement("tp"), Shard)
+    placement = layout.placement("tp") if layout is not None else None
+    sharded = isinstance(placement, Shard)
     tp_size = layout.mesh.get("tp", 1) if layout is not None else 1
     result = {}
     for sid, parts in per_sample.items():
         if sharded and tp_size > 1:
             if len(parts) != tp_size:
                 raise BadInput(str(trace.path), f"{key[2]} step {key[0]}: sample {sid} lacks TP shards")
-            result[sid] = torch.cat([parts[i] for i in range(tp_size)], dim=-1)
+            # One sample drops the batch dim: the vocab (logits) or sequence (SP) shards join
+            # along the placement's dim less one.
+            result[sid] = torch.cat([parts[i] for i in range(tp_size)], dim=placement.dim - 1)
         else:
             result[sid] = parts[min(parts)]
     out.samples[key] = result

@@ -237,18 +237,20 @@ class Capture:
 
     # --- activations through forward hooks ---
 
-    def attach(self, modules: Mapping[str, torch.nn.Module], *, vocab_parallel: Iterable[str] = ()) -> None:
+    def attach(self, modules: Mapping[str, torch.nn.Module], *, vocab_parallel: Iterable[str] = (),
+               sequence_parallel: bool = False) -> None:  # fmt: skip
         """Capture each module's output, [s, b, ...] stored as [b, s, ...].
 
         Outputs of modules named in ``vocab_parallel`` are TP-sharded on their last dim
-        (the logits); all other outputs are replicated across TP (no sequence parallelism).
+        (the logits); the others are replicated across TP, or, under ``sequence_parallel``,
+        TP-sharded along the sequence.
         """
         vocab_parallel = set(vocab_parallel)
         for name, module in modules.items():
             kind = "logits" if name in vocab_parallel else "activation"
-            self._hooks.append(module.register_forward_hook(self._hook(kind, name)))
+            self._hooks.append(module.register_forward_hook(self._hook(kind, name, sequence_parallel)))
 
-    def _hook(self, kind: str, name: str):
+    def _hook(self, kind: str, name: str, sequence_parallel: bool = False):
         def hook(module, args, output):
             out = output[0] if isinstance(output, tuple) else output
             if self.step is None or self._mb is None or not self.wants(kind, name):
@@ -261,6 +263,9 @@ class Capture:
             if kind == "logits" and self.mesh.get("tp", 1) > 1:
                 placements["tp"] = Shard(value.dim() - 1)
                 shape[-1] *= self.mesh["tp"]
+            elif sequence_parallel and self.mesh.get("tp", 1) > 1:
+                placements["tp"] = Shard(1)  # [b, s/TP, ...]
+                shape[1] *= self.mesh["tp"]
             layout = Layout(tuple(shape), {"tp": self.mesh.get("tp", 1)}, placements or {"tp": Replicate()})
             self.tensor(kind, name, value, layout=layout, micro_batch=self._mb, sample_ids=self._ids)
 

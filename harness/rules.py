@@ -176,6 +176,10 @@ def _validate_paths(s: Scenario, side: Side, where: str) -> None:
         for key in MEGATRON_PATH_OPTIONS:
             if getattr(side, key) != getattr(defaults, key):
                 raise BadInput(f"{where}.{key}", f"only the megatron backend takes this option (backend {side.backend!r})")
+    if side.sequence_parallel and side.tp == 1:
+        raise BadInput(f"{where}.sequence_parallel", "needs TP > 1 (it shards the sequence over TP)")
+    if side.sequence_parallel and s.model.seq_length * s.data.micro_batch_size % side.tp:
+        raise BadInput(f"{where}.sequence_parallel", f"TP {side.tp} must divide the sequence length {s.model.seq_length}")
     if side.bucket_size is not None and side.bucket_size < 1:
         raise BadInput(f"{where}.bucket_size", f"must be >= 1 elements, got {side.bucket_size}")
     if side.bucket_size is not None and not side.overlap_grad_reduce:

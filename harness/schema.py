@@ -171,6 +171,9 @@ class Side:
     ``transformer-config`` sets TransformerConfig ``calculate_per_token_loss`` alone (as a user
     of the API would); ``both`` also ``configure_gtp_remat_from_recipe(calculate_per_token_loss=)``
     (as Megatron-LM's arguments do)."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism (TP > 1): activations outside the TP regions are sharded
+    over TP along the sequence; LayerNorm grads are all-reduced over TP in finalize."""
     overlap_grad_reduce: bool = False
     """DDP overlaps its grad reduce-scatters / all-reduces with backward (bucketed)."""
     bucket_size: int | None = None
@@ -238,7 +241,7 @@ class ComparePolicy:
 
 # Keys of a side that only the megatron backend reads; the golden side does not inherit them.
 MEGATRON_PATH_OPTIONS = ("gtp_weight_prefetch", "gtp_collectives", "recompute", "per_token_loss",
-                         "overlap_grad_reduce", "bucket_size")  # fmt: skip
+                         "sequence_parallel", "overlap_grad_reduce", "bucket_size")  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

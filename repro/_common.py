@@ -96,25 +96,11 @@ def _rank_main(rank, world, tmp, fn, args):
 
 
 def _norm_without_sp_assert():
-    """megatron-core's torch LayerNorm refuses sequence parallel; LayerNorm is per token, so
-    build it from a config copy with SP off and tag its params ``sequence_parallel`` (then
-    ``finalize_model_grads`` SUM-reduces their grads over TP, as for TE's LayerNorm)."""
-    from megatron.core.transformer import torch_norm
+    """megatron-core's torch LayerNorm under sequence parallel: the compat layer's stand-in."""
+    from harness.patching import undo_all
 
-    original = torch_norm.WrappedTorchNorm.__new__
-
-    def new(cls, config, hidden_size, eps=1e-5, **kw):
-        if not config.sequence_parallel:
-            return original(cls, config, hidden_size, eps, **kw)
-        plain = copy.copy(config)
-        plain.sequence_parallel = False
-        norm = original(cls, plain, hidden_size, eps, **kw)
-        for p in norm.parameters():
-            p.sequence_parallel = True
-        return norm
-
-    torch_norm.WrappedTorchNorm.__new__ = staticmethod(new)
-    return lambda: setattr(torch_norm.WrappedTorchNorm, "__new__", staticmethod(original))
+    compat.layer_norm_for_sequence_parallel()
+    return undo_all
 
 
 def build(run: Run):

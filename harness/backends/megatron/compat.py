@@ -331,3 +331,30 @@ def reset_gtp_state() -> None:
     gtp._wgrad_buf_pool.clear()
     gtp.GTP_CONFIG.__init__()
     _IN_FLIGHT.clear()
+
+
+def layer_norm_for_sequence_parallel() -> None:
+    """Let the local spec's torch LayerNorm run under sequence parallelism (until the side's
+    patches are undone). megatron-core's ``WrappedTorchNorm`` refuses SP only because TE's
+    norm is the one that tags its params; LayerNorm is per token, so it is built from a config
+    copy with SP off and its params are tagged ``sequence_parallel``, after which
+    ``finalize_model_grads`` all-reduces their grads over TP as it does for TE's LayerNorm."""
+    import copy
+
+    from megatron.core.transformer import torch_norm
+
+    from harness.patching import patch
+
+    original = torch_norm.WrappedTorchNorm.__new__
+
+    def new(cls, config, hidden_size, eps=1e-5, **kw):
+        if not config.sequence_parallel:
+            return original(cls, config, hidden_size, eps, **kw)
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = original(cls, plain, hidden_size, eps, **kw)
+        for p in norm.parameters():
+            p.sequence_parallel = True
+        return norm
+
+    patch(torch_norm.WrappedTorchNorm, "__new__", staticmethod(new))

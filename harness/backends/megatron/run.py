@@ -57,6 +57,8 @@ def _build(job: Job):
         gtp_impl.update_gtp_config(pad_for_alignment=side.gtp_pad_alignment,
                                    weight_prefetch=side.gtp_weight_prefetch)  # fmt: skip
     compat.set_eager_collectives(side.gtp_collectives == "eager")
+    if side.sequence_parallel:
+        compat.layer_norm_for_sequence_parallel()
     bf16 = side.precision == "bf16"
     config = TransformerConfig(
         num_layers=m.num_layers,
@@ -78,6 +80,7 @@ def _build(job: Job):
         init_method_std=m.init_std,
         deterministic_mode=True,
         calculate_per_token_loss=side.per_token_loss != "none",
+        sequence_parallel=side.sequence_parallel,
         **_RECOMPUTE[side.recompute],
     )
     model = GPTModel(
@@ -206,7 +209,7 @@ def _train(job, cap, config, ddp, opt, scheduler, mesh, forward_backward, finali
     layouts = {canonical_name(n): from_mcore_param(p, mesh) for n, p in ddp.named_parameters()}
     named = [(canonical_name(n), p) for n, p in ddp.named_parameters()]
     inner = ddp.module.module if side.precision == "bf16" else ddp.module
-    cap.attach(captured_modules(inner), vocab_parallel=["output_layer"])
+    cap.attach(captured_modules(inner), vocab_parallel=["output_layer"], sequence_parallel=side.sequence_parallel)
     cap.info["gtp_params"] = {n: getattr(p, "chain_id", None) for n, p in named
                               if getattr(p, "is_gtp_weight_remat", False)}  # fmt: skip
     cap.info["data_parallel_rank"] = ps.get_data_parallel_rank()
