@@ -64,6 +64,18 @@ CATALOG: dict[str, Fault] = {
             {"step": 1, "kind": "scalar", "tensor": "grad_norm", "signature": "grad-norm-only"},
         ),
         Fault(
+            "gtp-prescale-under-per-token-loss", "gradient mean vs sum",
+            "GTP pre-scales its wgrads by 1/G although the loss is per-token (the GTP axis then sums "
+            "like the DP axis): GTP weights get 1/G of their gradient",
+            {"step": 1, "kind": "main_grad", "tensor": "*.weight", "signature": "ratio-1/G"},
+        ),
+        Fault(
+            "microbatch-grad-overwrite", "stale or clobbered buffer",
+            "each micro-batch's gradient overwrites main_grad instead of adding to it: only the "
+            "step's last micro-batch counts",
+            {"step": 1, "kind": "main_grad", "tensor": "*", "signature": "mismatch"},
+        ),
+        Fault(
             "fp8-unreduced-amax", "precision loss",
             "FP8 quantized all-gather of GTP weights (torch backend): each shard is quantized with "
             "its own per-tensor amax, not the amax reduced over the GTP group, and the gathered "
@@ -93,14 +105,16 @@ def check_name(name: str) -> str | None:
 # Faults that act on GTP's collectives, buffers or groups: on a side without GTP they never fire.
 _NEEDS_GTP = frozenset({"gtp-rs-no-prescale", "gtp-ag-swap-shards", "gtp-ln-grad-not-reduced",
                         "gtp-peers-same-sample", "gtp-pad-leak", "loss-report-wrong-group",
-                        "grad-norm-double-count", "fp8-unreduced-amax"})  # fmt: skip
+                        "grad-norm-double-count", "fp8-unreduced-amax",
+                        "gtp-prescale-under-per-token-loss"})  # fmt: skip
 # What the torch backend can plant (the others patch megatron-core's own functions).
 TORCH_FAULTS = frozenset({"fp8-unreduced-amax", "gtp-peers-same-sample", "gtp-pad-leak", "optimizer-skips-weight"})
 
 
-def check_reach(name: str, side) -> str | None:
-    """None if the (known) fault ``name`` can fire on ``side``, else why it never would: a
-    planted fault that cannot fire would make a clean run look like a caught fault's miss."""
+def check_reach(name: str, side, data=None) -> str | None:
+    """None if the (known) fault ``name`` can fire on ``side`` (reading ``data``), else why it
+    never would: a planted fault that cannot fire would make a clean run look like a caught
+    fault's miss."""
     parts = name.split(":")
     if len(parts) == 3 and parts[0] in RANK_FAULTS:
         rank, step = int(parts[1]), int(parts[2])
@@ -111,6 +125,10 @@ def check_reach(name: str, side) -> str | None:
         return None
     if name in _NEEDS_GTP and side.gtp == 1:
         return f"{name!r} never fires on a side without GTP (gtp = 1)"
+    if name == "gtp-prescale-under-per-token-loss" and side.per_token_loss != "both":
+        return f"{name!r} never fires unless GTP is told the loss is per-token (per_token_loss = \"both\")"
+    if name == "microbatch-grad-overwrite" and data is not None and side.num_microbatches(data) < 2:
+        return f"{name!r} never fires with one micro-batch per step"
     if side.backend == "torch" and name not in TORCH_FAULTS:
         return f"{name!r} is not implemented by the torch backend; it implements {sorted(TORCH_FAULTS)}"
     return None

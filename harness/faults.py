@@ -84,7 +84,13 @@ def _double_count_norm(ctx: Context) -> None:
 
 
 # How each fault that patches megatron-core is planted (the others act through the hooks below).
+def _prescale_under_per_token_loss(ctx: Context) -> None:
+    # What a configuration that reaches TransformerConfig but not GTP's own config does.
+    patch(_gtp().GTP_CONFIG, "calculate_per_token_loss", False)
+
+
 INSTALLERS: dict[str, Callable[[Context], None]] = {
+    "gtp-prescale-under-per-token-loss": _prescale_under_per_token_loss,
     "gtp-rs-no-prescale": _no_prescale,
     "gtp-ag-swap-shards": _swap_gather,
     "gtp-ln-grad-not-reduced": _skip_gtp_replicated_reduce,
@@ -121,6 +127,14 @@ def route_samples(ctx: Context, step: int, ids: list[list[int]]) -> list[list[in
 
 def _data(ctx: Context):
     return ctx.saved["data"]
+
+
+def before_micro_batch(ctx: Context, index: int) -> None:
+    """Called before each micro-batch's forward (the previous one's backward is done)."""
+    if "microbatch-grad-overwrite" in ctx.active and index > 0:
+        for _, p in ctx.named_params:
+            if getattr(p, "main_grad", None) is not None:
+                p.main_grad.zero_()
 
 
 def after_finalize(ctx: Context) -> None:

@@ -28,7 +28,7 @@ def validate(s: Scenario, limits: bool = True) -> None:
         _validate_training(side, where)
         _validate_topology(s, name, side, where)
         _validate_recipe(s, side, where)
-        _validate_faults(name, side, where)
+        _validate_faults(name, side, where, s.data)
         _validate_paths(s, side, where)
         steps[name] = side.steps
     if len(set(steps.values())) != 1:
@@ -152,11 +152,11 @@ def _validate_recipe(s: Scenario, side: Side, where: str) -> None:
         raise BadInput(f"{where}.gtp_pad_alignment", f"{side.recipe} needs GTP shards aligned to its {block}-row blocks")
 
 
-def _validate_faults(name: str, side: Side, where: str) -> None:
+def _validate_faults(name: str, side: Side, where: str, data=None) -> None:
     if name == "golden" and side.inject:
         raise BadInput(f"{where}.inject", "faults are planted in the reference or candidate, not the golden")
     for fault in side.inject:
-        if (problem := check_name(fault) or check_reach(fault, side)) is not None:
+        if (problem := check_name(fault) or check_reach(fault, side, data)) is not None:
             raise BadInput(f"{where}.inject", problem)
     if "fp8-unreduced-amax" in side.inject and (side.backend != "torch" or side.recipe == "none"):
         raise BadInput(f"{where}.inject", "fp8-unreduced-amax needs the torch backend with a recipe")

@@ -54,6 +54,9 @@ def test_fault_specifics(fault_run):
     assert fd["optimizer-skips-weight"]["phase"] == "optimizer"
     assert fd["loss-report-wrong-group"]["phase"] == "loss"
     assert fd["grad-norm-double-count"]["norm_ratio"] > 1
+    # Per-token loss with GTP's pre-scale still on: every GTP weight, on every rank, halved.
+    assert fd["gtp-prescale-under-per-token-loss"]["ranks"] == [0, 1]
+    assert fd["microbatch-grad-overwrite"]["phase"] == "backward"
 
 
 def test_planted_faults_leave_installed_code_untouched(fault_run):

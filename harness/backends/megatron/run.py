@@ -264,6 +264,7 @@ class _MegatronStep:
 
         def batches():
             for mb, mb_ids in enumerate(ids):
+                faults.before_micro_batch(self.ctx, mb)
                 mb_state.update(mb=mb, ids=mb_ids)
                 cap.micro_batch(mb, mb_ids)
                 yield data_mod.batch(d.seed, mb_ids, m)
