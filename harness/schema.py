@@ -178,6 +178,9 @@ class Side:
     """DDP overlaps its grad reduce-scatters / all-reduces with backward (bucketed)."""
     bucket_size: int | None = None
     """DDP bucket size in elements (small: several buckets); None: megatron-core's default."""
+    distributed_optimizer: bool = False
+    """megatron-core's DistributedOptimizer: grads reduce-scattered over the data-parallel
+    group, each rank steps its range of every buffer, params all-gathered after the step."""
     inject: tuple[str, ...] = ()
     """Planted faults (names from ``gtp-parity inject --list``), for the harness's self-test."""
 
@@ -241,7 +244,7 @@ class ComparePolicy:
 
 # Keys of a side that only the megatron backend reads; the golden side does not inherit them.
 MEGATRON_PATH_OPTIONS = ("gtp_weight_prefetch", "gtp_collectives", "recompute", "per_token_loss",
-                         "sequence_parallel", "overlap_grad_reduce", "bucket_size")  # fmt: skip
+                         "sequence_parallel", "overlap_grad_reduce", "bucket_size", "distributed_optimizer")  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

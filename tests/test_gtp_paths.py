@@ -62,6 +62,22 @@ def test_known_divergences_are_expected_failures_in_junit_and_report(paths, tmp_
     assert "KNOWN DIVERGENCE" in page and "all_gather_and_prefetch" in page
 
 
+@pytest.mark.multirank
+def test_distributed_optimizer_state_is_the_local_optimizers_bit_for_bit(paths):
+    """GTP 2, local vs distributed optimizer, fp32, no clipping: each state tensor is put
+    together from the data-parallel ranks' ranges. Bitwise is guaranteed here, not observed:
+    the replicate-DP group has 2 ranks and a sum of two terms is the same in either order
+    (all-reduce vs reduce-scatter), and Adam is element-wise."""
+    import pandas as pd
+
+    _, by_name, out = paths
+    rows = pd.read_csv(out / "scenarios" / "distributed-vs-local-optimizer" / "results.csv")
+    assert by_name["distributed-vs-local-optimizer"]["verdict"] == "pass"
+    for kind in ("exp_avg", "exp_avg_sq", "main_grad", "param"):
+        mine = rows[rows["kind"] == kind]
+        assert len(mine) and mine["bitwise_equal"].astype(bool).all(), kind
+
+
 def _doc(verdict: str, signature: str | None = None, step: int = 1) -> dict:
     fd = {"step": step, "signature": signature} if signature else None
     return {"verdict": verdict, "first_divergence": fd}

@@ -97,7 +97,8 @@ def _build(job: Job):
     if bf16:
         model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=side.overlap_grad_reduce,
-                                               bucket_size=side.bucket_size)  # fmt: skip
+                                               bucket_size=side.bucket_size,
+                                               use_distributed_optimizer=side.distributed_optimizer)  # fmt: skip
     ddp = DistributedDataParallel(config, ddp_config, model)
     if side.overlap_grad_reduce:  # as Megatron-LM's train() wires an overlapping DDP
         config.no_sync_func = ddp.no_sync
@@ -154,6 +155,7 @@ def _optimizer(job: Job, ddp):
             bf16=side.precision == "bf16",
             params_dtype=DTYPES[side.precision],
             log_num_zeros_in_grad=True,
+            use_distributed_optimizer=side.distributed_optimizer,
         ),
         [ddp],
     )
@@ -224,7 +226,7 @@ def _train(job, cap, config, ddp, opt, scheduler, mesh, forward_backward, finali
     def finalize(model_chunks, num_tokens=None, **kw):
         finalize_model_grads(model_chunks, num_tokens, **kw)
         faults.after_finalize(ctx)
-        rec.grads(lambda p: getattr(p, "main_grad", None))
+        rec.grads(_reduced_grad(opt))
 
     config.finalize_model_grads_func = finalize
     config.grad_scale_func = opt.scale_loss
@@ -318,10 +320,74 @@ def _parts(opt) -> list:
     return list(getattr(opt, "chained_optimizers", None) or [opt])
 
 
+def _distributed_group(opt):
+    """The data-parallel group of MCore's DistributedOptimizer, or None (local optimizer)."""
+    for part in _parts(opt):
+        if hasattr(part, "gbuf_ranges"):
+            return part.data_parallel_group
+    return None
+
+
+def _owned(opt, p):
+    """(the DistributedOptimizer part, the range of ``p``'s elements) this data-parallel rank
+    owns, or (None, None): a rank's range maps list only the params it owns a part of."""
+    for part in _parts(opt):
+        for gbuf in getattr(part, "gbuf_ranges", []):
+            for buckets in gbuf.values():
+                for bucket in buckets:
+                    if p in bucket["param_map"]:
+                        return part, bucket["param_map"][p]["param"]
+    return None, None
+
+
+def _whole(group, p, r, shard: torch.Tensor | None, dtype=torch.float32) -> torch.Tensor:
+    """A tensor of ``p``'s shape from the range ``r`` of it that each data-parallel rank holds
+    (``shard``; None where this rank holds none): the ranges are disjoint, so a SUM of
+    zero-filled copies is exact. Every rank of the group calls it, for every parameter."""
+    full = torch.zeros(p.numel(), dtype=dtype)
+    if shard is not None:
+        full[r.start:r.end] = shard.detach().reshape(-1)
+    dist.all_reduce(full, group=group)
+    return full.view(p.shape)
+
+
+def _reduced_grad(opt):
+    """main_grad after finalize: under the distributed optimizer only this rank's range of
+    each grad buffer is reduced, so the whole gradient is put together from every range."""
+    group = _distributed_group(opt)
+
+    def value(p):
+        grad = getattr(p, "main_grad", None)
+        if group is None or grad is None:
+            return grad
+        _, r = _owned(opt, p)
+        return _whole(group, p, r, None if r is None else grad.reshape(-1)[r.start:r.end], grad.dtype)
+
+    return value
+
+
+# The per-element states of a DistributedOptimizer's range, the same on every rank (whether it
+# owns a range or not: each is put together by a collective).
+_ADAM_OR_SGD = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
+
+
 def _optimizer_state(opt, named) -> tuple[dict, dict]:
     """(states by id of the stepped tensor, fp32 masters by parameter name) across MCore's
-    wrapper, which chains one optimizer per param-group family."""
+    wrapper, which chains one optimizer per param-group family. Under the distributed
+    optimizer each state is put together from the data-parallel ranks' ranges."""
     masters, states = {}, {}
+    if (group := _distributed_group(opt)) is not None:
+        config = _parts(opt)[0].config
+        kinds = _ADAM_OR_SGD[config.optimizer] if config.optimizer == "adam" or config.sgd_momentum else ()
+        for name, p in named:
+            part, r = _owned(opt, p)
+            owned = part._get_main_param_and_optimizer_states(p) if part is not None else {}
+            master = _whole(group, p, r, owned.get("param"))
+            states[id(master) if p.dtype != torch.float32 else id(p)] = {
+                k: _whole(group, p, r, owned.get(k)) for k in kinds}  # fmt: skip
+            if p.dtype != torch.float32:  # as the local optimizer: a separate master only in mixed precision
+                masters[id(p)] = master
+        return states, {name: masters[id(p)] for name, p in named if id(p) in masters}
     for part in _parts(opt):
         for g16, g32 in zip(getattr(part, "float16_groups", []), getattr(part, "fp32_from_float16_groups", [])):
             for p16, p32 in zip(g16, g32):  # mixed precision: the fp32 master copies
