@@ -10,7 +10,7 @@ from harness.errors import BadInput
 from harness.fault_catalog import check_name, check_reach
 from harness.schema import (
     BACKENDS, CAPTURE_KINDS, CAPTURE_MODES, LIMITS, LR_DECAY_STYLES, OPTIMIZERS, POLICIES, PRECISIONS,
-    RECIPE_NAMES, ModelConfig, Scenario, Side,
+    RECIPE_NAMES, MLM_DATA, ModelConfig, Scenario, Side,
 )  # fmt: skip
 
 
@@ -29,6 +29,7 @@ def validate(s: Scenario, limits: bool = True) -> None:
         _validate_topology(s, name, side, where)
         _validate_recipe(s, side, where)
         _validate_faults(name, side, where)
+        _validate_mlm(s, side, where)
         steps[name] = side.steps
     if len(set(steps.values())) != 1:
         raise BadInput(f"{s.source}: steps", f"every side must run the same number of steps, got {steps}")
@@ -218,3 +219,27 @@ def _gtp_dim0s(m: ModelConfig, tp: int) -> dict[str, int]:
         "word_embeddings": m.vocab_size // tp,
         "output_layer": m.vocab_size // tp,
     }
+
+
+# Faults whose hook point Megatron-LM's loop does not offer to the mlm backend (its sampler
+# hands out the samples; the harness does not route them).
+_MLM_UNREACHABLE_FAULTS = frozenset({"gtp-peers-same-sample"})
+
+
+def _validate_mlm(s: Scenario, side: Side, where: str) -> None:
+    """The mlm backend's keys: ``args`` and ``data`` belong to it alone; its rules."""
+    if side.backend != "mlm":
+        if side.args or side.data != "synthetic":
+            raise BadInput(f"{where}.args", f"args and data are keys of the mlm backend, not {side.backend}")
+        return
+    if side.data not in MLM_DATA:
+        raise BadInput(f"{where}.data", f"unknown data {side.data!r}; one of {sorted(MLM_DATA)}")
+    if side.recipe != "none":
+        raise BadInput(f"{where}.recipe", "recipes need Transformer Engine on the mlm backend")
+    if side.gtp_pad_alignment != 16:  # configure_gtp_remat_from_recipe sets it, without FP8: 16
+        raise BadInput(f"{where}.gtp_pad_alignment", "Megatron-LM's loop pads GTP shards to 16 rows")
+    bad = [a for a in side.args if not isinstance(a, str) or not a]
+    if bad:
+        raise BadInput(f"{where}.args", f"every flag must be a non-empty string, got {bad[0]!r}")
+    if unreachable := sorted(_MLM_UNREACHABLE_FAULTS.intersection(side.inject)):
+        raise BadInput(f"{where}.inject", f"{unreachable[0]} has no hook point in Megatron-LM's loop")
