@@ -96,6 +96,9 @@ _NEEDS_GTP = frozenset({"gtp-rs-no-prescale", "gtp-ag-swap-shards", "gtp-ln-grad
                         "grad-norm-double-count", "fp8-unreduced-amax"})  # fmt: skip
 # What the torch backend can plant (the others patch megatron-core's own functions).
 TORCH_FAULTS = frozenset({"fp8-unreduced-amax", "gtp-peers-same-sample", "gtp-pad-leak", "optimizer-skips-weight"})
+# What Megatron-LM's loop (the mlm backend) can plant: its sampler hands out the samples (no
+# routing hook), and FP8 needs Transformer Engine.
+MLM_FAULTS = frozenset(CATALOG) - {"gtp-peers-same-sample", "fp8-unreduced-amax"}
 
 
 def check_reach(name: str, side) -> str | None:
@@ -113,4 +116,6 @@ def check_reach(name: str, side) -> str | None:
         return f"{name!r} never fires on a side without GTP (gtp = 1)"
     if side.backend == "torch" and name not in TORCH_FAULTS:
         return f"{name!r} is not implemented by the torch backend; it implements {sorted(TORCH_FAULTS)}"
+    if side.backend == "mlm" and name not in MLM_FAULTS:
+        return f"{name!r} is not implemented by the mlm backend; it implements {sorted(MLM_FAULTS)}"
     return None

@@ -221,10 +221,6 @@ def _gtp_dim0s(m: ModelConfig, tp: int) -> dict[str, int]:
     }
 
 
-# Faults whose hook point Megatron-LM's loop does not offer to the mlm backend (its sampler
-# hands out the samples; the harness does not route them).
-_MLM_UNREACHABLE_FAULTS = frozenset({"gtp-peers-same-sample"})
-
 
 def _validate_mlm(s: Scenario, side: Side, where: str) -> None:
     """The mlm backend's keys: ``args`` and ``data`` belong to it alone; its rules."""
@@ -241,5 +237,3 @@ def _validate_mlm(s: Scenario, side: Side, where: str) -> None:
     bad = [a for a in side.args if not isinstance(a, str) or not a]
     if bad:
         raise BadInput(f"{where}.args", f"every flag must be a non-empty string, got {bad[0]!r}")
-    if unreachable := sorted(_MLM_UNREACHABLE_FAULTS.intersection(side.inject)):
-        raise BadInput(f"{where}.inject", f"{unreachable[0]} has no hook point in Megatron-LM's loop")
