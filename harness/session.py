@@ -28,6 +28,18 @@ def skip_reason(s: Scenario) -> str | None:
     return None
 
 
+def check_mlm_flags(scenarios: list[Scenario]) -> None:
+    """Parse every mlm side's command line that carries extra ``args`` with Megatron-LM's own
+    parser before anything is launched: a refused flag is bad input naming the side. (Sides
+    without ``args`` run flags the harness writes; they skip the parser's import cost.)"""
+    from harness.backends.mlm.args import check_flags, side_argv
+
+    for s in scenarios:
+        for role, side in s.sides.items():
+            if side.backend == "mlm" and side.args:
+                check_flags(side_argv(s.model, s.data, side), f"{s.source}: [{role}].args")
+
+
 def run_scenarios(scenarios: list[Scenario], out: Path, parallel: int = 2, verbose: bool = False,
                   fresh: bool = False) -> int:
     """Run, compare and summarize every scenario; return the exit code of the worst."""
@@ -43,6 +55,7 @@ def run_scenarios(scenarios: list[Scenario], out: Path, parallel: int = 2, verbo
         say(f"== {s.name}: skipped: {reason}")
         skipped.append(doc)
     scenarios = runnable
+    check_mlm_flags(scenarios)
     by_scenario = plan(scenarios, out)
     say(f"gtp-parity: {len(scenarios)} scenario(s), "
         f"{len({j.key for r in by_scenario.values() for j in r.values()})} distinct side(s) -> {out}")  # fmt: skip

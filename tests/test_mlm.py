@@ -114,3 +114,12 @@ def test_mlm_command_trace_compares_with_the_seed_side(mlm_run, tmp_path, capsys
     path = re.search(r"^trace: (.+)$", out, re.M).group(1)
     seed_gtp2 = summary(mlm_run, SEED)["traces"]["candidate"]
     assert cli.main(["compare", path, seed_gtp2, "--policy", "exact", "--out", str(tmp_path / "cmp")]) == 0
+
+
+def test_scenario_args_refused_by_megatron_lm_parser_exit_2(tmp_path, capsys):
+    text = (ASSETS / "mlm_tiny.toml").read_text().replace("[candidate]\n", '[candidate]\nargs = ["--no-such-flag"]\n')
+    (tmp_path / "bad.toml").write_text(text)
+    code = cli.main(["run", str(tmp_path / "bad.toml"), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and "[candidate].args" in err and "--no-such-flag" in err
+    assert not (tmp_path / "out" / "traces").exists()  # refused before any launch
