@@ -230,6 +230,10 @@ def _validate_mlm(s: Scenario, side: Side, where: str) -> None:
         return
     if side.data not in MLM_DATA:
         raise BadInput(f"{where}.data", f"unknown data {side.data!r}; one of {sorted(MLM_DATA)}")
+    other = s.candidate if side is s.reference else s.reference
+    if side.data == "mock" and (other.backend, other.data) != ("mlm", "mock"):
+        # Megatron-LM's mock samples are not the synthetic ones: the sides would read different data.
+        raise BadInput(f"{where}.data", "a mock-data side is compared with another mlm side on mock data only")
     if side.recipe != "none":
         raise BadInput(f"{where}.recipe", "recipes need Transformer Engine on the mlm backend")
     if side.gtp_pad_alignment != 16:  # configure_gtp_remat_from_recipe sets it, without FP8: 16

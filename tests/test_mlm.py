@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from harness import cli, scenario, trace
+from harness.errors import BadInput
 from harness.faults import CATALOG
 from harness.session import run_scenarios
 from tests.helpers import ASSETS, ROOT, results, summary
@@ -18,8 +19,9 @@ from tests.helpers import ASSETS, ROOT, results, summary
 pytestmark = pytest.mark.multirank
 
 SEED, FRONTEND, TINY = "mlm-seed-tp1-gtp2-bf16", "mlm-vs-megatron-tp1-gtp2-bf16", "mlm-tiny-tp1-gtp2-fp32-sgd"
+MOCK = "mlm-mock-tp1-gtp2-bf16"
 FILES = [ROOT / "scenarios" / "mlm_seed.toml", ROOT / "scenarios" / "mlm_vs_megatron.toml",
-         ASSETS / "mlm_tiny.toml", ASSETS / "mlm_faults.toml"]  # fmt: skip
+         ASSETS / "mlm_tiny.toml", ASSETS / "mlm_faults.toml", ASSETS / "mlm_mock.toml"]  # fmt: skip
 FAULTS = sorted({f for s in scenario.load(ASSETS / "mlm_faults.toml") for f in s.candidate.inject})
 SEED_FLAGS = (
     "--tokenizer-type NullTokenizer --vocab-size 128 --num-layers 2 --hidden-size 128 --ffn-hidden-size 256 "
@@ -91,6 +93,23 @@ def test_tiny_gtp_on_vs_off_forward_bitwise_at_step1(mlm_run):
     assert len(fwd) and fwd["bitwise_equal"].all()
 
 
+def test_mock_data_sides_read_megatron_lm_samples(mlm_run):
+    """data = "mock": Megatron-LM's --mock-data pipeline, as the seed's command ran. The sides
+    are judged against each other only (the golden reads the synthetic samples)."""
+    s = summary(mlm_run, MOCK)
+    assert s["traces"]["golden"] == "None"
+    df = results(mlm_run, MOCK)
+    step1 = df[(df["step"] == 1) & df["kind"].isin(["input", "loss", "activation", "logits"])]
+    assert len(step1) and step1["bitwise_equal"].all()  # GTP on vs off read the same mock samples
+
+    def losses(name):
+        t = trace.read(summary(mlm_run, name)["traces"]["reference"])
+        return [x["value"] for x in t.scalars if x["name"] == "reduced_loss" and x["rank"] == 0]
+
+    # Same sample ids, same weights: only the tokens differ from the synthetic samples'.
+    assert all(a != b for a, b in zip(losses(MOCK), losses(SEED)))
+
+
 @pytest.mark.parametrize("fault", FAULTS)
 def test_planted_fault_localized_on_mlm(mlm_run, fault):
     s = summary(mlm_run, f"mlm-fault-{fault}")
@@ -123,3 +142,18 @@ def test_scenario_args_refused_by_megatron_lm_parser_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "[candidate].args" in err and "--no-such-flag" in err
     assert not (tmp_path / "out" / "traces").exists()  # refused before any launch
+
+
+@pytest.mark.parametrize("edit, where", [
+    ('[reference]\nbackend = "megatron"\nargs = ["--bf16"]\n', "[reference].args"),
+    ('[reference]\ndata = "mock"\n', "[reference].data"),
+    ('[reference]\ngtp_pad_alignment = 32\n', "[reference].gtp_pad_alignment"),
+    ('[candidate]\ninject = ["gtp-peers-same-sample"]\n', "[candidate].inject"),
+])  # fmt: skip
+def test_mlm_side_rules(tmp_path, edit, where):
+    section = edit.split("\n", 1)[0] + "\n"
+    text = (ASSETS / "mlm_tiny.toml").read_text().replace(section, edit, 1)
+    (tmp_path / "s.toml").write_text(text)
+    with pytest.raises(BadInput) as e:
+        scenario.load(tmp_path / "s.toml")
+    assert where in str(e.value)
