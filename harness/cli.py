@@ -153,6 +153,25 @@ def _limits_option(p: argparse.ArgumentParser) -> None:
                    help="lift the size limits on models, steps and world sizes (see README: Reliability)")
 
 
+def _cmd_mlm(args) -> int:
+    from harness import trace
+    from harness.backends.mlm.command import run_command
+
+    flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
+    if not flags:
+        raise BadInput("gtp-parity mlm", "give the pretrain_gpt.py flags after --")
+    path = run_command(flags, args.nproc, _out_dir(args.out, "--out"), args.timeout)
+    t = trace.read(path)
+    rows = sorted((s["step"], s["name"], s["value"]) for s in t.scalars if s["rank"] == 0
+                  and s["name"] in ("reduced_loss", "grad_norm", "lr_logged"))  # fmt: skip
+    for step in sorted({r[0] for r in rows}):
+        values = {name: value for st, name, value in rows if st == step}
+        print(f"iteration {step}: lm loss {values.get('reduced_loss', float('nan')):.6f} "
+              f"grad norm {values.get('grad_norm', float('nan')):.3f} lr {values.get('lr_logged', float('nan')):.3e}")
+    print(f"trace: {path}")
+    return 0
+
+
 def _cmd_conformance(args) -> int:
     from harness.conformance.cli import main as conformance_main
 
@@ -211,6 +230,14 @@ def build_parser() -> argparse.ArgumentParser:
                        add_help=False)
     k.add_argument("rest", nargs=argparse.REMAINDER)
     k.set_defaults(fn=_cmd_conformance)
+
+    ml = sub.add_parser("mlm", help="run a Megatron-LM pretrain_gpt.py command line with capture on",
+                        description="gtp-parity mlm [--nproc N] [--out DIR] -- <pretrain_gpt.py flags>")
+    ml.add_argument("--nproc", type=_positive_int, default=1, help="ranks (torchrun --nproc-per-node)")
+    ml.add_argument("--out", default="runs/mlm", help="output folder; the trace is under OUT/traces")
+    ml.add_argument("--timeout", type=_non_negative, default=600.0, help="seconds for the run (default 600)")
+    ml.add_argument("flags", nargs=argparse.REMAINDER, help="-- then the pretrain_gpt.py flags")
+    ml.set_defaults(fn=_cmd_mlm)
 
     i = sub.add_parser("inject", help="list the planted faults")
     i.add_argument("--list", action="store_true", required=True)

@@ -109,6 +109,9 @@ _NEEDS_GTP = frozenset({"gtp-rs-no-prescale", "gtp-ag-swap-shards", "gtp-ln-grad
                         "gtp-prescale-under-per-token-loss"})  # fmt: skip
 # What the torch backend can plant (the others patch megatron-core's own functions).
 TORCH_FAULTS = frozenset({"fp8-unreduced-amax", "gtp-peers-same-sample", "gtp-pad-leak", "optimizer-skips-weight"})
+# What Megatron-LM's loop (the mlm backend) can plant: its sampler hands out the samples (no
+# routing hook), and FP8 needs Transformer Engine.
+MLM_FAULTS = frozenset(CATALOG) - {"gtp-peers-same-sample", "fp8-unreduced-amax"}
 
 
 def check_reach(name: str, side, data=None) -> str | None:
@@ -131,4 +134,6 @@ def check_reach(name: str, side, data=None) -> str | None:
         return f"{name!r} never fires with one micro-batch per step"
     if side.backend == "torch" and name not in TORCH_FAULTS:
         return f"{name!r} is not implemented by the torch backend; it implements {sorted(TORCH_FAULTS)}"
+    if side.backend == "mlm" and name not in MLM_FAULTS:
+        return f"{name!r} is not implemented by the mlm backend; it implements {sorted(MLM_FAULTS)}"
     return None

@@ -10,7 +10,8 @@ from harness.errors import BadInput
 from harness.fault_catalog import check_name, check_reach
 from harness.schema import (
     BACKENDS, CAPTURE_KINDS, CAPTURE_MODES, COLLECTIVES, LIMITS, LR_DECAY_STYLES, MEGATRON_PATH_OPTIONS,
-    OPTIMIZERS, PER_TOKEN_LOSSES, POLICIES, PRECISIONS, RECIPE_NAMES, RECOMPUTES, ModelConfig, Scenario, Side,
+    MLM_DATA, OPTIMIZERS, PER_TOKEN_LOSSES, POLICIES, PRECISIONS, RECIPE_NAMES, RECOMPUTES, ModelConfig,
+    Scenario, Side,
 )  # fmt: skip
 
 
@@ -30,6 +31,7 @@ def validate(s: Scenario, limits: bool = True) -> None:
         _validate_recipe(s, side, where)
         _validate_faults(name, side, where, s.data)
         _validate_paths(s, side, where)
+        _validate_mlm(s, side, where)
         steps[name] = side.steps
     if len(set(steps.values())) != 1:
         raise BadInput(f"{s.source}: steps", f"every side must run the same number of steps, got {steps}")
@@ -257,3 +259,25 @@ def _gtp_dim0s(m: ModelConfig, tp: int) -> dict[str, int]:
         "word_embeddings": m.vocab_size // tp,
         "output_layer": m.vocab_size // tp,
     }
+
+
+
+def _validate_mlm(s: Scenario, side: Side, where: str) -> None:
+    """The mlm backend's keys: ``args`` and ``data`` belong to it alone; its rules."""
+    if side.backend != "mlm":
+        if side.args or side.data != "synthetic":
+            raise BadInput(f"{where}.args", f"args and data are keys of the mlm backend, not {side.backend}")
+        return
+    if side.data not in MLM_DATA:
+        raise BadInput(f"{where}.data", f"unknown data {side.data!r}; one of {sorted(MLM_DATA)}")
+    other = s.candidate if side is s.reference else s.reference
+    if side.data == "mock" and (other.backend, other.data) != ("mlm", "mock"):
+        # Megatron-LM's mock samples are not the synthetic ones: the sides would read different data.
+        raise BadInput(f"{where}.data", "a mock-data side is compared with another mlm side on mock data only")
+    if side.recipe != "none":
+        raise BadInput(f"{where}.recipe", "recipes need Transformer Engine on the mlm backend")
+    if side.gtp_pad_alignment != 16:  # configure_gtp_remat_from_recipe sets it, without FP8: 16
+        raise BadInput(f"{where}.gtp_pad_alignment", "Megatron-LM's loop pads GTP shards to 16 rows")
+    bad = [a for a in side.args if not isinstance(a, str) or not a]
+    if bad:
+        raise BadInput(f"{where}.args", f"every flag must be a non-empty string, got {bad[0]!r}")

@@ -19,7 +19,7 @@ from typing import Any, Literal, get_args
 from harness.errors import shown
 
 # The choices of every key, as types (the dataclasses below read as the schema) and as sets.
-Backend = Literal["megatron", "torch"]
+Backend = Literal["megatron", "torch", "mlm"]
 Precision = Literal["fp64", "fp32", "bf16"]
 # "none" or a key of harness.quant.RECIPES (kept literal here: parsing needs no torch).
 Recipe = Literal["none", "delayed", "float8_current_scaling", "mxfp8", "float8_block_scaling", "nvfp4"]
@@ -34,7 +34,11 @@ Collectives = Literal["async", "eager"]
 Expected = Literal["known-divergence"]
 
 BACKENDS = frozenset(get_args(Backend))
-PRECISIONS = {"megatron": frozenset({"fp32", "bf16"}), "torch": frozenset(get_args(Precision))}
+PRECISIONS = {"megatron": frozenset({"fp32", "bf16"}), "torch": frozenset(get_args(Precision)),
+              "mlm": frozenset({"fp32", "bf16"})}
+# The mlm backend's data: Megatron-LM's --mock-data pipeline, or the harness's synthetic samples.
+MlmData = Literal["synthetic", "mock"]
+MLM_DATA = frozenset(get_args(MlmData))
 OPTIMIZERS = frozenset(get_args(Optimizer))
 RECIPE_NAMES = frozenset(get_args(Recipe))
 LR_DECAY_STYLES = frozenset(get_args(DecayStyle))
@@ -114,7 +118,8 @@ class Side:
     """One implementation under comparison: backend, topology, precision and training."""
 
     backend: Backend = "megatron"
-    """``megatron`` (megatron-core's own GTP) or ``torch`` (the harness's plain PyTorch GPT)."""
+    """``megatron`` (megatron-core's own GTP in the harness's loop), ``mlm`` (Megatron-LM's
+    ``pretrain`` loop over megatron-core) or ``torch`` (the harness's plain PyTorch GPT)."""
     world_size: int = 1
     """Processes launched for this side."""
     tp: int = 1
@@ -181,6 +186,11 @@ class Side:
     distributed_optimizer: bool = False
     """megatron-core's DistributedOptimizer: grads reduce-scattered over the data-parallel
     group, each rank steps its range of every buffer, params all-gathered after the step."""
+    args: tuple[str, ...] = ()
+    """mlm backend: extra pretrain_gpt.py flags, after the side's own (checked by Megatron-LM's parser)."""
+    data: MlmData = "synthetic"
+    """mlm backend: ``synthetic`` (the harness's samples by global sample id, comparable with
+    every other backend) or ``mock`` (Megatron-LM's ``--mock-data`` pipeline)."""
     inject: tuple[str, ...] = ()
     """Planted faults (names from ``gtp-parity inject --list``), for the harness's self-test."""
 

@@ -30,6 +30,7 @@ from harness.trace import is_complete, write_json
 def job_from_json(doc: dict) -> Job:
     side = dict(doc["side"])
     side["inject"] = tuple(side.get("inject", ()))
+    side["args"] = tuple(side.get("args", ()))
     capture = dict(doc["capture"])
     capture["kinds"] = tuple(capture["kinds"])
     capture["tensors"] = tuple(capture["tensors"])
@@ -84,7 +85,7 @@ def main(argv: list[str]) -> int:
     torch.use_deterministic_algorithms(True)
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)  # torchrun's store
-    elif any(j.side.backend == "megatron" for j in jobs):
+    elif any(j.side.backend in ("megatron", "mlm") for j in jobs):
         # One rank needs no rendezvous: an in-process store, no port to collide on.
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from harness.capture import Capture
 from harness.scenario import CapturePolicy, DataConfig, ModelConfig, Side
 
-BACKENDS = {"megatron": "harness.backends.megatron.run", "torch": "harness.backends.torch.run"}
+BACKENDS = {"megatron": "harness.backends.megatron.run", "torch": "harness.backends.torch.run",
+            "mlm": "harness.backends.mlm.run"}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import astuple, dataclass, fields
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
 from harness.capture import Capture
 from harness.layout import Layout
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -91,24 +93,44 @@ class Recording:
 def train(rec: Recording, steps: int, fns: StepFunctions) -> None:
     """Run ``steps`` optimizer steps of ``fns``, recording each in the trace's order."""
     cap = rec.cap
-    cap.begin_step(0)
-    rec.weights("param")
-    cap.end_step()
+    record_initial(rec)
     for step in range(1, steps + 1):
         cap.begin_step(step)
         fns.begin(step)
         cap.progress("forward_backward")
         fns.forward_backward(step)
         fns.prepare_update(step)
-        rec.weights("param_before")
-        cap.progress("optimizer")
-        fns.update(step)
-        rec.weights("param")
-        if cap.wants("optimizer"):
-            cap.optimizer_state(rec.named, rec.layout_of, *fns.optimizer_state())
-        for name, value in zip(STEP_SCALARS, astuple(fns.scalars(step))):
-            cap.scalar(name, value)
-        cap.end_step()
+        record_update(rec, lambda: fns.update(step))
+        record_step_end(rec, fns.optimizer_state, fns.scalars(step))
+
+
+# The pieces of :func:`train`, for loops that drive themselves (Megatron-LM's ``train``): the
+# backend calls them from its hooks, in the same order, so the trace is the same.
+
+
+def record_initial(rec: Recording) -> None:
+    """Step 0: the initial weights."""
+    rec.cap.begin_step(0)
+    rec.weights("param")
+    rec.cap.end_step()
+
+
+def record_update(rec: Recording, update: Callable[[], T]) -> T:
+    """The weights before and after ``update`` (the optimizer step); returns what it returns."""
+    rec.weights("param_before")
+    rec.cap.progress("optimizer")
+    out = update()
+    rec.weights("param")
+    return out
+
+
+def record_step_end(rec: Recording, optimizer_state: Callable[[], tuple], scalars: StepScalars) -> None:
+    """The optimizer state, the step's scalars, and the end of the step."""
+    if rec.cap.wants("optimizer"):
+        rec.cap.optimizer_state(rec.named, rec.layout_of, *optimizer_state())
+    for name, value in zip(STEP_SCALARS, astuple(scalars)):
+        rec.cap.scalar(name, value)
+    rec.cap.end_step()
 
 
 class Materialized:

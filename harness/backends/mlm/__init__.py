@@ -1,0 +1,1 @@
+"""The ``mlm`` backend: Megatron-LM's own training loop (``megatron.training.pretrain``)."""

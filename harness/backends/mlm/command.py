@@ -1,0 +1,75 @@
+"""``gtp-parity mlm -- <pretrain_gpt.py flags>``: a user's Megatron-LM command as an mlm side.
+
+The flags are parsed by Megatron-LM's own parser (a flag it refuses is bad input, exit 2);
+the side, model and data the harness records them under are read back from the parsed
+values, and the flags themselves are the side's ``args`` (they come last on the command
+line, so they are what runs). The run starts from the canonical weights, so its trace
+compares with any side of the same model.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from harness import rules
+from harness.backends.mlm.args import check_flags
+from harness.errors import BadInput
+from harness.scenario import CapturePolicy, ComparePolicy, DataConfig, ModelConfig, Scenario, Side
+
+WHERE = "gtp-parity mlm"
+
+
+def _side(ns: argparse.Namespace, flags: list[str], nproc: int) -> Side:
+    if ns.fp16:
+        raise BadInput(f"{WHERE}: --fp16", "the harness records fp32 and bf16 runs; use --bf16 or neither")
+    if ns.data_path or ns.train_data_path:
+        raise BadInput(f"{WHERE}: --data-path", "runs read --mock-data or, without it, the harness's synthetic samples")
+    if ns.train_iters is None:
+        raise BadInput(f"{WHERE}: --train-iters", "required (the harness records a number of steps)")
+    tp = ns.tensor_model_parallel_size
+    shards = getattr(ns, "tensor_parallel_num_weight_shards", None) or tp
+    return Side(
+        backend="mlm", world_size=nproc, tp=tp, gtp=shards // tp, precision="bf16" if ns.bf16 else "fp32",
+        steps=ns.train_iters, seed=ns.seed, optimizer=ns.optimizer, lr=ns.lr,
+        min_lr=ns.min_lr, lr_warmup_steps=ns.lr_warmup_iters, lr_decay_steps=ns.lr_decay_iters,
+        lr_decay_style=ns.lr_decay_style, weight_decay=ns.weight_decay, clip_grad=ns.clip_grad,
+        adam_beta1=ns.adam_beta1, adam_beta2=ns.adam_beta2, adam_eps=ns.adam_eps, sgd_momentum=ns.sgd_momentum,
+        args=tuple(flags), data="mock" if ns.mock_data else "synthetic",
+    )  # fmt: skip
+
+
+def scenario_of(flags: list[str], nproc: int) -> Scenario:
+    """The scenario whose reference is the command (candidate: the same; golden: fp64)."""
+    ns = check_flags(flags, WHERE)
+    side = _side(ns, flags, nproc)
+    model = ModelConfig(
+        num_layers=ns.num_layers, hidden_size=ns.hidden_size,
+        ffn_hidden_size=ns.ffn_hidden_size or 4 * ns.hidden_size, num_attention_heads=ns.num_attention_heads,
+        seq_length=ns.seq_length, vocab_size=ns.vocab_size or 0,
+        untie_embeddings=ns.untie_embeddings_and_output_weights, init_std=ns.init_method_std,
+    )  # fmt: skip
+    data_ranks = nproc // side.tp
+    data = DataConfig(seed=ns.seed, micro_batch_size=ns.micro_batch_size,
+                      global_batch_size=ns.global_batch_size or ns.micro_batch_size * data_ranks)  # fmt: skip
+    golden = Side(backend="torch", precision="fp64", steps=side.steps, seed=side.seed)
+    s = Scenario(name="mlm-command", source=WHERE, model=model, data=data, reference=side, candidate=side,
+                 golden=golden, capture=CapturePolicy(), compare=ComparePolicy())  # fmt: skip
+    rules.validate(s)
+    return s
+
+
+def run_command(flags: list[str], nproc: int, out: Path, timeout_s: float) -> Path:
+    """Run the command with capture on; return its trace folder."""
+    from harness.errors import RunFailed
+    from harness.launch import worker_env
+    from harness.provenance import code_identity
+    from harness.runner import execute, job_for
+
+    s = scenario_of(flags, nproc)
+    s = Scenario(**{**{f: getattr(s, f) for f in s.__dataclass_fields__}, "timeout_s": timeout_s})
+    job = job_for(s, "reference", out / "traces", code_identity(worker_env()))
+    failures = execute({s.name: {"reference": job}}, [s], out)
+    if failures:
+        raise RunFailed(next(iter(failures.values())))
+    return Path(job.trace_dir)
