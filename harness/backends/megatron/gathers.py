@@ -14,19 +14,21 @@ from typing import Callable
 
 import torch
 
+from harness.capture import Capture
 from harness.patching import patch
 
 MAX_EVENTS = 64  # the first ones name the cause; a buffer reused every step repeats itself
 
 
 def record_gathers(named: list[tuple[str, torch.Tensor]], record: Callable[[str, torch.Tensor], None],
-                   events: list[dict], where: Callable[[], dict]) -> None:  # fmt: skip
+                   cap: Capture) -> None:  # fmt: skip
     """Call ``record(name, gathered)`` on every forward all-gather of a parameter in ``named``,
-    and append to ``events`` (with ``where()``: step, micro-batch) each hand-out whose own rows
-    are not the parameter's own shard."""
+    and list in ``cap.info["consumed_foreign"]`` (with step and micro-batch) each hand-out
+    whose own rows are not the parameter's own shard."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.generalized_tensor_parallelism import GTPShardedParam
 
+    events = cap.info.setdefault("consumed_foreign", [])
     names = {id(p): n for n, p in named}
     shards = [(n, p) for n, p in named if isinstance(p, GTPShardedParam)]
     g = ps.get_gtp_weight_remat_rank()
@@ -39,7 +41,8 @@ def record_gathers(named: list[tuple[str, torch.Tensor]], record: Callable[[str,
                 record(names[id(self)], out)
             if len(events) < MAX_EVENTS and (foreign := _foreign(self, out, g, shards)) is not None:
                 phase = ("recompute" if torch._C._current_graph_task_id() != -1 else "forward") if fwd else "backward"
-                events.append({**where(), "phase": phase, "param": names[id(self)], "consumed": foreign})
+                events.append({"step": cap.step, "micro_batch": cap.micro_batch_index, "phase": phase,
+                               "param": names[id(self)], "consumed": foreign})
         return out
 
     patch(GTPShardedParam, "all_gather_and_prefetch", all_gather_and_prefetch)

@@ -251,9 +251,7 @@ class _MegatronStep:
         direct = [] if gtp_on else [(n, p) for n, p in rec.named if _GTP_SHARDABLE(n)]
         self.materialized = Materialized(rec.cap, {n: gathered(l) for n, l in rec.layouts.items()}, direct)
         if gtp_on:
-            events = rec.cap.info.setdefault("consumed_foreign", [])
-            record_gathers(rec.named, self.materialized.record, events,
-                           lambda: {"step": rec.cap.step, "micro_batch": rec.cap.micro_batch_index})  # fmt: skip
+            record_gathers(rec.named, self.materialized.record, rec.cap)
 
     def begin(self, step: int) -> None:
         self.materialized.begin_step()

@@ -120,7 +120,7 @@ class _Hooks:
         direct = [] if gtp_on else [(n, p) for n, p in named if _GTP_SHARDABLE(n)]
         self.materialized = Materialized(self.cap, {n: gathered(l) for n, l in layouts.items()}, direct)
         if gtp_on:
-            record_gathers(named, self.materialized.record)
+            record_gathers(named, self.materialized.record, self.cap)
         record_initial(self.rec)
 
     def micro_batch(self, sample_ids: list[int]):
