@@ -255,10 +255,11 @@ def summarize(df: pd.DataFrame, logical: dict, traces: dict, policy, recipe: str
         ranks = sorted(int(r) for r in traces["candidate"].coords())
     explanation = SIGNATURES.get(sig, "")
     if consumed := consumed_foreign(traces["candidate"], step):
-        # The weight a GEMM read was not its own: that explains whatever diverged after it.
-        sig, explanation = "gemm-consumed-foreign-weight", consumed["text"]
-        ranks = consumed["ranks"]
         extra = {**extra, "consumed": consumed["events"]}
+        # Another parameter's weight in a GEMM explains whatever diverged after it; a weight
+        # that is no parameter's (stale, partial, permuted) explains only what nothing else does.
+        if consumed["named"] or sig == "mismatch":
+            sig, explanation, ranks = "gemm-consumed-foreign-weight", consumed["text"], consumed["ranks"]
     doc.update(verdict="fail", first_divergence={
         "step": step, "phase": phase_of(kind, name), "kind": kind, "tensor": name,
         "ranks": ranks, "region": region, "signature": sig, "explanation": explanation,
@@ -282,7 +283,8 @@ def consumed_foreign(trace, step: int) -> dict | None:
         + ("a stale or partially gathered buffer" if other == "unknown" else f"{other}'s weight")
         for phase, param, other in pairs
     ) + f" (step {first_step}): a GTP gather buffer was reused before the GEMM read it"
-    return {"text": text, "ranks": sorted({e["rank"] for e in first}), "events": first[:16]}
+    return {"text": text, "ranks": sorted({e["rank"] for e in first}), "events": first[:16],
+            "named": any(other != "unknown" for _, _, other in pairs)}
 
 
 def _sample_readers(first: dict, cand, trace, step: int) -> tuple[list[int] | None, int | None]:
