@@ -17,6 +17,7 @@ schema and order as every other backend's:
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 
 import torch.distributed as dist
@@ -61,6 +62,9 @@ def run_argv(job: Job, cap: Capture, argv: list[str]) -> None:
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
 
+    # validate_args asserts it with TP > 1 (it orders kernels on CUDA's queues); Megatron-LM's
+    # launch scripts export it. A value the user set is kept.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     on_cpu = compat.install_training()
     compat.reset_gtp_state()
     hooks = _Hooks(job, cap)
