@@ -28,6 +28,7 @@ from harness.backends import Job
 from harness.backends.megatron import compat
 from harness.backends.megatron.gathers import record_gathers
 from harness.backends.megatron.run import _GTP_SHARDABLE, _load_canonical, _optimizer_state, canonical_name
+from harness.backends.mlm import compat as training_compat
 from harness.backends.mlm import providers
 from harness.backends.mlm.args import CPU_FLAGS, side_argv
 from harness.backends.recording import (
@@ -65,7 +66,7 @@ def run_argv(job: Job, cap: Capture, argv: list[str]) -> None:
     # validate_args asserts it with TP > 1 (it orders kernels on CUDA's queues); Megatron-LM's
     # launch scripts export it. A value the user set is kept.
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    on_cpu = compat.install_training()
+    on_cpu = training_compat.install_training()
     compat.reset_gtp_state()
     hooks = _Hooks(job, cap)
     try:
