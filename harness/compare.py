@@ -38,66 +38,13 @@ import torch
 
 from harness import bounds, localize
 from harness.assemble import Logical, assemble_trace
+from harness.metrics import PairStats, measure, metrics, ulp_distance  # noqa: F401 (re-exported)
 from harness.scenario import ComparePolicy
 from harness.steps import per_sample_losses, step_table
 from harness.tolerance import DTYPE_TOLS, recipe_of, tolerances
 from harness.trace import Trace
 
 SCALAR_NAMES = ("reduced_loss", "grad_norm", "lr", "skipped")
-
-
-def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """ULPs between same-dtype float tensors (ordered-integer distance of their bit patterns)."""
-    int_t = {torch.float64: torch.int64, torch.float32: torch.int32,
-             torch.bfloat16: torch.int16, torch.float16: torch.int16}[a.dtype]  # fmt: skip
-
-    def ordered(x):
-        i = x.contiguous().view(int_t).long()
-        top = 1 << (torch.iinfo(int_t).bits - 1)
-        return torch.where(i < 0, -(i + top), i)
-
-    return (ordered(a) - ordered(b)).abs()
-
-
-def metrics(ref: torch.Tensor, cand: torch.Tensor) -> dict:
-    """Every metric of one pair (same shape); floats in fp64."""
-    out: dict = {"numel": ref.numel()}
-    same_dtype = ref.dtype == cand.dtype
-    out["bitwise_equal"] = bool(same_dtype and ref.shape == cand.shape and torch.equal(
-        ref.contiguous().view(torch.uint8) if ref.dtype.is_floating_point else ref,
-        cand.contiguous().view(torch.uint8) if cand.dtype.is_floating_point else cand))  # fmt: skip
-    r, c = ref.double(), cand.double()
-    r_nan, c_nan = torch.isnan(r), torch.isnan(c)
-    r_inf, c_inf = torch.isinf(r), torch.isinf(c)
-    out["nonfinite_mismatch"] = int(((r_nan != c_nan) | (r_inf != c_inf) | (r_inf & c_inf & (r != c))).sum())
-    finite = torch.isfinite(r) & torch.isfinite(c)
-    diff = torch.where(finite, (c - r).abs(), torch.zeros_like(r))
-    rel = diff / r.abs().clamp_min(torch.finfo(torch.float64).tiny)
-    rel = torch.where(finite & (r != 0), rel, torch.zeros_like(r))
-    out["max_abs"] = float(diff.max()) if diff.numel() else 0.0
-    out["max_rel"] = float(rel.max()) if rel.numel() else 0.0
-    worst = int(diff.reshape(-1).argmax()) if diff.numel() else 0
-    out["worst_index"] = list(torch.unravel_index(torch.tensor(worst), ref.shape)) if ref.dim() else []
-    out["worst_index"] = [int(i) for i in out["worst_index"]]
-    out["ref_at_worst"] = float(r.reshape(-1)[worst]) if r.numel() else 0.0
-    out["cand_at_worst"] = float(c.reshape(-1)[worst]) if c.numel() else 0.0
-    if same_dtype and ref.dtype in DTYPE_TOLS and ref.numel():
-        u = ulp_distance(ref, cand)[finite].double()
-        out["max_ulp"] = float(u.max()) if u.numel() else 0.0
-        out["p99_ulp"] = float(torch.quantile(u[:1_000_000], 0.99)) if u.numel() else 0.0
-        # Error in ULPs of the tensor's largest magnitude: near-cancelled elements make the
-        # element-wise ULP distance explode under any change of summation order.
-        top = float(r[finite].abs().max()) if finite.any() else 0.0
-        spacing = torch.finfo(ref.dtype).eps * 2.0 ** math.floor(math.log2(top)) if top > 0 else 0.0
-        out["scaled_ulp"] = out["max_abs"] / spacing if spacing else 0.0
-    else:
-        out["max_ulp"] = out["p99_ulp"] = out["scaled_ulp"] = float("nan")
-    rn = float(r[finite].norm())
-    out["rel_l2"] = float((c - r)[finite].norm()) / rn if rn > 0 else (0.0 if out["max_abs"] == 0 else math.inf)
-    cn = float(c[finite].norm())
-    out["cosine"] = float((r[finite] * c[finite]).sum()) / (rn * cn) if rn > 0 and cn > 0 else float("nan")
-    out["mismatched"] = int((diff > 0).sum())
-    return out
 
 
 class Judgement(NamedTuple):
@@ -110,8 +57,12 @@ class Judgement(NamedTuple):
 
 
 def judge(policy: ComparePolicy, step: int, ref, cand, golden, m: dict,
-          recipe: str = "none") -> Judgement:
-    """The judgement of one pair with metrics ``m``; ``recipe`` picks the ``dtype`` tolerance."""
+          recipe: str = "none", stats: PairStats | None = None) -> Judgement:
+    """The judgement of one pair with metrics ``m``; ``recipe`` picks the ``dtype`` tolerance.
+
+    ``stats``: what :func:`harness.metrics.measure` measured with the golden and the
+    tolerances in the same pass; without it, what the policy needs is measured here.
+    """
     if m["nonfinite_mismatch"]:
         return Judgement(False, "nonfinite", 0.0)
     if step == 0 or policy.policy == "exact":
@@ -122,14 +73,23 @@ def judge(policy: ComparePolicy, step: int, ref, cand, golden, m: dict,
     if policy.policy == "noise-floor" and golden is not None:
         # Root-mean-square errors: the max of a few hundred elements is too noisy a statistic
         # to compare two runs' rounding by (small tensors such as LayerNorm params flip it).
-        ref_err, cand_err = rms_error(ref, golden), rms_error(cand, golden)
+        if stats is None or not stats.has_golden:
+            stats = measure(ref, cand, golden)[1]
+        ref_err, cand_err = stats.rms("ref"), stats.rms("cand")
         eps = torch.finfo(dtype).eps
-        bound = policy.k_at(step) * ref_err + policy.floor * eps * float(golden.double().abs().max())
+        bound = policy.k_at(step) * ref_err + policy.floor * eps * stats.abs_max_golden
         return Judgement(cand_err <= bound, "noise-floor", bound, ref_err, cand_err)
     rtol, atol = tolerances(recipe, dtype)
-    r, c = ref.double(), cand.double()
-    excess = ((c - r).abs() - (atol + rtol * r.abs())).max()
-    return Judgement(bool(excess <= 0), "dtype", atol + rtol * float(r.abs().max()))
+    if stats is None or stats.tols != (rtol, atol):
+        stats = measure(ref, cand, tols=(rtol, atol))[1]
+    return Judgement(bool(stats.dtype_excess <= 0), "dtype", atol + rtol * stats.abs_max_ref)
+
+
+def _needs(policy: ComparePolicy, step: int, golden, recipe: str, dtype: torch.dtype):
+    """(golden, tolerances) that one pass should measure for the judgement and the row."""
+    if step == 0 or policy.policy == "exact" or (policy.policy == "noise-floor" and golden is not None):
+        return golden, None
+    return golden, tolerances(recipe, dtype if dtype in DTYPE_TOLS else torch.float32)
 
 
 def rms_error(x: torch.Tensor, golden: torch.Tensor) -> float:
@@ -169,12 +129,12 @@ def compare(traces: dict[str, Trace], policy: ComparePolicy | None = None) -> di
             continue
         if g is not None and step == 0:
             g = g.to(c.dtype)  # initial weights: the golden's, cast as every side casts them
-        m = metrics(r, c)
-        j = judge(policy, step, r, c, g, m, recipe)
+        m, stats = measure(r, c, *_needs(policy, step, g, recipe, c.dtype))
+        j = judge(policy, step, r, c, g, m, recipe, stats)
         if j.ref_err_golden is not None:
             m.update(ref_err_golden=j.ref_err_golden, cand_err_golden=j.cand_err_golden)
         elif g is not None:
-            m.update(ref_err_golden=rms_error(r, g), cand_err_golden=rms_error(c, g))
+            m.update(ref_err_golden=stats.rms("ref"), cand_err_golden=stats.rms("cand"))
         rows.append({"step": step, "kind": kind, "tensor": name, "passed": j.passed, "policy": j.policy,
                      "bound": j.bound, "dtype": str(c.dtype).replace("torch.", ""),
                      "shape": list(r.shape), "sample_ids": ids, **m})  # fmt: skip
