@@ -121,7 +121,7 @@ def compare(traces: dict[str, Trace], policy: ComparePolicy | None = None) -> di
     logical = {role: assemble_trace(t) for role, t in traces.items()}
     ref, cand, golden = logical["reference"], logical["candidate"], logical.get("golden")
     recipe = recipe_of(traces)
-    rows = []
+    rows, sq_diff = [], {}
     for step, kind, name, ids, r, c, g in _pairs(ref, cand, golden):
         if r.shape != c.shape:
             rows.append({"step": step, "kind": kind, "tensor": name, "passed": False, "policy": "shape",
@@ -131,6 +131,8 @@ def compare(traces: dict[str, Trace], policy: ComparePolicy | None = None) -> di
             g = g.to(c.dtype)  # initial weights: the golden's, cast as every side casts them
         m, stats = measure(r, c, *_needs(policy, step, g, recipe, c.dtype))
         j = judge(policy, step, r, c, g, m, recipe, stats)
+        if kind == "main_grad" and not m["nonfinite_mismatch"]:
+            sq_diff[(step, kind, name)] = stats.sq_diff  # the grad-norm consistency reuses it
         if j.ref_err_golden is not None:
             m.update(ref_err_golden=j.ref_err_golden, cand_err_golden=j.cand_err_golden)
         elif g is not None:
@@ -141,7 +143,7 @@ def compare(traces: dict[str, Trace], policy: ComparePolicy | None = None) -> di
     rows += compare_fingerprints(ref, cand, traces)
     scalars = _pool_loss_noise(_compare_scalars(traces, policy, recipe), policy)
     worlds = (traces["reference"].world_size, traces["candidate"].world_size)
-    rows += _grad_norm_consistency(scalars, ref, cand, policy, worlds)
+    rows += _grad_norm_consistency(scalars, ref, cand, policy, worlds, sq_diff)
     rows += input_rows(ref, cand)
     df = pd.DataFrame(rows)
     summary = localize.summarize(df, logical, traces, policy, recipe=recipe)
@@ -262,7 +264,7 @@ def _pool_loss_noise(rows: list[dict], policy: ComparePolicy) -> list[dict]:
 
 
 def _grad_norm_consistency(rows: list[dict], ref: Logical, cand: Logical, policy: ComparePolicy,
-                           world_sizes: tuple[int, int] = (1, 1)) -> list[dict]:
+                           world_sizes: tuple[int, int] = (1, 1), sq_diff: dict | None = None) -> list[dict]:
     """Judge the grad norm by whether the gradients explain it: ``| |g_c| - |g_r| | <= |g_c - g_r|``.
 
     The reverse triangle inequality holds for any two gradient sets, so a norm that breaks it
@@ -274,8 +276,12 @@ def _grad_norm_consistency(rows: list[dict], ref: Logical, cand: Logical, policy
     Rounding: each computed norm is within ``gamma_m`` (fp32) of the exact norm of its stored
     gradients, ``m`` the roundings on one term's path (:func:`harness.bounds.norm_roundings`:
     the largest tensor's element count, the tensor count and the ranks, from the traces), so
-    ``| |g_c|^ - |g_r|^ | <= |g_c - g_r| + gamma_m / (1 - gamma_m) (|g_c|^ + |g_r|^)``; the
-    gradient difference is summed in fp64 (``gamma`` of its element count, fp64).
+    ``| |g_c|^ - |g_r|^ | <= |g_c - g_r| + gamma_m / (1 - gamma_m) (|g_c|^ + |g_r|^)``, with
+    ``gamma_m`` from :func:`harness.bounds.gamma_at_scale`: finite at any model size (beyond
+    ``2^24`` summed elements the deterministic bound is vacuous; the probabilistic one fails
+    with probability below :data:`harness.bounds.FAILURE_PROBABILITY`). The gradient
+    difference is summed in fp64, in any order (``gamma`` of its element count, fp64); the
+    per-pair sums the metrics pass measured (``sq_diff``) are reused when given.
     """
     if policy.policy == "exact":
         return rows
@@ -288,7 +294,8 @@ def _grad_norm_consistency(rows: list[dict], ref: Logical, cand: Logical, policy
         keys = [(r["step"], "main_grad", n) for n in sorted(names)]
         if not names or not all(k in ref.tensors and k in cand.tensors for k in keys):
             continue
-        diff = math.sqrt(sum(float((cand.tensors[k].double() - ref.tensors[k].double()).pow(2).sum())
+        sq_diff = sq_diff or {}
+        diff = math.sqrt(sum(sq_diff[k] if k in sq_diff else measure(ref.tensors[k], cand.tensors[k])[1].sq_diff
                              for k in keys))  # fmt: skip
         largest = max(_padded_numel(side, k) for side in (ref, cand) for k in keys)
         rel = bounds.norm_rel_error(largest, len(keys), max(world_sizes))

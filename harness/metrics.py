@@ -61,6 +61,7 @@ class PairStats:
     abs_max_golden: float = 0.0
     dtype_excess: float = -math.inf  # max (|c - r| - (atol + rtol |r|)); NaN propagates
     numel: int = 0
+    sq_diff: float = 0.0  # sum (c - r)^2 over finite elements, fp64
     has_golden: bool = False
     tols: tuple[float, float] | None = None
 
@@ -121,6 +122,7 @@ def measure(ref: torch.Tensor, cand: torch.Tensor, golden: torch.Tensor | None =
         if not (fast and _finite_chunk(acc, rd, cd, r, c, start, with_ulp, out["bitwise_equal"])):
             _masked_chunk(acc, rd, cd, r, c, start, with_ulp)
         stats.abs_max_ref = _nan_max(stats.abs_max_ref, rd.abs().max()) if tols is not None else 0.0
+    stats.sq_diff = acc.ss_d
     return _finish(out, acc, ref, cand, r_flat, c_flat, with_ulp), stats
 
 
