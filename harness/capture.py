@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import math
 import platform
+import zlib
 from importlib import metadata
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
@@ -46,32 +48,48 @@ FINGERPRINT_BLOCKS = 16
 
 
 def fingerprint(t: torch.Tensor) -> dict:
-    """Statistics, a bitwise hash and per-block checksums (blocks along dim 0)."""
-    flat = t.detach().reshape(-1)
-    f64 = flat.double()
-    finite = torch.isfinite(f64)
-    raw = t.detach().contiguous().view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+    """Statistics, a bitwise hash and per-block checksums (blocks along dim 0).
+
+    Cheap enough to run every step: the hashes read the tensor's bytes in place (no copy),
+    block checksums are CRC-32 (zlib, hardware-accelerated where the CPU has it), and the
+    statistics are reductions in the tensor's dtype accumulated in fp64 (no fp64 copy); only
+    a tensor holding NaN or Inf pays for the masked copy its finite statistics need.
+    """
+    flat = t.detach().contiguous().reshape(-1)
+    raw = _bytes(flat)
     blocks = []
     rows = t.shape[0] if t.dim() else 1
-    for chunk in (t.detach().reshape(rows, -1).chunk(min(FINGERPRINT_BLOCKS, rows)) if t.numel() else []):
-        c = chunk.contiguous()
+    for chunk in (flat.reshape(rows, -1).chunk(min(FINGERPRINT_BLOCKS, rows)) if t.numel() else []):
         blocks.append({
-            "rows": int(c.shape[0]),
-            "sum": float(c.double().sum()),
-            "sha256": hashlib.sha256(c.view(torch.uint8).numpy().tobytes()).hexdigest()[:16],
+            "rows": int(chunk.shape[0]),
+            "sum": float(chunk.sum(dtype=torch.float64)) if chunk.dtype.is_floating_point else float(chunk.sum()),
+            "crc32": f"{zlib.crc32(_bytes(chunk)):08x}",
         })  # fmt: skip
-    good = f64[finite]
-    return {
-        "sha256": hashlib.sha256(raw.numpy().tobytes()).hexdigest(),
-        "numel": int(t.numel()),
-        "nan": int(torch.isnan(f64).sum()),
-        "inf": int(torch.isinf(f64).sum()),
-        "min": float(good.min()) if good.numel() else None,
-        "max": float(good.max()) if good.numel() else None,
-        "mean": float(good.mean()) if good.numel() else None,
-        "l2": float(good.norm()) if good.numel() else None,
-        "blocks": blocks,
-    }
+    return {"sha256": hashlib.sha256(raw).hexdigest(), "numel": int(t.numel()), **_finite_stats(flat),
+            "blocks": blocks}  # fmt: skip
+
+
+def _bytes(t: torch.Tensor):
+    """The bytes of a contiguous tensor as a buffer, without a copy."""
+    return t.view(torch.uint8).numpy() if t.numel() else b""
+
+
+def _finite_stats(flat: torch.Tensor) -> dict:
+    """NaN and Inf counts; min, max, mean and L2 norm of the finite values (fp64 accumulation)."""
+    if not flat.dtype.is_floating_point:
+        flat = flat.double()
+    total = float(flat.sum(dtype=torch.float64)) if flat.numel() else 0.0
+    nan = inf = 0
+    good = flat
+    if not math.isfinite(total):  # only then look for the non-finite positions
+        nan, inf = int(torch.isnan(flat).sum()), int(torch.isinf(flat).sum())
+        good = flat[torch.isfinite(flat)]
+        total = float(good.sum(dtype=torch.float64)) if good.numel() else 0.0
+    if not good.numel():
+        return {"nan": nan, "inf": inf, "min": None, "max": None, "mean": None, "l2": None}
+    lo, hi = torch.aminmax(good)
+    return {"nan": nan, "inf": inf, "min": float(lo), "max": float(hi), "mean": total / good.numel(),
+            "l2": float(torch.linalg.vector_norm(good, dtype=torch.float64))}  # fmt: skip
 
 
 def versions() -> dict[str, str | None]:

@@ -106,8 +106,8 @@ import json, math, torch
 from harness.backends.megatron import compat
 compat.install()
 from megatron.core.utils import local_multi_tensor_l2_norm
-h, layers, vocab = 512, 4, 4096  # the hidden-512 GPT's weights, and one tensor past 2^24 elements
-shapes = [(vocab, h)] + [(3 * h, h), (h, h), (4 * h, h), (h, 4 * h), (h,), (h,)] * layers + [(vocab, h), (2**25,)]
+h, layers, vocab = 512, 4, 4096  # scenarios/scale_nightly.toml (FFN 8h), and one tensor past 2^24 elements
+shapes = [(vocab, h)] + [(3 * h, h), (h, h), (8 * h, h), (h, 8 * h), (h,), (h,)] * layers + [(vocab, h), (2**25,)]
 gen = torch.Generator().manual_seed(3)
 grads = [torch.randn(*s, generator=gen) * 1e-3 for s in shapes]
 (norm,), _ = local_multi_tensor_l2_norm(0, None, [grads], False)
