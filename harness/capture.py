@@ -28,10 +28,13 @@ parameter attributes (:func:`harness.layout.from_mcore_param`). Activations are 
 
 from __future__ import annotations
 
+import atexit
 import fnmatch
 import hashlib
 import math
 import platform
+import queue
+import threading
 import zlib
 from importlib import metadata
 from pathlib import Path
@@ -102,6 +105,46 @@ def versions() -> dict[str, str | None]:
     return out
 
 
+WRITE_QUEUE = 2
+"""Steps whose copies may wait for the writer thread; a step beyond them waits for a write."""
+
+
+class _Writer:
+    """One thread that runs writes in order; the first error is raised at the next submit or close."""
+
+    def __init__(self):
+        self._queue: queue.Queue = queue.Queue(maxsize=WRITE_QUEUE)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="capture-writer", daemon=True)
+        self._thread.start()
+        atexit.register(self.close)  # a rank leaving without close() still writes what it recorded
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            if self._error is None:
+                try:
+                    job()
+                except BaseException as e:  # raised in the training thread, at its next call
+                    self._error = e
+            self._queue.task_done()
+        self._queue.task_done()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._raise()
+        self._queue.put(job)
+
+    def close(self) -> None:
+        atexit.unregister(self.close)
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+        self._raise()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+
 class Capture:
     """Records one rank's part of a trace. See the module docstring for the call order."""
 
@@ -127,6 +170,8 @@ class Capture:
         self._entries: list[Entry] = []
         self._scalars: list[dict] = []
         self._hooks = []
+        self._writer = _Writer()
+        self._flushed = 0  # entries already handed to the writer
         self.info: dict = {}
         """Free-form facts about this rank's run (e.g. GTP params and their prefetch chains)."""
 
@@ -184,8 +229,7 @@ class Capture:
         if self.policy.mode == "fingerprint" and kind != "input":
             entry.fingerprint = fingerprint(value)
         else:
-            self._pending[key] = value.clone()
-            entry.sha256 = content_hash(self._pending[key])
+            self._pending[key] = value.clone()  # the step waits for this copy only: hash and write run behind
         self._entries.append(entry)
 
     def params(
@@ -237,11 +281,25 @@ class Capture:
         write_json(self.rank_dir / "progress.json", {"rank": self.rank, "step": self.step, "phase": phase})
 
     def end_step(self) -> None:
-        if self._pending:
-            write_tensors(self.rank_dir / f"step{self.step}.safetensors", self._pending)
+        """Hand the step's copies to the writer thread: it hashes them, writes the step's file,
+        then the index up to this step (a rank that dies later leaves a readable, incomplete
+        trace). At most :data:`WRITE_QUEUE` steps wait, bounding the copies held in memory."""
+        pending, entries = self._pending, self._entries[self._flushed:]
+        self._flushed = len(self._entries)
+        path = self.rank_dir / f"step{self.step}.safetensors"
+        index = self._index_doc(len(self._entries))
+
+        def write() -> None:
+            for e in entries:
+                if e.key in pending:
+                    e.sha256 = content_hash(pending[e.key])
+            if pending:
+                write_tensors(path, pending)
+            write_json(self.rank_dir / "index.json", index())
+
+        self._writer.submit(write)
         self._pending = {}
         self._mb = self._ids = None
-        self._write_index()  # a rank that dies later leaves a readable, incomplete trace
         self.progress("end")
 
     # --- activations through forward hooks ---
@@ -282,14 +340,15 @@ class Capture:
 
     def close(self) -> None:
         self.detach()
-        self._write_index()
+        self._writer.close()
+        write_json(self.rank_dir / "index.json", self._index_doc(len(self._entries))())
 
-    def _write_index(self) -> None:
-        write_json(
-            self.rank_dir / "index.json",
-            {"rank": self.rank, "tensors": [e.to_json() for e in self._entries], "scalars": self._scalars,
-             "info": self.info},
-        )
+    def _index_doc(self, n_entries: int) -> Callable[[], dict]:
+        """The index as of now (its first ``n_entries`` entries), serialized when called: by
+        then the writer has set their content hashes."""
+        entries, scalars = self._entries[:n_entries], list(self._scalars)
+        return lambda: {"rank": self.rank, "tensors": [e.to_json() for e in entries], "scalars": scalars,
+                        "info": self.info}  # fmt: skip
 
     @staticmethod
     def finalize(
