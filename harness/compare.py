@@ -5,7 +5,8 @@ activations by global sample id), then measure every pair and judge it under the
 Results are data: one row per (step, kind, tensor) in a pandas DataFrame; text and HTML are
 views of it. The first divergence and its signature come from :mod:`harness.localize`.
 
-Metrics per pair: bitwise equality, max abs and max rel difference (with the index of the
+Metrics per pair (:mod:`harness.metrics`, one streaming pass that also measures what the
+judgement needs): bitwise equality, max abs and max rel difference (with the index of the
 worst element), max and p99 ULP distance (in the candidate's dtype), the max error in ULPs
 of the tensor's largest magnitude (``scaled_ulp``), relative L2, cosine, and NaN/Inf
 positions compared as such.
@@ -90,10 +91,6 @@ def _needs(policy: ComparePolicy, step: int, golden, recipe: str, dtype: torch.d
     if step == 0 or policy.policy == "exact" or (policy.policy == "noise-floor" and golden is not None):
         return golden, None
     return golden, tolerances(recipe, dtype if dtype in DTYPE_TOLS else torch.float32)
-
-
-def rms_error(x: torch.Tensor, golden: torch.Tensor) -> float:
-    return float((x.double() - golden.double()).pow(2).mean().sqrt())
 
 
 def _pairs(ref: Logical, cand: Logical, golden: Logical | None):
