@@ -29,6 +29,7 @@ parameter attributes (:func:`harness.layout.from_mcore_param`). Activations are 
 from __future__ import annotations
 
 import atexit
+import copy
 import fnmatch
 import hashlib
 import math
@@ -346,9 +347,10 @@ class Capture:
     def _index_doc(self, n_entries: int) -> Callable[[], dict]:
         """The index as of now (its first ``n_entries`` entries), serialized when called: by
         then the writer has set their content hashes."""
-        entries, scalars = self._entries[:n_entries], list(self._scalars)
+        # Copies: the training thread goes on recording while the writer serializes them.
+        entries, scalars, info = self._entries[:n_entries], list(self._scalars), copy.deepcopy(self.info)
         return lambda: {"rank": self.rank, "tensors": [e.to_json() for e in entries], "scalars": scalars,
-                        "info": self.info}  # fmt: skip
+                        "info": info}  # fmt: skip
 
     @staticmethod
     def finalize(
