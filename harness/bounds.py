@@ -14,6 +14,20 @@ Numerical Algorithms*, 2nd ed., Lemma 3.1 and sections 3.1 and 4.2):
 
 These hold for every summation order and every machine that rounds to nearest in a dtype at
 least as precise as the one named, which is what makes them bounds rather than observations.
+
+They grow with ``n`` and are vacuous once ``n u >= 1`` (``n >= 2^24`` in fp32): a model's
+largest weight passes that. For large ``n`` the comparison uses the probabilistic bound of
+Higham and Mary (*A New Approach to Probabilistic Rounding Error Analysis*, SIAM J. Sci.
+Comput. 41(5), 2019, Theorems 3.1 and 4.1): if the rounding errors ``delta_i`` are
+independent random variables of mean zero, then for any ``lambda > 0`` a product of ``n``
+factors ``(1 + delta_i)^(+-1)`` is ``1 + theta_n`` with ``|theta_n| <= gamma~_n(lambda) =
+exp(lambda sqrt(n) u + n u^2 / (1 - u)) - 1`` (``~ lambda sqrt(n) u``) with probability at
+least ``P(lambda) = 1 - 2 exp(-lambda^2 (1 - u)^2 / 2)``, and a sum or dot product of ``n``
+terms is within ``gamma~_n(lambda) sum |x_i y_i|`` with probability at least ``1 - n (1 -
+P(lambda))`` (a union bound over the terms). :func:`gamma_at_scale` picks ``lambda`` so that
+this failure probability is at most :data:`FAILURE_PROBABILITY` and returns the smaller of
+the two bounds. Blocked and pairwise summation, as torch's reductions sum, have still
+smaller errors, so the bound is conservative for them too.
 """
 
 from __future__ import annotations
@@ -31,6 +45,28 @@ def gamma(n: int, dtype: torch.dtype = torch.float32) -> float:
     """``gamma_n = n u / (1 - n u)`` of ``dtype`` (infinite once ``n u >= 1``: no bound left)."""
     nu = n * unit_roundoff(dtype)
     return nu / (1 - nu) if nu < 1 else math.inf
+
+
+FAILURE_PROBABILITY = 1e-9
+"""Largest accepted chance that correct rounding exceeds the probabilistic bound: a false
+alarm once in a billion norms, under the model of independent mean-zero rounding errors."""
+
+
+def probabilistic_gamma(n: int, dtype: torch.dtype = torch.float32,
+                        failure: float = FAILURE_PROBABILITY) -> float:
+    """Higham and Mary's ``gamma~_n(lambda)``, ``lambda`` such that a sum of ``n`` terms breaks
+    it with probability at most ``failure``: ``n * 2 exp(-lambda^2 (1 - u)^2 / 2) = failure``."""
+    if n <= 0:
+        return 0.0
+    u = unit_roundoff(dtype)
+    lam = math.sqrt(2 * math.log(2 * n / failure)) / (1 - u)
+    return math.expm1(lam * math.sqrt(n) * u + n * u * u / (1 - u))
+
+
+def gamma_at_scale(n: int, dtype: torch.dtype = torch.float32) -> float:
+    """The smaller of the deterministic ``gamma_n`` and the probabilistic ``gamma~_n`` (the
+    latter holds with probability at least ``1 - FAILURE_PROBABILITY``); finite for any ``n``."""
+    return min(gamma(n, dtype), probabilistic_gamma(n, dtype))
 
 
 def reorder_bound(n_terms: int, abs_sum, dtype: torch.dtype = torch.float32):
@@ -57,5 +93,7 @@ def norm_roundings(largest_tensor: int, tensors: int, ranks: int) -> int:
 
 def norm_rel_error(largest_tensor: int, tensors: int, ranks: int,
                    dtype: torch.dtype = torch.float32) -> float:
-    """Relative error bound of a computed global grad norm (see :func:`norm_roundings`)."""
-    return gamma(norm_roundings(largest_tensor, tensors, ranks), dtype)
+    """Relative error bound of a computed global grad norm (see :func:`norm_roundings`): finite
+    at any size, probabilistic where the deterministic bound is the looser
+    (:func:`gamma_at_scale`)."""
+    return gamma_at_scale(norm_roundings(largest_tensor, tensors, ranks), dtype)

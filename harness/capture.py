@@ -28,9 +28,15 @@ parameter attributes (:func:`harness.layout.from_mcore_param`). Activations are 
 
 from __future__ import annotations
 
+import atexit
+import copy
 import fnmatch
 import hashlib
+import math
 import platform
+import queue
+import threading
+import zlib
 from importlib import metadata
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
@@ -46,32 +52,48 @@ FINGERPRINT_BLOCKS = 16
 
 
 def fingerprint(t: torch.Tensor) -> dict:
-    """Statistics, a bitwise hash and per-block checksums (blocks along dim 0)."""
-    flat = t.detach().reshape(-1)
-    f64 = flat.double()
-    finite = torch.isfinite(f64)
-    raw = t.detach().contiguous().view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+    """Statistics, a bitwise hash and per-block checksums (blocks along dim 0).
+
+    Cheap enough to run every step: the hashes read the tensor's bytes in place (no copy),
+    block checksums are CRC-32 (zlib, hardware-accelerated where the CPU has it), and the
+    statistics are reductions in the tensor's dtype accumulated in fp64 (no fp64 copy); only
+    a tensor holding NaN or Inf pays for the masked copy its finite statistics need.
+    """
+    flat = t.detach().contiguous().reshape(-1)
+    raw = _bytes(flat)
     blocks = []
     rows = t.shape[0] if t.dim() else 1
-    for chunk in (t.detach().reshape(rows, -1).chunk(min(FINGERPRINT_BLOCKS, rows)) if t.numel() else []):
-        c = chunk.contiguous()
+    for chunk in (flat.reshape(rows, -1).chunk(min(FINGERPRINT_BLOCKS, rows)) if t.numel() else []):
         blocks.append({
-            "rows": int(c.shape[0]),
-            "sum": float(c.double().sum()),
-            "sha256": hashlib.sha256(c.view(torch.uint8).numpy().tobytes()).hexdigest()[:16],
+            "rows": int(chunk.shape[0]),
+            "sum": float(chunk.sum(dtype=torch.float64)) if chunk.dtype.is_floating_point else float(chunk.sum()),
+            "crc32": f"{zlib.crc32(_bytes(chunk)):08x}",
         })  # fmt: skip
-    good = f64[finite]
-    return {
-        "sha256": hashlib.sha256(raw.numpy().tobytes()).hexdigest(),
-        "numel": int(t.numel()),
-        "nan": int(torch.isnan(f64).sum()),
-        "inf": int(torch.isinf(f64).sum()),
-        "min": float(good.min()) if good.numel() else None,
-        "max": float(good.max()) if good.numel() else None,
-        "mean": float(good.mean()) if good.numel() else None,
-        "l2": float(good.norm()) if good.numel() else None,
-        "blocks": blocks,
-    }
+    return {"sha256": hashlib.sha256(raw).hexdigest(), "numel": int(t.numel()), **_finite_stats(flat),
+            "blocks": blocks}  # fmt: skip
+
+
+def _bytes(t: torch.Tensor):
+    """The bytes of a contiguous tensor as a buffer, without a copy."""
+    return t.view(torch.uint8).numpy() if t.numel() else b""
+
+
+def _finite_stats(flat: torch.Tensor) -> dict:
+    """NaN and Inf counts; min, max, mean and L2 norm of the finite values (fp64 accumulation)."""
+    if not flat.dtype.is_floating_point:
+        flat = flat.double()
+    total = float(flat.sum(dtype=torch.float64)) if flat.numel() else 0.0
+    nan = inf = 0
+    good = flat
+    if not math.isfinite(total):  # only then look for the non-finite positions
+        nan, inf = int(torch.isnan(flat).sum()), int(torch.isinf(flat).sum())
+        good = flat[torch.isfinite(flat)]
+        total = float(good.sum(dtype=torch.float64)) if good.numel() else 0.0
+    if not good.numel():
+        return {"nan": nan, "inf": inf, "min": None, "max": None, "mean": None, "l2": None}
+    lo, hi = torch.aminmax(good)
+    return {"nan": nan, "inf": inf, "min": float(lo), "max": float(hi), "mean": total / good.numel(),
+            "l2": float(torch.linalg.vector_norm(good, dtype=torch.float64))}  # fmt: skip
 
 
 def versions() -> dict[str, str | None]:
@@ -82,6 +104,46 @@ def versions() -> dict[str, str | None]:
         except metadata.PackageNotFoundError:
             out[dist] = None
     return out
+
+
+WRITE_QUEUE = 2
+"""Steps whose copies may wait for the writer thread; a step beyond them waits for a write."""
+
+
+class _Writer:
+    """One thread that runs writes in order; the first error is raised at the next submit or close."""
+
+    def __init__(self):
+        self._queue: queue.Queue = queue.Queue(maxsize=WRITE_QUEUE)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="capture-writer", daemon=True)
+        self._thread.start()
+        atexit.register(self.close)  # a rank leaving without close() still writes what it recorded
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            if self._error is None:
+                try:
+                    job()
+                except BaseException as e:  # raised in the training thread, at its next call
+                    self._error = e
+            self._queue.task_done()
+        self._queue.task_done()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._raise()
+        self._queue.put(job)
+
+    def close(self) -> None:
+        atexit.unregister(self.close)
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+        self._raise()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
 
 
 class Capture:
@@ -110,6 +172,8 @@ class Capture:
         self._recorded: set[tuple[int, str]] = set()
         self._scalars: list[dict] = []
         self._hooks = []
+        self._writer = _Writer()
+        self._flushed = 0  # entries already handed to the writer
         self.info: dict = {}
         """Free-form facts about this rank's run (e.g. GTP params and their prefetch chains)."""
 
@@ -175,8 +239,7 @@ class Capture:
         if self.policy.mode == "fingerprint" and kind != "input":
             entry.fingerprint = fingerprint(value)
         else:
-            self._pending[key] = value.clone()
-            entry.sha256 = content_hash(self._pending[key])
+            self._pending[key] = value.clone()  # the step waits for this copy only: hash and write run behind
         self._entries.append(entry)
 
     def params(
@@ -228,11 +291,25 @@ class Capture:
         write_json(self.rank_dir / "progress.json", {"rank": self.rank, "step": self.step, "phase": phase})
 
     def end_step(self) -> None:
-        if self._pending:
-            write_tensors(self.rank_dir / f"step{self.step}.safetensors", self._pending)
+        """Hand the step's copies to the writer thread: it hashes them, writes the step's file,
+        then the index up to this step (a rank that dies later leaves a readable, incomplete
+        trace). At most :data:`WRITE_QUEUE` steps wait, bounding the copies held in memory."""
+        pending, entries = self._pending, self._entries[self._flushed:]
+        self._flushed = len(self._entries)
+        path = self.rank_dir / f"step{self.step}.safetensors"
+        index = self._index_doc(len(self._entries))
+
+        def write() -> None:
+            for e in entries:
+                if e.key in pending:
+                    e.sha256 = content_hash(pending[e.key])
+            if pending:
+                write_tensors(path, pending)
+            write_json(self.rank_dir / "index.json", index())
+
+        self._writer.submit(write)
         self._pending = {}
         self._mb = self._ids = None
-        self._write_index()  # a rank that dies later leaves a readable, incomplete trace
         self.progress("end")
 
     # --- activations through forward hooks ---
@@ -280,14 +357,16 @@ class Capture:
 
     def close(self) -> None:
         self.detach()
-        self._write_index()
+        self._writer.close()
+        write_json(self.rank_dir / "index.json", self._index_doc(len(self._entries))())
 
-    def _write_index(self) -> None:
-        write_json(
-            self.rank_dir / "index.json",
-            {"rank": self.rank, "tensors": [e.to_json() for e in self._entries], "scalars": self._scalars,
-             "info": self.info},
-        )
+    def _index_doc(self, n_entries: int) -> Callable[[], dict]:
+        """The index as of now (its first ``n_entries`` entries), serialized when called: by
+        then the writer has set their content hashes."""
+        # Copies: the training thread goes on recording while the writer serializes them.
+        entries, scalars, info = self._entries[:n_entries], list(self._scalars), copy.deepcopy(self.info)
+        return lambda: {"rank": self.rank, "tensors": [e.to_json() for e in entries], "scalars": scalars,
+                        "info": info}  # fmt: skip
 
     @staticmethod
     def finalize(

@@ -5,7 +5,8 @@ activations by global sample id), then measure every pair and judge it under the
 Results are data: one row per (step, kind, tensor) in a pandas DataFrame; text and HTML are
 views of it. The first divergence and its signature come from :mod:`harness.localize`.
 
-Metrics per pair: bitwise equality, max abs and max rel difference (with the index of the
+Metrics per pair (:mod:`harness.metrics`, one streaming pass that also measures what the
+judgement needs): bitwise equality, max abs and max rel difference (with the index of the
 worst element), max and p99 ULP distance (in the candidate's dtype), the max error in ULPs
 of the tensor's largest magnitude (``scaled_ulp``), relative L2, cosine, and NaN/Inf
 positions compared as such.
@@ -38,66 +39,13 @@ import torch
 
 from harness import bounds, localize
 from harness.assemble import Logical, assemble_trace
+from harness.metrics import PairStats, measure, metrics, ulp_distance  # noqa: F401 (re-exported)
 from harness.scenario import ComparePolicy
 from harness.steps import per_sample_losses, step_table
 from harness.tolerance import DTYPE_TOLS, recipe_of, tolerances
 from harness.trace import Trace
 
 SCALAR_NAMES = ("reduced_loss", "grad_norm", "lr", "skipped")
-
-
-def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """ULPs between same-dtype float tensors (ordered-integer distance of their bit patterns)."""
-    int_t = {torch.float64: torch.int64, torch.float32: torch.int32,
-             torch.bfloat16: torch.int16, torch.float16: torch.int16}[a.dtype]  # fmt: skip
-
-    def ordered(x):
-        i = x.contiguous().view(int_t).long()
-        top = 1 << (torch.iinfo(int_t).bits - 1)
-        return torch.where(i < 0, -(i + top), i)
-
-    return (ordered(a) - ordered(b)).abs()
-
-
-def metrics(ref: torch.Tensor, cand: torch.Tensor) -> dict:
-    """Every metric of one pair (same shape); floats in fp64."""
-    out: dict = {"numel": ref.numel()}
-    same_dtype = ref.dtype == cand.dtype
-    out["bitwise_equal"] = bool(same_dtype and ref.shape == cand.shape and torch.equal(
-        ref.contiguous().view(torch.uint8) if ref.dtype.is_floating_point else ref,
-        cand.contiguous().view(torch.uint8) if cand.dtype.is_floating_point else cand))  # fmt: skip
-    r, c = ref.double(), cand.double()
-    r_nan, c_nan = torch.isnan(r), torch.isnan(c)
-    r_inf, c_inf = torch.isinf(r), torch.isinf(c)
-    out["nonfinite_mismatch"] = int(((r_nan != c_nan) | (r_inf != c_inf) | (r_inf & c_inf & (r != c))).sum())
-    finite = torch.isfinite(r) & torch.isfinite(c)
-    diff = torch.where(finite, (c - r).abs(), torch.zeros_like(r))
-    rel = diff / r.abs().clamp_min(torch.finfo(torch.float64).tiny)
-    rel = torch.where(finite & (r != 0), rel, torch.zeros_like(r))
-    out["max_abs"] = float(diff.max()) if diff.numel() else 0.0
-    out["max_rel"] = float(rel.max()) if rel.numel() else 0.0
-    worst = int(diff.reshape(-1).argmax()) if diff.numel() else 0
-    out["worst_index"] = list(torch.unravel_index(torch.tensor(worst), ref.shape)) if ref.dim() else []
-    out["worst_index"] = [int(i) for i in out["worst_index"]]
-    out["ref_at_worst"] = float(r.reshape(-1)[worst]) if r.numel() else 0.0
-    out["cand_at_worst"] = float(c.reshape(-1)[worst]) if c.numel() else 0.0
-    if same_dtype and ref.dtype in DTYPE_TOLS and ref.numel():
-        u = ulp_distance(ref, cand)[finite].double()
-        out["max_ulp"] = float(u.max()) if u.numel() else 0.0
-        out["p99_ulp"] = float(torch.quantile(u[:1_000_000], 0.99)) if u.numel() else 0.0
-        # Error in ULPs of the tensor's largest magnitude: near-cancelled elements make the
-        # element-wise ULP distance explode under any change of summation order.
-        top = float(r[finite].abs().max()) if finite.any() else 0.0
-        spacing = torch.finfo(ref.dtype).eps * 2.0 ** math.floor(math.log2(top)) if top > 0 else 0.0
-        out["scaled_ulp"] = out["max_abs"] / spacing if spacing else 0.0
-    else:
-        out["max_ulp"] = out["p99_ulp"] = out["scaled_ulp"] = float("nan")
-    rn = float(r[finite].norm())
-    out["rel_l2"] = float((c - r)[finite].norm()) / rn if rn > 0 else (0.0 if out["max_abs"] == 0 else math.inf)
-    cn = float(c[finite].norm())
-    out["cosine"] = float((r[finite] * c[finite]).sum()) / (rn * cn) if rn > 0 and cn > 0 else float("nan")
-    out["mismatched"] = int((diff > 0).sum())
-    return out
 
 
 class Judgement(NamedTuple):
@@ -110,8 +58,12 @@ class Judgement(NamedTuple):
 
 
 def judge(policy: ComparePolicy, step: int, ref, cand, golden, m: dict,
-          recipe: str = "none") -> Judgement:
-    """The judgement of one pair with metrics ``m``; ``recipe`` picks the ``dtype`` tolerance."""
+          recipe: str = "none", stats: PairStats | None = None) -> Judgement:
+    """The judgement of one pair with metrics ``m``; ``recipe`` picks the ``dtype`` tolerance.
+
+    ``stats``: what :func:`harness.metrics.measure` measured with the golden and the
+    tolerances in the same pass; without it, what the policy needs is measured here.
+    """
     if m["nonfinite_mismatch"]:
         return Judgement(False, "nonfinite", 0.0)
     if step == 0 or policy.policy == "exact":
@@ -122,18 +74,23 @@ def judge(policy: ComparePolicy, step: int, ref, cand, golden, m: dict,
     if policy.policy == "noise-floor" and golden is not None:
         # Root-mean-square errors: the max of a few hundred elements is too noisy a statistic
         # to compare two runs' rounding by (small tensors such as LayerNorm params flip it).
-        ref_err, cand_err = rms_error(ref, golden), rms_error(cand, golden)
+        if stats is None or not stats.has_golden:
+            stats = measure(ref, cand, golden)[1]
+        ref_err, cand_err = stats.rms("ref"), stats.rms("cand")
         eps = torch.finfo(dtype).eps
-        bound = policy.k_at(step) * ref_err + policy.floor * eps * float(golden.double().abs().max())
+        bound = policy.k_at(step) * ref_err + policy.floor * eps * stats.abs_max_golden
         return Judgement(cand_err <= bound, "noise-floor", bound, ref_err, cand_err)
     rtol, atol = tolerances(recipe, dtype)
-    r, c = ref.double(), cand.double()
-    excess = ((c - r).abs() - (atol + rtol * r.abs())).max()
-    return Judgement(bool(excess <= 0), "dtype", atol + rtol * float(r.abs().max()))
+    if stats is None or stats.tols != (rtol, atol):
+        stats = measure(ref, cand, tols=(rtol, atol))[1]
+    return Judgement(bool(stats.dtype_excess <= 0), "dtype", atol + rtol * stats.abs_max_ref)
 
 
-def rms_error(x: torch.Tensor, golden: torch.Tensor) -> float:
-    return float((x.double() - golden.double()).pow(2).mean().sqrt())
+def _needs(policy: ComparePolicy, step: int, golden, recipe: str, dtype: torch.dtype):
+    """(golden, tolerances) that one pass should measure for the judgement and the row."""
+    if step == 0 or policy.policy == "exact" or (policy.policy == "noise-floor" and golden is not None):
+        return golden, None
+    return golden, tolerances(recipe, dtype if dtype in DTYPE_TOLS else torch.float32)
 
 
 def _pairs(ref: Logical, cand: Logical, golden: Logical | None):
@@ -161,7 +118,7 @@ def compare(traces: dict[str, Trace], policy: ComparePolicy | None = None) -> di
     logical = {role: assemble_trace(t) for role, t in traces.items()}
     ref, cand, golden = logical["reference"], logical["candidate"], logical.get("golden")
     recipe = recipe_of(traces)
-    rows = []
+    rows, sq_diff = [], {}
     for step, kind, name, ids, r, c, g in _pairs(ref, cand, golden):
         if r.shape != c.shape:
             rows.append({"step": step, "kind": kind, "tensor": name, "passed": False, "policy": "shape",
@@ -169,19 +126,21 @@ def compare(traces: dict[str, Trace], policy: ComparePolicy | None = None) -> di
             continue
         if g is not None and step == 0:
             g = g.to(c.dtype)  # initial weights: the golden's, cast as every side casts them
-        m = metrics(r, c)
-        j = judge(policy, step, r, c, g, m, recipe)
+        m, stats = measure(r, c, *_needs(policy, step, g, recipe, c.dtype))
+        j = judge(policy, step, r, c, g, m, recipe, stats)
+        if kind == "main_grad" and not m["nonfinite_mismatch"]:
+            sq_diff[(step, kind, name)] = stats.sq_diff  # the grad-norm consistency reuses it
         if j.ref_err_golden is not None:
             m.update(ref_err_golden=j.ref_err_golden, cand_err_golden=j.cand_err_golden)
         elif g is not None:
-            m.update(ref_err_golden=rms_error(r, g), cand_err_golden=rms_error(c, g))
+            m.update(ref_err_golden=stats.rms("ref"), cand_err_golden=stats.rms("cand"))
         rows.append({"step": step, "kind": kind, "tensor": name, "passed": j.passed, "policy": j.policy,
                      "bound": j.bound, "dtype": str(c.dtype).replace("torch.", ""),
                      "shape": list(r.shape), "sample_ids": ids, **m})  # fmt: skip
     rows += compare_fingerprints(ref, cand, traces)
     scalars = _pool_loss_noise(_compare_scalars(traces, policy, recipe), policy)
     worlds = (traces["reference"].world_size, traces["candidate"].world_size)
-    rows += _grad_norm_consistency(scalars, ref, cand, policy, worlds)
+    rows += _grad_norm_consistency(scalars, ref, cand, policy, worlds, sq_diff)
     rows += input_rows(ref, cand)
     df = pd.DataFrame(rows)
     summary = localize.summarize(df, logical, traces, policy, recipe=recipe)
@@ -219,7 +178,7 @@ def compare_fingerprints(ref: Logical, cand: Logical, traces: dict[str, Trace]) 
         row = {"step": key[0], "kind": key[1], "tensor": key[2], "policy": "fingerprint"}
         if same_mesh:
             differing = {r: [i for i, (a, b) in enumerate(zip(rf[r]["blocks"], cf[r]["blocks"]))
-                             if a["sha256"] != b["sha256"]]
+                             if _block_digest(a) != _block_digest(b)]
                          for r in sorted(set(rf) & set(cf)) if rf[r]["sha256"] != cf[r]["sha256"]}  # fmt: skip
             row.update(passed=not differing, bitwise_equal=not differing, ranks=sorted(differing),
                        differing_blocks={str(r): b for r, b in differing.items()})  # fmt: skip
@@ -229,6 +188,11 @@ def compare_fingerprints(ref: Logical, cand: Logical, traces: dict[str, Trace]) 
             row.update(passed=rel <= 1e-5, bitwise_equal=False, rel_l2_norm_diff=rel)
         rows.append(row)
     return rows
+
+
+def _block_digest(block: dict) -> str | None:
+    """A block's checksum: CRC-32 since fingerprints became cheap, a sha256 prefix before."""
+    return block.get("crc32", block.get("sha256"))
 
 
 def _fingerprint_norm(fps: dict[int, dict], trace: Trace) -> float:
@@ -302,7 +266,7 @@ def _pool_loss_noise(rows: list[dict], policy: ComparePolicy) -> list[dict]:
 
 
 def _grad_norm_consistency(rows: list[dict], ref: Logical, cand: Logical, policy: ComparePolicy,
-                           world_sizes: tuple[int, int] = (1, 1)) -> list[dict]:
+                           world_sizes: tuple[int, int] = (1, 1), sq_diff: dict | None = None) -> list[dict]:
     """Judge the grad norm by whether the gradients explain it: ``| |g_c| - |g_r| | <= |g_c - g_r|``.
 
     The reverse triangle inequality holds for any two gradient sets, so a norm that breaks it
@@ -314,8 +278,12 @@ def _grad_norm_consistency(rows: list[dict], ref: Logical, cand: Logical, policy
     Rounding: each computed norm is within ``gamma_m`` (fp32) of the exact norm of its stored
     gradients, ``m`` the roundings on one term's path (:func:`harness.bounds.norm_roundings`:
     the largest tensor's element count, the tensor count and the ranks, from the traces), so
-    ``| |g_c|^ - |g_r|^ | <= |g_c - g_r| + gamma_m / (1 - gamma_m) (|g_c|^ + |g_r|^)``; the
-    gradient difference is summed in fp64 (``gamma`` of its element count, fp64).
+    ``| |g_c|^ - |g_r|^ | <= |g_c - g_r| + gamma_m / (1 - gamma_m) (|g_c|^ + |g_r|^)``, with
+    ``gamma_m`` from :func:`harness.bounds.gamma_at_scale`: finite at any model size (beyond
+    ``2^24`` summed elements the deterministic bound is vacuous; the probabilistic one fails
+    with probability below :data:`harness.bounds.FAILURE_PROBABILITY`). The gradient
+    difference is summed in fp64, in any order (``gamma`` of its element count, fp64); the
+    per-pair sums the metrics pass measured (``sq_diff``) are reused when given.
     """
     if policy.policy == "exact":
         return rows
@@ -328,7 +296,8 @@ def _grad_norm_consistency(rows: list[dict], ref: Logical, cand: Logical, policy
         keys = [(r["step"], "main_grad", n) for n in sorted(names)]
         if not names or not all(k in ref.tensors and k in cand.tensors for k in keys):
             continue
-        diff = math.sqrt(sum(float((cand.tensors[k].double() - ref.tensors[k].double()).pow(2).sum())
+        sq_diff = sq_diff or {}
+        diff = math.sqrt(sum(sq_diff[k] if k in sq_diff else measure(ref.tensors[k], cand.tensors[k])[1].sq_diff
                              for k in keys))  # fmt: skip
         largest = max(_padded_numel(side, k) for side in (ref, cand) for k in keys)
         rel = bounds.norm_rel_error(largest, len(keys), max(world_sizes))

@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from harness.errors import BadInput
 from harness.layout import Layout
@@ -128,17 +129,21 @@ class Trace:
 
     def tensor(self, entry: Entry) -> torch.Tensor:
         path = self.path / f"rank{entry.rank}" / f"step{entry.step}.safetensors"
+        # Files are memory-mapped and each tensor read when asked for: a compare holds the
+        # tensors it is working on, not whole traces.
         if path not in self._files:
             try:
-                self._files[path] = load_file(str(path))
+                self._files[path] = safe_open(str(path), framework="pt")
             except FileNotFoundError:
                 raise BadInput(str(path), "missing tensor file listed in the rank index") from None
             except (SafetensorError, OSError, ValueError) as e:
                 raise BadInput(str(path), f"corrupt or truncated safetensors file ({e})") from None
+        if entry.key not in self._files[path].keys():
+            raise BadInput(str(path), f"tensor {entry.key!r} listed in the index is missing")
         try:
-            t = self._files[path][entry.key]
-        except KeyError:
-            raise BadInput(str(path), f"tensor {entry.key!r} listed in the index is missing") from None
+            t = self._files[path].get_tensor(entry.key)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise BadInput(str(path), f"corrupt or truncated safetensors file ({e})") from None
         if tuple(t.shape) != tuple(entry.local_shape):
             raise BadInput(
                 str(path), f"tensor {entry.key!r} has shape {tuple(t.shape)}, index says {entry.local_shape}"

@@ -154,7 +154,7 @@ def test_fingerprint_traces_compare_by_hash_and_name_the_block(tmp_path):
     for e in idx["tensors"]:
         if e["kind"] == "param" and e["name"] == "0.weight" and e["step"] == 2:
             e["fingerprint"]["sha256"] = "0" * 64
-            e["fingerprint"]["blocks"][1]["sha256"] = "f" * 16
+            e["fingerprint"]["blocks"][1]["crc32"] = "f" * 8
     idx_path.write_text(json.dumps(idx))
     from harness.compare import compare
 

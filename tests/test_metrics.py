@@ -1,0 +1,57 @@
+"""The streaming metrics pass (harness/metrics.py) against whole-tensor fp64 computations."""
+
+import math
+
+import pytest
+import torch
+
+from harness import metrics as M
+
+
+def _pair(dtype, numel, nonfinite):
+    gen = torch.Generator().manual_seed(numel)
+    r = torch.randn(numel, generator=gen)
+    c = (r + 1e-3 * torch.randn(numel, generator=gen)).to(dtype)
+    r = r.to(dtype)
+    if nonfinite:
+        r[5], c[7], r[M.CHUNK + 1], c[M.CHUNK + 1] = float("nan"), float("inf"), 0.0, 1.0
+    return r, c
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("nonfinite", [False, True])
+def test_one_pass_over_chunks_equals_whole_tensor_fp64(dtype, nonfinite):
+    r, c = _pair(dtype, 3 * M.CHUNK + 17, nonfinite)  # several chunks and a partial one
+    m = M.metrics(r, c)
+    rd, cd = r.double(), c.double()
+    finite = rd.isfinite() & cd.isfinite()
+    diff = torch.where(finite, (cd - rd).abs(), torch.zeros_like(rd))
+    # Per-element values and their maxima: bit for bit a whole-tensor fp64 pass.
+    assert m["max_abs"] == float(diff.max()) and m["worst_index"] == [int(diff.argmax())]
+    assert m["mismatched"] == int((diff > 0).sum())
+    assert m["nonfinite_mismatch"] == (2 if nonfinite else 0)
+    ulp = M.ulp_distance(r, c)[finite].double()
+    assert m["max_ulp"] == float(ulp.max()) and m["p99_ulp"] == float(torch.quantile(ulp, 0.99))
+    # Sums: fp64 in another order, within gamma of the terms (n of them) in fp64.
+    n = r.numel()
+    rel_l2 = float((cd - rd)[finite].norm() / rd[finite].norm())
+    assert m["rel_l2"] == pytest.approx(rel_l2, rel=4 * n * 2**-53)
+    cosine = float((rd[finite] * cd[finite]).sum() / (rd[finite].norm() * cd[finite].norm()))
+    assert m["cosine"] == pytest.approx(cosine, rel=4 * n * 2**-53)
+
+
+def test_judgement_inputs_come_from_the_same_pass():
+    r, c = _pair(torch.float32, 2 * M.CHUNK + 3, False)
+    g = r.double() + 1e-4
+    _, stats = M.measure(r, c, g, tols=(1.3e-6, 1e-5))
+    ref_rms = math.sqrt(float((r.double() - g).pow(2).mean()))
+    assert stats.rms("ref") == pytest.approx(ref_rms, rel=4 * r.numel() * 2**-53)
+    assert stats.abs_max_golden == float(g.abs().max())
+    excess = float(((c.double() - r.double()).abs() - (1e-5 + 1.3e-6 * r.double().abs())).max())
+    assert stats.dtype_excess == excess and stats.abs_max_ref == float(r.double().abs().max())
+
+
+@pytest.mark.parametrize("largest", [5, 3000, 1 << 22])  # both selection paths of the p99
+def test_p99_is_torch_quantile(largest):
+    u = torch.randint(0, largest, (10_001,), generator=torch.Generator().manual_seed(largest))
+    assert M._p99(u) == float(torch.quantile(u.double(), 0.99))
