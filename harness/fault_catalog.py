@@ -64,6 +64,16 @@ CATALOG: dict[str, Fault] = {
             {"step": 1, "kind": "scalar", "tensor": "grad_norm", "signature": "grad-norm-only"},
         ),
         Fault(
+            "gtp-update-no-weight-decay", "optimizer param groups",
+            "the optimizer's param groups holding GTP weights apply no weight decay",
+            {"step": 1, "kind": "param", "tensor": "*.weight", "signature": "update-term"},
+        ),
+        Fault(
+            "gtp-update-lr-mult", "optimizer param groups",
+            "the optimizer's param groups holding GTP weights step with half the LR",
+            {"step": 1, "kind": "param", "tensor": "*.weight", "signature": "update-term"},
+        ),
+        Fault(
             "fp8-unreduced-amax", "precision loss",
             "FP8 quantized all-gather of GTP weights (torch backend): each shard is quantized with "
             "its own per-tensor amax, not the amax reduced over the GTP group, and the gathered "
@@ -93,7 +103,8 @@ def check_name(name: str) -> str | None:
 # Faults that act on GTP's collectives, buffers or groups: on a side without GTP they never fire.
 _NEEDS_GTP = frozenset({"gtp-rs-no-prescale", "gtp-ag-swap-shards", "gtp-ln-grad-not-reduced",
                         "gtp-peers-same-sample", "gtp-pad-leak", "loss-report-wrong-group",
-                        "grad-norm-double-count", "fp8-unreduced-amax"})  # fmt: skip
+                        "grad-norm-double-count", "fp8-unreduced-amax", "gtp-update-no-weight-decay",
+                        "gtp-update-lr-mult"})  # fmt: skip
 # What the torch backend can plant (the others patch megatron-core's own functions).
 TORCH_FAULTS = frozenset({"fp8-unreduced-amax", "gtp-peers-same-sample", "gtp-pad-leak", "optimizer-skips-weight"})
 
