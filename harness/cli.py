@@ -159,6 +159,12 @@ def _cmd_conformance(args) -> int:
     return conformance_main(args.rest)
 
 
+def _cmd_mutate(args) -> int:
+    from harness.mutation.command import main as mutate_main
+
+    return mutate_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="gtp-parity", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -211,6 +217,16 @@ def build_parser() -> argparse.ArgumentParser:
                        add_help=False)
     k.add_argument("rest", nargs=argparse.REMAINDER)
     k.set_defaults(fn=_cmd_conformance)
+
+    mu = sub.add_parser("mutate", help="mutation campaign over megatron-core's GTP code: the harness's detection power")
+    mu.add_argument("--target", action="append", metavar="MODULE", help="module of the GTP path (default: all)")
+    mu.add_argument("--matrix", help="scenarios each mutant runs (default: scenarios/mutate.toml)")
+    mu.add_argument("--budget", type=int, help="mutants to run, spread over files and operators (default: all)")
+    mu.add_argument("--timeout", type=_non_negative, default=90.0, help="seconds per mutant side (default 90)")
+    mu.add_argument("--per-launch", type=int, default=12, help="mutant sides per launch (default 12)")
+    mu.add_argument("--show", metavar="ID", help="print a mutant's diff and the localization it got")
+    mu.add_argument("--out", required=True, help="campaign folder: mutants.json, index.html, traces")
+    mu.set_defaults(fn=_cmd_mutate)
 
     i = sub.add_parser("inject", help="list the planted faults")
     i.add_argument("--list", action="store_true", required=True)

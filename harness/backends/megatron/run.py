@@ -191,6 +191,10 @@ def run(job: Job, cap: Capture) -> None:
     compat.install()
     compat.reset_gtp_state()
     try:
+        if job.side.mutant:  # a mutation campaign's side: undone with the faults' patches below
+            from harness.mutation.apply import apply
+
+            apply(job.side.mutant)
         config, ddp, mesh, coord = _build(job)
         opt, scheduler = _optimizer(job, ddp)
         _train(job, cap, config, ddp, opt, scheduler, mesh, get_forward_backward_func(), finalize_model_grads)
