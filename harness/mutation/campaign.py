@@ -10,6 +10,8 @@ the sides after it are launched again.
 from __future__ import annotations
 
 import dataclasses
+import filecmp
+import json
 import fnmatch
 import time
 import tomllib
@@ -20,7 +22,7 @@ from pathlib import Path
 from harness import trace
 from harness.errors import BadInput, RunFailed
 from harness.launch import launch
-from harness.mutation.generate import Mutant
+from harness.mutation.generate import Mutant, applicable
 
 KILLED, CRASHED, TIMEOUT, SURVIVED = "killed", "crashed", "timeout", "survived"
 EQUIVALENT, UNREACHABLE = "equivalent", "unreachable"
@@ -59,28 +61,36 @@ class Outcome:
     localized: bool | None = None
     error: str | None = None
     reason: str | None = None
-    """Why a survivor is equivalent or unreachable (the triage file's)."""
+    """Why a survivor is equivalent or unreachable (the triage file's, or the run's: its
+    mutated lines never ran)."""
+    reached: bool | None = None
+    """Whether the mutated lines ran on the candidate (None: not recorded, e.g. a crash)."""
 
     def to_json(self) -> dict:
         return {**self.mutant.to_json(), "status": self.status, "verdicts": self.verdicts,
                 "scenario": self.scenario, "first_divergence": self.first_divergence,
                 "expected_kinds": sorted(expected_kinds(self.mutant)), "localized": self.localized,
-                "error": self.error, "reason": self.reason}  # fmt: skip
+                "error": self.error, "reason": self.reason, "reached": self.reached}  # fmt: skip
 
 
 def select(mutants: list[Mutant], budget: int | None) -> list[Mutant]:
-    """``budget`` mutants spread round-robin over (file, operator): a small campaign samples
-    every file and operator, not the first functions of the first file."""
-    if budget is None or budget >= len(mutants):
-        return mutants
+    """``budget`` applicable mutants spread round-robin over (file, operator): a small
+    campaign samples every file and operator, not the first functions of the first file.
+    Only the chosen are compiled (checking all of them costs more than a small campaign)."""
     groups = defaultdict(list)
     for m in sorted(mutants, key=lambda m: m.id):
         groups[(m.module, m.operator)].append(m)
-    queues, out = [groups[k] for k in sorted(groups)], []
-    while len(out) < budget:
+    queues = [groups[k] for k in sorted(groups)]
+    order = []
+    while any(queues):
         for q in queues:
-            if q and len(out) < budget:
-                out.append(q.pop(0))
+            if q:
+                order.append(q.pop(0))
+    budget = len(order) if budget is None else budget
+    out: list[Mutant] = []
+    while len(out) < budget and order:
+        batch, order = order[: budget - len(out)], order[budget - len(out):]
+        out += applicable(batch)
     return out
 
 
@@ -142,8 +152,11 @@ def score(outcomes: list[Outcome]) -> dict:
         counts = {s: sum(o.status == s for o in group) for s in (KILLED, CRASHED, TIMEOUT, SURVIVED,
                                                                   EQUIVALENT, UNREACHABLE)}  # fmt: skip
         detected = sum(counts[s] for s in DETECTED)
+        reachable = total - equivalent - counts[UNREACHABLE]
         return {"total": total, **counts,
-                "score": detected / (total - equivalent) if total > equivalent else None}
+                "score": detected / (total - equivalent) if total > equivalent else None,
+                # the checks' power where the matrix reaches the code
+                "score_reached": detected / reachable if reachable else None}
     by_op, by_file = defaultdict(list), defaultdict(list)
     for o in outcomes:
         by_op[o.mutant.operator].append(o)
@@ -205,8 +218,9 @@ def run_clean(scenarios: list, out: Path, say) -> dict:
 
 
 def run_campaign(mutants: list[Mutant], scenarios: list, out: Path, *, timeout_s: float, per_launch: int,
-                 triage: dict, say=print) -> dict:
-    """Run ``mutants`` against ``scenarios``; write and return the campaign's document."""
+                 triage, say=print) -> dict:
+    """Run ``mutants`` against ``scenarios``; write and return the campaign's document.
+    ``triage`` is the survivors' triage (a dict, or a callable read once the runs are done)."""
     import shutil
 
     from harness.runner import plan
@@ -225,7 +239,8 @@ def run_campaign(mutants: list[Mutant], scenarios: list, out: Path, *, timeout_s
     say(f"gtp-parity mutate: {len(mutants)} mutant(s) x {len(scenarios)} scenario(s) -> {out}")
     failed = run_mutant_jobs(jobs, out, per_launch, timeout_s, say)
     t_run = clock() - t0 - t_clean
-    outcomes = [_judge_one(m, per[m.id], by_s, failed, out, triage) for m in mutants]
+    triage = triage() if callable(triage) else triage
+    outcomes = [_judge_one(m, per[m.id], by_s, failed, out, triage, clean) for m in mutants]
     t_all = clock() - t0
     doc = {"score": score(outcomes), "scenarios": [s.name for s in scenarios],
            "timing": {"clean_s": t_clean, "mutant_runs_s": t_run, "compare_s": t_all - t_clean - t_run,
@@ -235,17 +250,47 @@ def run_campaign(mutants: list[Mutant], scenarios: list, out: Path, *, timeout_s
     return doc
 
 
-def _judge_one(m: Mutant, scenarios: list, by_s: dict, failed: dict, out: Path, triage: dict) -> Outcome:
+def same_trace(a: Path, b: Path) -> bool:
+    """Every rank file of two traces byte for byte equal (the manifests name their keys).
+    Two runs of equal code on one machine write equal bytes, so a mutant whose trace equals the
+    clean candidate's computed what clean code computes: its verdict is the clean one."""
+    def files(t: Path) -> list[Path]:
+        return sorted(p.relative_to(t) for p in t.rglob("*") if p.is_file() and p.name not in _NOT_TRACE)
+
+    ours, other = files(a), files(b)
+    return ours == other and all(filecmp.cmp(a / f, b / f, shallow=False) for f in ours)
+
+
+# Files of a trace folder that name the side rather than hold what it computed.
+_NOT_TRACE = ("manifest.json", "mutant.json")
+
+
+def reached(trace_dir: Path) -> bool | None:
+    """Whether a mutant's lines ran on any rank of its side (None: not recorded)."""
+    seen = [json.loads(p.read_text()).get("reached") for p in sorted(Path(trace_dir).glob("rank*/mutant.json"))]
+    return None if not seen or None in seen else any(seen)
+
+
+def _judge_one(m: Mutant, scenarios: list, by_s: dict, failed: dict, out: Path, triage: dict,
+               clean: dict) -> Outcome:
     o = Outcome(m)
     summaries = []
     for s in scenarios:
         roles = by_s[s.name]
         if roles["candidate"].key in failed or not trace.is_complete(roles["candidate"].trace_dir):
             continue
+        base = clean[s.name.rsplit("@", 1)[0]]
+        if same_trace(Path(roles["candidate"].trace_dir), Path(base["candidate"].trace_dir)):
+            summaries.append({"scenario": s.name, "verdict": "pass", "identical_to_clean": True})
+            continue
         summaries.append(_compare(s, roles, out))
         if summaries[-1]["verdict"] == "fail":
             break  # killed: the remaining scenarios would not change the status
     judge(o, summaries, failed, [by_s[s.name]["candidate"] for s in scenarios])
+    reach = [reached(Path(by_s[s.name]["candidate"].trace_dir)) for s in scenarios]
+    o.reached = None if None in reach else any(reach)
+    if o.status == SURVIVED and o.reached is False:
+        o.status, o.reason = UNREACHABLE, f"the mutated line(s) never ran in {', '.join(s.name.rsplit('@', 1)[0] for s in scenarios)}"
     if o.status == SURVIVED and m.id in triage:
         o.status, o.reason = triage[m.id]["status"], triage[m.id]["reason"]
     return o

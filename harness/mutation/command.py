@@ -61,16 +61,18 @@ def main(args) -> int:
     scenarios = scenario.load(args.matrix or DEFAULT_MATRIX)
     if bad := [s.name for s in scenarios if s.candidate.backend != "megatron"]:
         raise BadInput("--matrix", f"scenario {bad[0]}: mutants run on a megatron candidate")
-    mutants = [m for t in _targets(args.target) for m in mutants_of(t)]
+    mutants = [m for t in _targets(args.target) for m in mutants_of(t, validate=False)]
     chosen = select(mutants, args.budget)
     print(f"gtp-parity mutate: {len(mutants)} mutant(s) generated, {len(chosen)} run")
     doc = run_campaign(chosen, scenarios, out, timeout_s=args.timeout, per_launch=args.per_launch,
-                       triage=read_triage(TRIAGE))  # fmt: skip
+                       triage=lambda: read_triage(TRIAGE))  # fmt: skip
     s = doc["score"]
     o, loc = s["overall"], s["localization"]
     print(f"killed {o['killed']}, crashed {o['crashed']}, timeout {o['timeout']}, survived {o['survived']}, "
           f"equivalent {o['equivalent']}, unreachable {o['unreachable']} of {o['total']}: score "
           f"{o['score']:.1%}" if o["score"] is not None else "no mutant scored")  # fmt: skip
+    if o.get("score_reached") is not None:
+        print(f"score where the matrix reaches the mutated lines: {o['score_reached']:.1%}")
     if loc["accuracy"] is not None:
         print(f"localization accuracy: {loc['accuracy']:.1%} ({loc['localized']} / {loc['killed']})")
     print(f"per mutant: {doc['timing']['per_mutant_s']:.1f} s; total {doc['timing']['total_s']:.0f} s")

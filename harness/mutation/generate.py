@@ -88,9 +88,8 @@ class _Walker(ast.NodeVisitor):
     def __init__(self, src: str, every_function: bool):
         self.src, self.every = src, every_function
         self.sites: list[tuple[str, str, ast.AST, str]] = []
-        self.groups = sorted({ast.get_source_segment(src, k.value) for k in ast.walk(ast.parse(src))
-                              if isinstance(k, ast.keyword) and k.arg in ("group", "process_group")
-                              and isinstance(k.value, (ast.Name, ast.Attribute, ast.Call))} - {None})  # fmt: skip
+        self.module_groups = [g for g in _groups(src, ast.parse(src)) if g.endswith(")")]
+        self.groups: list[str] = []
 
     def visit_ClassDef(self, node):
         for child in node.body:
@@ -106,6 +105,8 @@ class _Walker(ast.NodeVisitor):
         text = ast.get_source_segment(self.src, fn) or ""
         if not self.every and "gtp" not in text.lower():
             return
+        # Another group this function uses (its names are in scope), else a getter call.
+        self.groups = _groups(self.src, fn) + self.module_groups
         for stmt in fn.body:
             for node in ast.walk(stmt):
                 for op, repl in self._variants(node):
@@ -114,17 +115,24 @@ class _Walker(ast.NodeVisitor):
     def _seg(self, node) -> str:
         return ast.get_source_segment(self.src, node) or ""
 
+    def _operand(self, node) -> str:
+        """An operand's text, parenthesized unless atomic: the replaced operator may bind
+        tighter than the one the operand was written under."""
+        text = self._seg(node)
+        atomic = (ast.Name, ast.Constant, ast.Attribute, ast.Call, ast.Subscript, ast.List, ast.Tuple)
+        return text if isinstance(node, atomic) else f"({text})"
+
     def _variants(self, node):
-        seg = self._seg
+        seg, op = self._seg, self._operand
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
-            yield "constant", seg(node.left)  # 1/G -> 1, x/G -> x
-            yield "constant", f"{seg(node.left)} / ({seg(node.right)} + 1)"
+            yield "constant", op(node.left)  # 1/G -> 1, x/G -> x
+            yield "constant", f"{op(node.left)} / ({seg(node.right)} + 1)"
         if isinstance(node, ast.BinOp) and type(node.op) in _ARITH:
-            yield "arith", f"{seg(node.left)} {_ARITH[type(node.op)]} {seg(node.right)}"
+            yield "arith", f"{op(node.left)} {_ARITH[type(node.op)]} {op(node.right)}"
         if isinstance(node, ast.AugAssign) and type(node.op) in _ARITH:
             yield "arith", f"{seg(node.target)} {_ARITH[type(node.op)]}= {seg(node.value)}"
         if isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in _FLIP:
-            yield "compare", f"{seg(node.left)} {_FLIP[type(node.ops[0])]} {seg(node.comparators[0])}"
+            yield "compare", f"{op(node.left)} {_FLIP[type(node.ops[0])]} {op(node.comparators[0])}"
         if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
             name = _call_name(node.value.func)
             if any(k in name for k in _REMOVABLE):
@@ -145,6 +153,14 @@ class _Walker(ast.NodeVisitor):
         if isinstance(node, ast.If):
             yield "branch", (node.test, "True")
             yield "branch", (node.test, "False")
+
+
+def _groups(src: str, tree) -> list[str]:
+    """Distinct group expressions passed as ``group=`` / ``process_group=`` under ``tree``."""
+    found = [ast.get_source_segment(src, k.value) for k in ast.walk(tree)
+             if isinstance(k, ast.keyword) and k.arg in ("group", "process_group")
+             and isinstance(k.value, (ast.Name, ast.Attribute, ast.Call))]  # fmt: skip
+    return sorted(set(found) - {None})
 
 
 def _call_name(func) -> str:
@@ -179,9 +195,18 @@ def mutants_of(module: str, every_function: bool | None = None, validate: bool =
         out.append(Mutant(id=f"{short_module(module)}-{op}-{digest}", module=module, file=path,
                           function=qualname, operator=op, line=node.lineno, end_line=node.end_lineno,
                           start=a, end=b, original=original, replacement=repl))  # fmt: skip
-    if validate:
-        original_code = compile(raw, path, "exec")
-        out = [m for m in out if _applicable(m, raw, original_code)]
+    return applicable(out) if validate else out
+
+
+def applicable(mutants: list[Mutant]) -> list[Mutant]:
+    """Those that compile and keep their function's closure (others could not be applied)."""
+    compiled = {}
+    out = []
+    for m in mutants:
+        if m.file not in compiled:
+            compiled[m.file] = compile(open(m.file, "rb").read(), m.file, "exec")
+        if _applicable(m, compiled[m.file]):
+            out.append(m)
     return out
 
 
@@ -201,7 +226,7 @@ def function_code(code, qualname: str):
     return None
 
 
-def _applicable(m: Mutant, raw: bytes, original_code) -> bool:
+def _applicable(m: Mutant, original_code) -> bool:
     try:
         code = compile(mutated_source(m), m.file, "exec")
     except (SyntaxError, ValueError):

@@ -16,11 +16,12 @@ CSS = ("body{font:14px sans-serif;margin:1.5em}table{border-collapse:collapse;ma
 
 
 def _score_table(title: str, rows: dict) -> str:
-    head = "".join(f"<th>{h}</th>" for h in ("", "total", *COLOURS, "score"))
+    head = "".join(f"<th>{h}</th>" for h in ("", "total", *COLOURS, "score", "score where reached"))
     body = "".join(
         f"<tr><td>{escape(str(k))}</td><td>{v['total']}</td>"
         + "".join(f"<td>{v.get(s, 0)}</td>" for s in COLOURS)
-        + f"<td>{'-' if v['score'] is None else f'{v['score']:.1%}'}</td></tr>"
+        + "".join(f"<td>{'-' if v.get(k) is None else f'{v[k]:.1%}'}</td>" for k in ("score", "score_reached"))
+        + "</tr>"
         for k, v in rows.items()
     )
     return f"<h2>{escape(title)}</h2><table><tr>{head}</tr>{body}</table>"
