@@ -221,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     mu = sub.add_parser("mutate", help="mutation campaign over megatron-core's GTP code: the harness's detection power")
     mu.add_argument("--target", action="append", metavar="MODULE", help="module of the GTP path (default: all)")
     mu.add_argument("--matrix", help="scenarios each mutant runs (default: scenarios/mutate.toml)")
-    mu.add_argument("--budget", type=int, help="mutants to run, spread over files and operators (default: all)")
+    mu.add_argument("--budget", type=int, default=150,
+                    help="mutants to run, spread over files and operators (default 150; 0: all)")
     mu.add_argument("--timeout", type=_non_negative, default=90.0, help="seconds per mutant side (default 90)")
     mu.add_argument("--per-launch", type=int, default=12, help="mutant sides per launch (default 12)")
     mu.add_argument("--show", metavar="ID", help="print a mutant's diff and the localization it got")

@@ -56,13 +56,13 @@ def main(args) -> int:
         return show(out, args.show)
     if out.exists() and not out.is_dir():
         raise BadInput("--out", f"{out} exists and is not a folder")
-    if args.budget is not None and args.budget < 1:
-        raise BadInput("--budget", f"{args.budget}: at least 1")
+    if args.budget is not None and args.budget < 0:
+        raise BadInput("--budget", f"{args.budget}: 0 (every mutant) or more")
     scenarios = scenario.load(args.matrix or DEFAULT_MATRIX)
     if bad := [s.name for s in scenarios if s.candidate.backend != "megatron"]:
         raise BadInput("--matrix", f"scenario {bad[0]}: mutants run on a megatron candidate")
     mutants = [m for t in _targets(args.target) for m in mutants_of(t, validate=False)]
-    chosen = select(mutants, args.budget)
+    chosen = select(mutants, args.budget or None)
     print(f"gtp-parity mutate: {len(mutants)} mutant(s) generated, {len(chosen)} run")
     doc = run_campaign(chosen, scenarios, out, timeout_s=args.timeout, per_launch=args.per_launch,
                        triage=lambda: read_triage(TRIAGE))  # fmt: skip
