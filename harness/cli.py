@@ -223,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     mu.add_argument("--matrix", help="scenarios each mutant runs (default: scenarios/mutate.toml)")
     mu.add_argument("--budget", type=int, default=150,
                     help="mutants to run, spread over files and operators (default 150; 0: all)")
+    mu.add_argument("--mutant", action="append", metavar="ID", help="run these mutants only (repeatable)")
     mu.add_argument("--timeout", type=_non_negative, default=90.0, help="seconds per mutant side (default 90)")
     mu.add_argument("--per-launch", type=int, default=12, help="mutant sides per launch (default 12)")
     mu.add_argument("--show", metavar="ID", help="print a mutant's diff and the localization it got")

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from harness.errors import BadInput
-from harness.mutation.generate import TARGETS, Mutant, diff, mutants_of
+from harness.mutation.generate import TARGETS, Mutant, applicable, diff, mutants_of
 
 DEFAULT_MATRIX = "scenarios/mutate.toml"
 TRIAGE = Path(__file__).resolve().parents[2] / "scenarios" / "mutants_triage.toml"
@@ -62,7 +62,13 @@ def main(args) -> int:
     if bad := [s.name for s in scenarios if s.candidate.backend != "megatron"]:
         raise BadInput("--matrix", f"scenario {bad[0]}: mutants run on a megatron candidate")
     mutants = [m for t in _targets(args.target) for m in mutants_of(t, validate=False)]
-    chosen = select(mutants, args.budget or None)
+    if args.mutant:  # these mutants only (e.g. a campaign's survivors against a wider matrix)
+        known = {m.id: m for m in mutants}
+        if missing := [i for i in args.mutant if i not in known]:
+            raise BadInput("--mutant", f"{missing[0]!r} is not a mutant of {', '.join(_targets(args.target))}")
+        chosen = applicable([known[i] for i in dict.fromkeys(args.mutant)])
+    else:
+        chosen = select(mutants, args.budget or None)
     print(f"gtp-parity mutate: {len(mutants)} mutant(s) generated, {len(chosen)} run")
     doc = run_campaign(chosen, scenarios, out, timeout_s=args.timeout, per_launch=args.per_launch,
                        triage=lambda: read_triage(TRIAGE))  # fmt: skip
