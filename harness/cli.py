@@ -226,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     mu.add_argument("--mutant", action="append", metavar="ID", help="run these mutants only (repeatable)")
     mu.add_argument("--timeout", type=_non_negative, default=90.0, help="seconds per mutant side (default 90)")
     mu.add_argument("--per-launch", type=int, default=12, help="mutant sides per launch (default 12)")
+    mu.add_argument("--retriage", action="store_true",
+                    help="apply scenarios/mutants_triage.toml to the campaign in --out again (no run)")
     mu.add_argument("--show", metavar="ID", help="print a mutant's diff and the localization it got")
     mu.add_argument("--out", required=True, help="campaign folder: mutants.json, index.html, traces")
     mu.set_defaults(fn=_cmd_mutate)

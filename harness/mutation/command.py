@@ -46,14 +46,53 @@ def show(out: Path, mutant_id: str) -> int:
     return 0
 
 
+def retriage(out: Path) -> dict:
+    """Apply the current triage file to a finished campaign's survivors (no run)."""
+    from harness.mutation.campaign import EQUIVALENT, SURVIVED, UNREACHABLE, Outcome, read_triage, score
+    from harness.trace import write_json
+
+    path = out / "mutants.json"
+    if not path.is_file():
+        raise BadInput("--out", f"{out} holds no campaign (no mutants.json)")
+    doc = json.loads(path.read_text())
+    triage = read_triage(TRIAGE)
+    outcomes = []
+    for entry in doc["mutants"]:
+        if entry["status"] in (SURVIVED, EQUIVALENT, UNREACHABLE) and entry["id"] in triage:
+            entry.update(status=triage[entry["id"]]["status"], reason=triage[entry["id"]]["reason"])
+        m = Mutant(**{k: entry[k] for k in Mutant.__dataclass_fields__})
+        outcomes.append(Outcome(m, status=entry["status"], localized=entry.get("localized")))
+    doc["score"] = score(outcomes)
+    write_json(path, doc)
+    return doc
+
+
+def _print_score(doc: dict, out: Path) -> None:
+    from harness.mutation import page
+
+    s = doc["score"]
+    o, loc = s["overall"], s["localization"]
+    print(f"killed {o['killed']}, crashed {o['crashed']}, timeout {o['timeout']}, survived {o['survived']}, "
+          f"equivalent {o['equivalent']}, unreachable {o['unreachable']} of {o['total']}: score "
+          f"{o['score']:.1%}" if o["score"] is not None else "no mutant scored")  # fmt: skip
+    if o.get("score_reached") is not None:
+        print(f"score where the matrix reaches the mutated lines: {o['score_reached']:.1%}")
+    if loc["accuracy"] is not None:
+        print(f"localization accuracy: {loc['accuracy']:.1%} ({loc['localized']} / {loc['killed']})")
+    print(f"per mutant: {doc['timing']['per_mutant_s']:.1f} s; total {doc['timing']['total_s']:.0f} s")
+    print(f"page: {page.write(doc, out)}; json: {out / 'mutants.json'}")
+
+
 def main(args) -> int:
     from harness import scenario
-    from harness.mutation import page
     from harness.mutation.campaign import read_triage, run_campaign, select
 
     out = Path(args.out)
     if args.show:
         return show(out, args.show)
+    if args.retriage:
+        _print_score(retriage(out), out)
+        return 0
     if out.exists() and not out.is_dir():
         raise BadInput("--out", f"{out} exists and is not a folder")
     if args.budget is not None and args.budget < 0:
@@ -72,15 +111,5 @@ def main(args) -> int:
     print(f"gtp-parity mutate: {len(mutants)} mutant(s) generated, {len(chosen)} run")
     doc = run_campaign(chosen, scenarios, out, timeout_s=args.timeout, per_launch=args.per_launch,
                        triage=lambda: read_triage(TRIAGE))  # fmt: skip
-    s = doc["score"]
-    o, loc = s["overall"], s["localization"]
-    print(f"killed {o['killed']}, crashed {o['crashed']}, timeout {o['timeout']}, survived {o['survived']}, "
-          f"equivalent {o['equivalent']}, unreachable {o['unreachable']} of {o['total']}: score "
-          f"{o['score']:.1%}" if o["score"] is not None else "no mutant scored")  # fmt: skip
-    if o.get("score_reached") is not None:
-        print(f"score where the matrix reaches the mutated lines: {o['score_reached']:.1%}")
-    if loc["accuracy"] is not None:
-        print(f"localization accuracy: {loc['accuracy']:.1%} ({loc['localized']} / {loc['killed']})")
-    print(f"per mutant: {doc['timing']['per_mutant_s']:.1f} s; total {doc['timing']['total_s']:.0f} s")
-    print(f"page: {page.write(doc, out)}; json: {out / 'mutants.json'}")
+    _print_score(doc, out)
     return 0
