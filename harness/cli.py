@@ -139,6 +139,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def _run_options(p: argparse.ArgumentParser) -> None:
     """Options shared by ``run`` and ``matrix``."""
     p.add_argument("--jobs", type=_positive_int, default=min(2, os.cpu_count() or 1),
@@ -176,6 +186,12 @@ def _cmd_conformance(args) -> int:
     from harness.conformance.cli import main as conformance_main
 
     return conformance_main(args.rest)
+
+
+def _cmd_mutate(args) -> int:
+    from harness.mutation.command import main as mutate_main
+
+    return mutate_main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -238,6 +254,20 @@ def build_parser() -> argparse.ArgumentParser:
     ml.add_argument("--timeout", type=_non_negative, default=600.0, help="seconds for the run (default 600)")
     ml.add_argument("flags", nargs=argparse.REMAINDER, help="-- then the pretrain_gpt.py flags")
     ml.set_defaults(fn=_cmd_mlm)
+
+    mu = sub.add_parser("mutate", help="mutation campaign over megatron-core's GTP code: the harness's detection power")
+    mu.add_argument("--target", action="append", metavar="MODULE", help="module of the GTP path (default: all)")
+    mu.add_argument("--matrix", help="scenarios each mutant runs (default: scenarios/mutate.toml)")
+    mu.add_argument("--budget", type=_count, default=150,
+                    help="mutants to run, spread over files and operators (default 150; 0: all)")
+    mu.add_argument("--mutant", action="append", metavar="ID", help="run these mutants only (repeatable)")
+    mu.add_argument("--timeout", type=_non_negative, default=90.0, help="seconds per mutant side (default 90)")
+    mu.add_argument("--per-launch", type=_positive_int, default=12, help="mutant sides per launch (default 12)")
+    mu.add_argument("--retriage", action="store_true",
+                    help="apply scenarios/mutants_triage.toml to the campaign in --out again (no run)")
+    mu.add_argument("--show", metavar="ID", help="print a mutant's diff and the localization it got")
+    mu.add_argument("--out", required=True, help="campaign folder: mutants.json, index.html, traces")
+    mu.set_defaults(fn=_cmd_mutate)
 
     i = sub.add_parser("inject", help="list the planted faults")
     i.add_argument("--list", action="store_true", required=True)

@@ -76,6 +76,16 @@ CATALOG: dict[str, Fault] = {
             {"step": 1, "kind": "main_grad", "tensor": "*", "signature": "mismatch"},
         ),
         Fault(
+            "gtp-update-no-weight-decay", "optimizer param groups",
+            "the optimizer's param groups holding GTP weights apply no weight decay",
+            {"step": 1, "kind": "param", "tensor": "*.weight", "signature": "update-term"},
+        ),
+        Fault(
+            "gtp-update-lr-mult", "optimizer param groups",
+            "the optimizer's param groups holding GTP weights step with half the LR",
+            {"step": 1, "kind": "param", "tensor": "*.weight", "signature": "update-term"},
+        ),
+        Fault(
             "fp8-unreduced-amax", "precision loss",
             "FP8 quantized all-gather of GTP weights (torch backend): each shard is quantized with "
             "its own per-tensor amax, not the amax reduced over the GTP group, and the gathered "
@@ -105,13 +115,15 @@ def check_name(name: str) -> str | None:
 # Faults that act on GTP's collectives, buffers or groups: on a side without GTP they never fire.
 _NEEDS_GTP = frozenset({"gtp-rs-no-prescale", "gtp-ag-swap-shards", "gtp-ln-grad-not-reduced",
                         "gtp-peers-same-sample", "gtp-pad-leak", "loss-report-wrong-group",
-                        "grad-norm-double-count", "fp8-unreduced-amax",
-                        "gtp-prescale-under-per-token-loss"})  # fmt: skip
+                        "grad-norm-double-count", "fp8-unreduced-amax", "gtp-update-no-weight-decay",
+                        "gtp-update-lr-mult", "gtp-prescale-under-per-token-loss"})  # fmt: skip
 # What the torch backend can plant (the others patch megatron-core's own functions).
 TORCH_FAULTS = frozenset({"fp8-unreduced-amax", "gtp-peers-same-sample", "gtp-pad-leak", "optimizer-skips-weight"})
-# What Megatron-LM's loop (the mlm backend) can plant: its sampler hands out the samples (no
-# routing hook), and FP8 needs Transformer Engine.
-MLM_FAULTS = frozenset(CATALOG) - {"gtp-peers-same-sample", "fp8-unreduced-amax"}
+# What Megatron-LM's loop (the mlm backend) can plant: its sampler hands out the samples and
+# its schedule the micro-batches (no routing or micro-batch hook), per-token loss is a megatron
+# side option, and FP8 needs Transformer Engine.
+MLM_FAULTS = frozenset(CATALOG) - {"gtp-peers-same-sample", "fp8-unreduced-amax", "microbatch-grad-overwrite",
+                                    "gtp-prescale-under-per-token-loss"}  # fmt: skip
 
 
 def check_reach(name: str, side, data=None) -> str | None:

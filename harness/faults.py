@@ -145,7 +145,29 @@ def after_finalize(ctx: Context) -> None:
                 p.main_grad[-pad:] += 1e-3
 
 
+def _gtp_param_groups(ctx: Context) -> list[dict]:
+    """The optimizer's param groups holding a GTP weight (or, in bf16, its fp32 master)."""
+    ids = {id(p) for _, p in ctx.named_params if getattr(p, "is_gtp_weight_remat", False)}
+    parts = getattr(ctx.optimizer, "chained_optimizers", None) or [ctx.optimizer]
+    for part in parts:
+        for g16, g32 in zip(getattr(part, "float16_groups", []), getattr(part, "fp32_from_float16_groups", [])):
+            ids |= {id(p32) for p16, p32 in zip(g16, g32) if id(p16) in ids}
+    return [g for part in parts for g in part.optimizer.param_groups if any(id(p) in ids for p in g["params"])]
+
+
+# Param-group faults: the group's setting during the step (the scheduler resets it after).
+_GROUP_FAULTS = {"gtp-update-no-weight-decay": ("weight_decay", 0.0), "gtp-update-lr-mult": ("lr", 0.5)}
+
+
 def before_step(ctx: Context) -> None:
+    for name, (key, value) in _GROUP_FAULTS.items():
+        if name in ctx.active:
+            groups = _gtp_param_groups(ctx)
+            ctx.saved[name] = []
+            for g in groups:
+                faulty = value if key == "weight_decay" else g[key] * value
+                ctx.saved[name].append((g, g[key], faulty))
+                g[key] = faulty
     if "optimizer-skips-weight" in ctx.active:
         for name, p in ctx.named_params:
             if name == CATALOG["optimizer-skips-weight"].expect["tensor"]:
@@ -153,6 +175,10 @@ def before_step(ctx: Context) -> None:
 
 
 def after_step(ctx: Context) -> None:
+    for name, (key, _) in _GROUP_FAULTS.items():
+        for g, old, faulty in ctx.saved.pop(name, []):
+            if g[key] == faulty:  # the LR scheduler has not set the next step's value already
+                g[key] = old
     if "optimizer-skips-weight" in ctx.active and "stale" in ctx.saved:
         p, before = ctx.saved["stale"]
         with torch.no_grad():

@@ -21,6 +21,7 @@ import torch
 from torch.distributed.tensor import Shard
 
 from harness.tolerance import tolerances, within_tolerance
+from harness.updates import befores, update_term
 
 SIGNATURES = {
     "ratio-G": "candidate = G x reference: a mean over the GTP group became a sum (missing 1/G)",
@@ -40,7 +41,12 @@ SIGNATURES = {
     "grad-norm-only": "gradients agree, only the grad norm differs: double counting in the norm",
     "precision-loss": "within the format's tolerance of the reference, but further from the fp64 "
                       "golden than the reference's noise floor allows: precision lost (e.g. an "
-                      "amax not reduced, a reduction in lower precision)",
+                      "amax not reduced, a reduction in lower precision); named only where the "
+                      "candidate has a precision mechanism (a recipe, bf16, or a precision below "
+                      "the reference's)",
+    "update-term": "the optimizer step's update (after - before) differs from the reference's by "
+                   "a structure: a factor (an LR multiplier, a clip factor) or a term such as "
+                   "-lr*wd*param (weight decay)",
     "mismatch": "values differ beyond the policy with no recognised pattern",
     "gemm-consumed-foreign-weight": "a GEMM consumed another parameter's weight: a GTP gather buffer "
                                     "was reused before the GEMM read it",
@@ -232,7 +238,7 @@ def summarize(df: pd.DataFrame, logical: dict, traces: dict, policy, recipe: str
             sig = label
             first = {**first, "ranks": hit[0].get("ranks") or [hit[0].get("rank")], "rows": hit[0].get("rows")}
     if sig is None:
-        sig, extra = _signature(first, df, logical, mesh, key, recipe)
+        sig, extra = _signature(first, df, logical, mesh, key, recipe, _StepContext.of(traces, step, recipe))
     owner = cand.shard_owner.get(key)
     region = region_of(first, owner)
     if kind == "input":
@@ -301,8 +307,43 @@ def _sample_readers(first: dict, cand, trace, step: int) -> tuple[list[int] | No
     return sorted(peers or readers) or None, sample
 
 
+_NARROW = {"fp64": 64, "fp32": 32, "bf16": 16, "fp16": 16}
+_OPTIMIZER_KINDS = ("param", "master", "exp_avg", "exp_avg_sq")
+
+
+class _StepContext:
+    """What the signatures need from the traces beyond tensors: the candidate's LR and weight
+    decay at the step, and whether the candidate has a precision mechanism at all."""
+
+    def __init__(self, lr=None, wd=None, precision_mechanism=True):
+        self.lr, self.wd, self.precision_mechanism = lr, wd, precision_mechanism
+
+    @classmethod
+    def of(cls, traces: dict, step: int, recipe: str) -> "_StepContext":
+        cand, ref = traces["candidate"].manifest, traces["reference"].manifest
+        lr = next((float(s["value"]) for s in traces["candidate"].scalars
+                   if s.get("name") == "lr" and s.get("step") == step and s.get("rank") == 0), None)  # fmt: skip
+        wd = (cand.get("train") or {}).get("weight_decay")
+        bits_c, bits_r = (_NARROW.get(m.get("precision"), 32) for m in (cand, ref))
+        # A recipe, a sub-fp32 precision (its reductions round in bf16) or a candidate less
+        # precise than its reference can lose precision; fp32 against fp32 without a recipe
+        # cannot, so a difference there is a logic error however small.
+        mechanism = recipe != "none" or bits_c < 32 or bits_c < bits_r
+        return cls(lr, wd, mechanism)
+
+
+def _update_signature(kind: str, name: str, step: int, ref, cand, ctx: "_StepContext") -> dict | None:
+    rb, cb = befores(ref.tensors, step, kind, name), befores(cand.tensors, step, kind, name)
+    ra, ca = ref.tensors.get((step, kind, name)), cand.tensors.get((step, kind, name))
+    if any(t is None for t in (rb, cb, ra, ca)) or rb.shape != cb.shape:
+        return None
+    weight = cand.tensors.get((step, "param_before", name))
+    return update_term(rb, ra, cb, ca, ctx.lr, ctx.wd, param=weight if kind != "param" else None)
+
+
 def _signature(first: dict, df: pd.DataFrame, logical: dict, mesh: dict, key,
-               recipe: str = "none") -> tuple[str, dict]:
+               recipe: str = "none", ctx: _StepContext | None = None) -> tuple[str, dict]:
+    ctx = ctx or _StepContext()
     step, kind, name = key
     ref, cand = logical["reference"], logical["candidate"]
     if kind == "input":
@@ -327,6 +368,8 @@ def _signature(first: dict, df: pd.DataFrame, logical: dict, mesh: dict, key,
         ref_moved = not torch.equal(ref.tensors.get((step, "param_before", name), before), ref.tensors[key])
         if torch.equal(before, after) and ref_moved:
             return "stale-update", {}
+    if kind in _OPTIMIZER_KINDS and (term := _update_signature(kind, name, step, ref, cand, ctx)):
+        return "update-term", {"update": term}
     r = ref.tensors.get(key)
     c = cand.tensors.get(key)
     if r is None and key in ref.samples:
@@ -343,7 +386,7 @@ def _signature(first: dict, df: pd.DataFrame, logical: dict, mesh: dict, key,
     perm = _permutation_signature(r, c, mesh, tol, owner["layout"] if owner else None)
     if perm:
         return "permuted-blocks", {"permutation": perm}
-    if first.get("policy") == "noise-floor":
+    if first.get("policy") == "noise-floor" and ctx.precision_mechanism:
         rtol, atol = tolerances(recipe, c.dtype)
         if within_tolerance(r, c, rtol, atol):
             return "precision-loss", {"tolerance": {"rtol": rtol, "atol": atol, "recipe": recipe}}

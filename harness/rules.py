@@ -155,6 +155,8 @@ def _validate_recipe(s: Scenario, side: Side, where: str) -> None:
 
 
 def _validate_faults(name: str, side: Side, where: str, data=None) -> None:
+    if side.mutant and (side.backend != "megatron" or name == "golden"):
+        raise BadInput(f"{where}.mutant", "a mutant of megatron-core runs on a megatron reference or candidate")
     if name == "golden" and side.inject:
         raise BadInput(f"{where}.inject", "faults are planted in the reference or candidate, not the golden")
     for fault in side.inject:

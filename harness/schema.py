@@ -193,6 +193,9 @@ class Side:
     every other backend) or ``mock`` (Megatron-LM's ``--mock-data`` pipeline)."""
     inject: tuple[str, ...] = ()
     """Planted faults (names from ``gtp-parity inject --list``), for the harness's self-test."""
+    mutant: str = ""
+    """A mutant of megatron-core's GTP code (an id from ``gtp-parity mutate``) this side runs
+    with (megatron backend; the mutation campaign sets it)."""
 
     @property
     def data_ranks(self) -> int:
@@ -208,8 +211,11 @@ class Side:
 
     def key(self, model: ModelConfig, data: DataConfig) -> str:
         """A short hash identifying what this side computes; equal sides share one run."""
+        side = dataclasses.asdict(self)
+        if not side["mutant"]:
+            del side["mutant"]  # clean sides keep the keys they had before mutants existed
         blob = json.dumps(
-            [dataclasses.asdict(self), dataclasses.asdict(model), dataclasses.asdict(data)],
+            [side, dataclasses.asdict(model), dataclasses.asdict(data)],
             sort_keys=True,
         )
         return hashlib.sha256(blob.encode()).hexdigest()[:12]

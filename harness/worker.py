@@ -72,7 +72,9 @@ def run_job(job: Job, rank: int, world: int) -> None:
             mesh=mesh,
             meta={"side": side.label(), "key": job.key, "backend": side.backend,
                   "precision": side.precision, "recipe": side.recipe, "steps": side.steps,
-                  "provenance": job.provenance},  # fmt: skip
+                  "provenance": job.provenance, "mutant": side.mutant or None,
+                  # what the update judgement names terms by (harness.updates)
+                  "train": {"optimizer": side.optimizer, "lr": side.lr, "weight_decay": side.weight_decay}},  # fmt: skip
         )
 
 

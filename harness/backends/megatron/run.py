@@ -192,11 +192,18 @@ def run(job: Job, cap: Capture) -> None:
 
     compat.install()
     compat.reset_gtp_state()
+    reach = None
     try:
+        if job.side.mutant:  # a mutation campaign's side: undone with the faults' patches below
+            from harness.mutation.apply import apply
+
+            reach = apply(job.side.mutant, watch=True)
         config, ddp, mesh, coord = _build(job)
         opt, scheduler = _optimizer(job, ddp)
         _train(job, cap, config, ddp, opt, scheduler, mesh, get_forward_backward_func(), finalize_model_grads)
     finally:
+        if reach is not None:  # beside the rank's trace files, not in them (see mutation.campaign)
+            reach.close(cap.rank_dir / "mutant.json")
         compat.set_eager_collectives(False)
         faults.uninstall()  # the faults' patches and the gather recorder's
         ps.destroy_model_parallel()

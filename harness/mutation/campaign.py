@@ -1,0 +1,296 @@
+"""Run mutants against a fast matrix and score the harness's detection power.
+
+Each mutant becomes a candidate side of every matrix scenario (its id enters the side key, so
+a trace of a mutant is never reused for clean code nor for another mutant); the clean
+references and goldens are shared. Mutant sides of one world size share launches; a side that
+crashes or overruns its timeout ends its launch, is counted killed-by-crash (or -timeout), and
+the sides after it are launched again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import filecmp
+import json
+import fnmatch
+import time
+import tomllib
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness import trace
+from harness.errors import BadInput, RunFailed
+from harness.launch import launch
+from harness.mutation.generate import Mutant, applicable
+
+KILLED, CRASHED, TIMEOUT, SURVIVED = "killed", "crashed", "timeout", "survived"
+EQUIVALENT, UNREACHABLE = "equivalent", "unreachable"
+DETECTED = (KILLED, CRASHED, TIMEOUT)
+
+# What a mutated function computes, as the tensor kinds its first divergence should name:
+# (module suffix, function pattern) -> kinds. The first match wins.
+EXPECTED_KINDS = [
+    ("generalized_tensor_parallelism", "*reduce_scatter*", {"main_grad"}),
+    ("generalized_tensor_parallelism", "*wgrad*", {"main_grad"}),
+    ("generalized_tensor_parallelism", "*grad*", {"main_grad"}),
+    ("generalized_tensor_parallelism", "*backward*", {"main_grad", "materialized"}),
+    ("generalized_tensor_parallelism", "*", {"materialized", "activation", "main_grad"}),
+    ("finalize_model_grads", "*", {"main_grad"}),
+    ("distributed_data_parallel", "*", {"main_grad"}),
+    ("optimizer", "*", {"param", "master", "exp_avg", "exp_avg_sq", "scalar"}),
+    ("parallel_state", "*", {"input", "materialized", "main_grad", "scalar"}),
+]
+
+
+def expected_kinds(m: Mutant) -> set[str]:
+    for module, pattern, kinds in EXPECTED_KINDS:
+        if m.module.endswith(module) and fnmatch.fnmatchcase(m.function.lower(), pattern):
+            return kinds
+    return set()
+
+
+@dataclass
+class Outcome:
+    mutant: Mutant
+    status: str = SURVIVED
+    verdicts: dict = field(default_factory=dict)
+    """scenario -> verdict (or crashed / timeout)."""
+    first_divergence: dict | None = None
+    scenario: str | None = None
+    localized: bool | None = None
+    error: str | None = None
+    reason: str | None = None
+    """Why a survivor is equivalent or unreachable (the triage file's, or the run's: its
+    mutated lines never ran)."""
+    reached: bool | None = None
+    """Whether the mutated lines ran on the candidate (None: not recorded, e.g. a crash)."""
+
+    def to_json(self) -> dict:
+        return {**self.mutant.to_json(), "status": self.status, "verdicts": self.verdicts,
+                "scenario": self.scenario, "first_divergence": self.first_divergence,
+                "expected_kinds": sorted(expected_kinds(self.mutant)), "localized": self.localized,
+                "error": self.error, "reason": self.reason, "reached": self.reached}  # fmt: skip
+
+
+def select(mutants: list[Mutant], budget: int | None) -> list[Mutant]:
+    """``budget`` applicable mutants spread round-robin over (file, operator): a small
+    campaign samples every file and operator, not the first functions of the first file.
+    Only the chosen are compiled (checking all of them costs more than a small campaign)."""
+    groups = defaultdict(list)
+    for m in sorted(mutants, key=lambda m: m.id):
+        groups[(m.module, m.operator)].append(m)
+    queues = [groups[k] for k in sorted(groups)]
+    order = []
+    while any(queues):
+        for q in queues:
+            if q:
+                order.append(q.pop(0))
+    budget = len(order) if budget is None else budget
+    out: list[Mutant] = []
+    while len(out) < budget and order:
+        batch, order = order[: budget - len(out)], order[budget - len(out):]
+        out += applicable(batch)
+    return out
+
+
+def read_triage(path: Path) -> dict[str, dict]:
+    """mutant id -> {"status": equivalent|unreachable, "reason": ...} from the triage file."""
+    if not path.is_file():
+        return {}
+    try:
+        doc = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise BadInput(str(path), f"invalid TOML: {e}") from None
+    out = {}
+    for mid, entry in doc.get("mutant", {}).items():
+        if not isinstance(entry, dict) or entry.get("status") not in (EQUIVALENT, UNREACHABLE) \
+                or not isinstance(entry.get("reason"), str):  # fmt: skip
+            raise BadInput(f"{path}: mutant.{mid}", "needs status = equivalent|unreachable and a reason")
+        out[mid] = entry
+    return out
+
+
+def mutant_scenarios(scenarios: list, mutants: list[Mutant], timeout_s: float) -> dict[str, list]:
+    """mutant id -> its scenarios (the candidate runs the mutant; the rest is the matrix's)."""
+    return {m.id: [dataclasses.replace(s, name=f"{s.name}@{m.id}", timeout_s=timeout_s,
+                                       candidate=dataclasses.replace(s.candidate, mutant=m.id))
+                   for s in scenarios] for m in mutants}  # fmt: skip
+
+
+def run_mutant_jobs(jobs: list, out: Path, per_launch: int, timeout_s: float, say) -> dict[str, str]:
+    """Run mutant sides, ``per_launch`` per launch; return job key -> crashed|timeout."""
+    failed: dict[str, str] = {}
+    by_world = defaultdict(list)
+    for j in jobs:
+        if not trace.is_complete(j.trace_dir):
+            by_world[j.side.world_size].append(j)
+    n = 0
+    for world, queue in sorted(by_world.items()):
+        while queue:
+            chunk, queue = queue[:per_launch], queue[per_launch:]
+            n += 1
+            try:
+                wall = launch(chunk, world=world, timeout_s={j.key: timeout_s for j in chunk},
+                              workdir=out / "launches", name=f"m{n}")  # fmt: skip
+                say(f"  launch m{n}: {len(chunk)} mutant side(s) in {wall:.1f} s")
+            except RunFailed as e:
+                done = [j for j in chunk if trace.is_complete(j.trace_dir)]
+                rest = [j for j in chunk if j not in done]
+                culprit = rest[0]
+                failed[culprit.key] = TIMEOUT if "timed out" in str(e) else CRASHED
+                say(f"  launch m{n}: {culprit.side.mutant} {failed[culprit.key]}")
+                queue = rest[1:] + queue
+    return failed
+
+
+def score(outcomes: list[Outcome]) -> dict:
+    """Mutation score killed / (total - equivalent), overall, per operator and per file."""
+    def one(group):
+        total = len(group)
+        equivalent = sum(o.status == EQUIVALENT for o in group)
+        counts = {s: sum(o.status == s for o in group) for s in (KILLED, CRASHED, TIMEOUT, SURVIVED,
+                                                                  EQUIVALENT, UNREACHABLE)}  # fmt: skip
+        detected = sum(counts[s] for s in DETECTED)
+        reachable = total - equivalent - counts[UNREACHABLE]
+        return {"total": total, **counts,
+                "score": detected / (total - equivalent) if total > equivalent else None,
+                # the checks' power where the matrix reaches the code
+                "score_reached": detected / reachable if reachable else None}
+    by_op, by_file = defaultdict(list), defaultdict(list)
+    for o in outcomes:
+        by_op[o.mutant.operator].append(o)
+        by_file[o.mutant.module].append(o)
+    killed = [o for o in outcomes if o.status == KILLED]
+    localized = [o for o in killed if o.localized]
+    return {"overall": one(outcomes), "operator": {k: one(v) for k, v in sorted(by_op.items())},
+            "file": {k: one(v) for k, v in sorted(by_file.items())},
+            "localization": {"killed": len(killed), "localized": len(localized),
+                             "accuracy": len(localized) / len(killed) if killed else None}}  # fmt: skip
+
+
+def judge(o: Outcome, summaries: list[dict], failed: dict[str, str], jobs: list) -> None:
+    """A mutant's status from its scenarios' summaries and its sides' failures."""
+    for doc in summaries:
+        o.verdicts[doc["scenario"]] = doc["verdict"]
+        if doc["verdict"] == "fail" and o.first_divergence is None:
+            o.status, o.scenario, o.first_divergence = KILLED, doc["scenario"], doc.get("first_divergence")
+    for j in jobs:
+        if j.key in failed:
+            o.verdicts[j.side.label()] = failed[j.key]
+            if o.status == SURVIVED:
+                o.status = failed[j.key]
+    if o.status == KILLED:
+        fd = o.first_divergence or {}
+        o.localized = fd.get("kind") in expected_kinds(o.mutant) or (
+            fd.get("kind") == "scalar" and "scalar" in expected_kinds(o.mutant))
+
+
+def clock() -> float:
+    return time.monotonic()
+
+
+def _quiet(*a, **k):
+    pass
+
+
+def _compare(s, roles: dict, out: Path) -> dict:
+    from harness.session import compare_scenario
+
+    return compare_scenario(s, {r: Path(j.trace_dir) for r, j in roles.items()}, out / "scenarios" / s.name,
+                            say=_quiet)  # fmt: skip
+
+
+def run_clean(scenarios: list, out: Path, say) -> dict:
+    """Run and judge the clean matrix: a scenario failing clean would make every kill there
+    meaningless. Returns the plan (its provenance is the mutants')."""
+    from harness.runner import execute, plan
+    from harness.session import GATE_PASSES
+
+    by_scenario = plan(scenarios, out)
+    if failures := execute(by_scenario, scenarios, out, progress=say):
+        raise RunFailed("the clean matrix did not run: " + "; ".join(failures.values()))
+    bad = [s.name for s in scenarios if _compare(s, by_scenario[s.name], out)["verdict"] not in GATE_PASSES]
+    if bad:
+        raise BadInput("--matrix", f"clean scenario(s) {', '.join(bad)} do not hold parity: kills there "
+                       "would not be the mutants'")  # fmt: skip
+    return by_scenario
+
+
+def run_campaign(mutants: list[Mutant], scenarios: list, out: Path, *, timeout_s: float, per_launch: int,
+                 triage, say=print) -> dict:
+    """Run ``mutants`` against ``scenarios``; write and return the campaign's document.
+    ``triage`` is the survivors' triage (a dict, or a callable read once the runs are done)."""
+    import shutil
+
+    from harness.runner import plan
+
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = clock()
+    clean = run_clean(scenarios, out, say)
+    t_clean = clock() - t0
+    provenance = next(iter(clean.values()))["candidate"].provenance
+    per = mutant_scenarios(scenarios, mutants, timeout_s)
+    by_s = plan([s for ss in per.values() for s in ss], out, provenance)
+    jobs = list({by_s[s.name]["candidate"].key: by_s[s.name]["candidate"] for ss in per.values() for s in ss}.values())
+    for j in jobs:
+        if not trace.is_complete(j.trace_dir):
+            shutil.rmtree(j.trace_dir, ignore_errors=True)  # a side left incomplete is run again
+    say(f"gtp-parity mutate: {len(mutants)} mutant(s) x {len(scenarios)} scenario(s) -> {out}")
+    failed = run_mutant_jobs(jobs, out, per_launch, timeout_s, say)
+    t_run = clock() - t0 - t_clean
+    triage = triage() if callable(triage) else triage
+    outcomes = [_judge_one(m, per[m.id], by_s, failed, out, triage, clean) for m in mutants]
+    t_all = clock() - t0
+    doc = {"score": score(outcomes), "scenarios": [s.name for s in scenarios],
+           "timing": {"clean_s": t_clean, "mutant_runs_s": t_run, "compare_s": t_all - t_clean - t_run,
+                      "total_s": t_all, "per_mutant_s": (t_all - t_clean) / max(len(mutants), 1)},
+           "mutants": [o.to_json() for o in outcomes]}  # fmt: skip
+    trace.write_json(out / "mutants.json", doc)
+    return doc
+
+
+def same_trace(a: Path, b: Path) -> bool:
+    """Every rank file of two traces byte for byte equal (the manifests name their keys).
+    Two runs of equal code on one machine write equal bytes, so a mutant whose trace equals the
+    clean candidate's computed what clean code computes: its verdict is the clean one."""
+    def files(t: Path) -> list[Path]:
+        return sorted(p.relative_to(t) for p in t.rglob("*") if p.is_file() and p.name not in _NOT_TRACE)
+
+    ours, other = files(a), files(b)
+    return ours == other and all(filecmp.cmp(a / f, b / f, shallow=False) for f in ours)
+
+
+# Files of a trace folder that name the side rather than hold what it computed.
+_NOT_TRACE = ("manifest.json", "mutant.json")
+
+
+def reached(trace_dir: Path) -> bool | None:
+    """Whether a mutant's lines ran on any rank of its side (None: not recorded)."""
+    seen = [json.loads(p.read_text()).get("reached") for p in sorted(Path(trace_dir).glob("rank*/mutant.json"))]
+    return None if not seen or None in seen else any(seen)
+
+
+def _judge_one(m: Mutant, scenarios: list, by_s: dict, failed: dict, out: Path, triage: dict,
+               clean: dict) -> Outcome:
+    o = Outcome(m)
+    summaries = []
+    for s in scenarios:
+        roles = by_s[s.name]
+        if roles["candidate"].key in failed or not trace.is_complete(roles["candidate"].trace_dir):
+            continue
+        base = clean[s.name.rsplit("@", 1)[0]]
+        if same_trace(Path(roles["candidate"].trace_dir), Path(base["candidate"].trace_dir)):
+            summaries.append({"scenario": s.name, "verdict": "pass", "identical_to_clean": True})
+            continue
+        summaries.append(_compare(s, roles, out))
+        if summaries[-1]["verdict"] == "fail":
+            break  # killed: the remaining scenarios would not change the status
+    judge(o, summaries, failed, [by_s[s.name]["candidate"] for s in scenarios])
+    reach = [reached(Path(by_s[s.name]["candidate"].trace_dir)) for s in scenarios]
+    o.reached = None if None in reach else any(reach)
+    if o.status == SURVIVED and o.reached is False:
+        o.status, o.reason = UNREACHABLE, f"the mutated line(s) never ran in {', '.join(s.name.rsplit('@', 1)[0] for s in scenarios)}"
+    if o.status == SURVIVED and m.id in triage:
+        o.status, o.reason = triage[m.id]["status"], triage[m.id]["reason"]
+    return o

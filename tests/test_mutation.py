@@ -1,0 +1,162 @@
+"""The mutation campaign: stable mutant identities, run-time application in a worker process
+(installed files untouched), and an end-to-end campaign of a few mutants."""
+
+import hashlib
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from harness.mutation import campaign
+from harness.mutation.generate import TARGETS, Mutant, diff, mutants_of
+from harness.scenario import DataConfig, ModelConfig, Side
+from tests.helpers import ROOT
+
+TOY = '''
+def mean_over_group(values, group_size, group=None, other_group=None):
+    total = 0.0
+    for v in values:
+        total += v
+    if group_size > 1:
+        total = total / group_size
+    reduce(total, group=group)
+    return total[:2] if isinstance(total, list) else total
+
+
+def reduce(x, group=None):
+    return x
+'''
+
+
+def _toy(tmp_path, text=TOY, name="toy_gtp"):
+    (tmp_path / f"{name}.py").write_text(text)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        return mutants_of(name, every_function=True)
+    finally:
+        sys.path.remove(str(tmp_path))
+
+
+def test_operators_model_the_bug_classes(tmp_path):
+    ms = _toy(tmp_path)
+    got = {(m.operator, m.original, m.replacement) for m in ms}
+    assert ("constant", "total / group_size", "total") in got  # 1/G -> 1
+    assert ("constant", "total / group_size", "total / (group_size + 1)") in got
+    assert ("compare", "group_size > 1", "group_size <= 1") in got
+    assert ("arith", "total += v", "total -= v") in got
+    assert ("remove-call", "reduce(total, group=group)", "pass") in got
+    assert ("branch", "group_size > 1", "False") in got
+    assert ("slice", "2", "(2 + 1)") in got
+    assert len({m.id for m in ms}) == len(ms)
+
+
+def test_identity_survives_regeneration_and_edits_elsewhere(tmp_path):
+    first = {m.id: m for m in _toy(tmp_path)}
+    shifted = {m.id: m for m in _toy(tmp_path, "# a new first line\n\n" + TOY)}
+    assert set(first) == set(shifted)
+    assert all(shifted[i].line == first[i].line + 2 for i in first)
+
+
+def test_every_target_has_mutants():
+    for module in TARGETS:
+        ms = mutants_of(module, validate=False)
+        assert ms, module
+        assert len({m.id for m in ms}) == len(ms), module
+
+
+def test_a_mutant_gets_its_own_side_key():
+    model, data = ModelConfig(), DataConfig()
+    clean = Side(gtp=2)
+    keys = {clean.key(model, data), Side(gtp=2, mutant="a-1").key(model, data), Side(gtp=2, mutant="a-2").key(model, data)}
+    assert len(keys) == 3
+
+
+def test_a_mutant_is_applied_in_a_worker_process_and_undone(tmp_path):
+    (tmp_path / "toy_gtp.py").write_text(TOY)
+    before = hashlib.sha256((tmp_path / "toy_gtp.py").read_bytes()).hexdigest()
+    m = next(m for m in _toy(tmp_path) if m.replacement == "total" and m.operator == "constant")
+    script = textwrap.dedent(f"""
+        import json, sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        from harness.mutation.apply import apply
+        from harness.mutation.generate import Mutant
+        from harness.patching import undo_all
+        from toy_gtp import mean_over_group as imported_before
+        apply(Mutant(**json.loads({json.dumps(json.dumps(m.to_json()))})))
+        import toy_gtp
+        mutated = (toy_gtp.mean_over_group([1.0, 2.0, 3.0], 2), imported_before([1.0, 2.0, 3.0], 2))
+        undo_all()
+        print(json.dumps([*mutated, toy_gtp.mean_over_group([1.0, 2.0, 3.0], 2)]))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    # The sum over the group without the 1/G: every reference to the function sees it.
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [6.0, 6.0, 3.0]
+    assert hashlib.sha256((tmp_path / "toy_gtp.py").read_bytes()).hexdigest() == before
+    assert "-        total = total / group_size" in diff(m) and "+        total = total" in diff(m)
+
+
+def test_score_counts_crashes_apart_and_leaves_out_equivalents():
+    def o(status, op="arith", localized=None):
+        m = Mutant(id=f"x-{status}-{op}", module="m", file="f", function="f", operator=op, line=1,
+                   end_line=1, start=0, end=1, original="a", replacement="b")
+        return campaign.Outcome(m, status=status, localized=localized)
+    s = campaign.score([o("killed", localized=True), o("killed", localized=False), o("crashed"),
+                        o("timeout"), o("survived"), o("equivalent")])
+    assert s["overall"]["score"] == 4 / 5
+    assert (s["overall"]["crashed"], s["overall"]["timeout"]) == (1, 1)
+    assert s["localization"] == {"killed": 2, "localized": 1, "accuracy": 0.5}
+
+
+@pytest.mark.multirank
+def test_campaign_end_to_end(tmp_path):
+    """Two mutants of GTP's wgrad pre-scale: 1/G -> 1 is killed at the GTP weights' main_grad
+    (ratio-G), a forced-off branch of the pad handling is run and judged; the page, the JSON and
+    --show come out."""
+    from harness import scenario
+    from harness.mutation import page
+    from harness.mutation.command import show
+
+    module = "megatron.core.tensor_parallel.generalized_tensor_parallelism"
+    ms = mutants_of(module)
+    prescale = next(m for m in ms if m.function == "GTPShardedParam._prescale_wgrads_for_mean_rs"
+                    and m.operator == "constant" and m.replacement == "1.0")
+    other = next(m for m in ms if m.function == "GTPShardedParam._reduce_scatter" and m.operator == "arith"
+                 and "_debug_name" in m.original)
+    scenarios = scenario.load(ROOT / "scenarios" / "mutate.toml")
+    doc = campaign.run_campaign([prescale, other], scenarios, tmp_path, timeout_s=90, per_launch=12,
+                                triage={}, say=lambda *a: None)
+    by_id = {m["id"]: m for m in doc["mutants"]}
+    killed = by_id[prescale.id]
+    assert killed["status"] == "killed" and killed["localized"], killed
+    assert killed["first_divergence"]["kind"] == "main_grad"
+    assert killed["first_divergence"]["signature"] == "ratio-G"
+    assert by_id[other.id]["status"] in ("killed", "crashed", "survived")
+    html = page.write(doc, tmp_path).read_text()
+    assert prescale.id in html and "<script" not in html.lower()
+    assert "&quot;" in html or "&#x27;" in html  # quoted source text is escaped
+    assert json.loads((tmp_path / "mutants.json").read_text())["score"]["overall"]["total"] == 2
+    assert show(tmp_path, prescale.id) == 0
+
+
+def test_bad_mutate_arguments_exit_2(tmp_path, capsys):
+    from harness.cli import main
+
+    assert main(["mutate", "--target", "megatron.core.models", "--out", str(tmp_path)]) == 2
+    assert "--target" in capsys.readouterr().err
+    assert main(["mutate", "--show", "nope", "--out", str(tmp_path)]) == 2  # no campaign there
+
+
+def test_a_mutant_runs_on_a_megatron_reference_or_candidate_only():
+    import dataclasses
+
+    from harness import scenario
+    from harness.errors import BadInput
+    from harness.rules import validate
+
+    s = scenario.load(ROOT / "scenarios" / "mutate.toml")[0]
+    validate(dataclasses.replace(s, candidate=dataclasses.replace(s.candidate, mutant="x")), limits=False)
+    with pytest.raises(BadInput, match=r"\[golden\]\.mutant"):
+        validate(dataclasses.replace(s, golden=dataclasses.replace(s.golden, mutant="x")), limits=False)

@@ -1,0 +1,106 @@
+"""The optimizer-phase judgement: updates compared by their structure (update-term), and
+precision-loss named only where the candidate has a precision mechanism."""
+
+import fnmatch
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from harness import scenario
+from harness.fault_catalog import CATALOG
+from harness.localize import _StepContext
+from harness.updates import FACTOR_MIN, FIT_RESIDUAL, update_term
+from tests.helpers import ASSETS, run, summary
+
+UPDATE_FAULTS = sorted({f for s in scenario.load(ASSETS / "update_faults.toml") for f in s.candidate.inject})
+NEW_SIGNATURES = {"update-term", "precision-loss"}
+
+
+def _weights(seed=0, n=(16, 8)):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*n, generator=g, dtype=torch.float64), torch.randn(*n, generator=g, dtype=torch.float64)
+
+
+def test_a_scaled_update_is_a_factor():
+    p, grad = _weights()
+    ref_after = p - 0.1 * grad
+    term = update_term(p, ref_after, p, p - 0.05 * grad)
+    assert term["kind"] == "factor" and term["factor"] == pytest.approx(0.5, rel=1e-12)
+    assert term["text"] == "update scaled by 0.5"
+
+
+def test_a_missing_weight_decay_is_the_lr_wd_param_term():
+    p, grad = _weights(1)
+    lr, wd = 0.05, 0.1
+    ref_after = p - lr * (grad + wd * p)  # SGD with decay
+    term = update_term(p, ref_after, p, p - lr * grad, lr=lr, wd=wd)
+    assert term["kind"] == "param-term" and term["coefficient"] == pytest.approx(lr * wd, rel=1e-9)
+    assert "+lr*wd*param" in term["text"]
+    twice = update_term(p, ref_after, p, p - lr * (grad + 2 * wd * p), lr=lr, wd=wd)
+    assert "-lr*wd*param" in twice["text"]
+
+
+def test_an_unstructured_difference_has_no_term():
+    p, grad = _weights(2)
+    _, other = _weights(3)
+    assert update_term(p, p - 0.1 * grad, p, p - 0.1 * other) is None
+    # a factor within FACTOR_MIN of 1 is not a structure; an update that did not land is
+    # stale-update's, not this judgement's
+    assert update_term(p, p - 0.1 * grad, p, p - 0.1 * (1 + FACTOR_MIN / 2) * grad) is None
+    assert update_term(p, p - 0.1 * grad, p, p.clone()) is None
+    assert FIT_RESIDUAL < 1
+
+
+def _traces(cand_precision, ref_precision="fp32"):
+    def t(precision):
+        return SimpleNamespace(manifest={"precision": precision, "train": {"weight_decay": 0.1}},
+                               scalars=[{"name": "lr", "step": 1, "rank": 0, "value": 0.05}])
+    return {"candidate": t(cand_precision), "reference": t(ref_precision)}
+
+
+@pytest.mark.parametrize("cand,ref,recipe,mechanism", [
+    ("fp32", "fp32", "none", False),   # a logic error however small, never precision loss
+    ("bf16", "bf16", "none", True),    # bf16 reductions round
+    ("bf16", "fp32", "none", True),
+    ("fp32", "fp32", "mxfp8", True),   # a recipe quantizes
+])  # fmt: skip
+def test_precision_loss_needs_a_mechanism(cand, ref, recipe, mechanism):
+    ctx = _StepContext.of(_traces(cand, ref), 1, recipe)
+    assert ctx.precision_mechanism is mechanism
+    assert (ctx.lr, ctx.wd) == (0.05, 0.1)
+
+
+
+@pytest.fixture(scope="module")
+def update_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("update-faults")
+    code, doc = run(ASSETS / "update_faults.toml", out, parallel=2)
+    assert code == 1, doc
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("fault", UPDATE_FAULTS)
+def test_update_faults_are_update_terms(update_run, fault):
+    fd = summary(update_run, f"update-{fault}")["first_divergence"]
+    expect = CATALOG[fault].expect
+    assert (fd["step"], fd["kind"], fd["signature"]) == (expect["step"], expect["kind"], expect["signature"]), fd
+    assert fnmatch.fnmatchcase(fd["tensor"], expect["tensor"]), fd
+    sc = next(s for s in scenario.load(ASSETS / "update_faults.toml") if s.name == f"update-{fault}")
+    lr, wd = sc.candidate.lr, sc.candidate.weight_decay
+    if fault == "gtp-update-lr-mult":
+        # Within FIT_RESIDUAL of the planted factor (the fit's own acceptance bound).
+        assert fd["update"]["factor"] == pytest.approx(0.5, rel=FIT_RESIDUAL)
+    else:
+        assert fd["update"]["coefficient"] == pytest.approx(lr * wd, rel=FIT_RESIDUAL)
+        assert "weight decay not applied" in fd["update"]["text"]
+
+
+@pytest.mark.multirank
+def test_clean_bf16_produces_no_update_or_precision_signature(tmp_path):
+    code, doc = run(ASSETS / "clean_bf16.toml", tmp_path, parallel=2)
+    for s in doc["scenarios"]:
+        fd = s.get("first_divergence") or {}
+        assert fd.get("signature") not in NEW_SIGNATURES, fd
+        assert s["verdict"] == "pass", s
