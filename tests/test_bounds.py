@@ -51,14 +51,19 @@ print(json.dumps([float(norm), exact, [g.numel() for g in grads]]))
 """
 
 
+def _megatron_norm(script: str, timeout: float) -> tuple[float, float, list[int]]:
+    """(megatron-core's norm, the exact norm, the tensors' sizes), from ``script`` run in a
+    subprocess: the compat layer patches torch for the whole process."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def test_megatron_cores_l2_norm_is_within_the_norm_bound():
     # megatron-core's own CPU fallback of the multi-tensor L2 norm, against the exact norm
     # (in a subprocess: the compat layer patches torch for the whole process).
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", NORM_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    norm, exact, numels = json.loads(proc.stdout.strip().splitlines()[-1])
+    norm, exact, numels = _megatron_norm(NORM_SCRIPT, timeout=120)
     rel = bounds.norm_rel_error(max(numels), len(numels), ranks=1)
     assert abs(norm - exact) <= rel * exact
     assert norm != exact  # an fp32 norm: rounded
@@ -119,11 +124,7 @@ print(json.dumps([float(norm), exact, [g.numel() for g in grads]]))
 def test_megatron_cores_l2_norm_is_within_the_bound_at_model_scale():
     # megatron-core's own norm over gradients of a hidden-512, 4-layer GPT plus one tensor of
     # 2^25 elements (53M in all): within the bound, which is not vacuous there.
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", SCALE_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    norm, exact, numels = json.loads(proc.stdout.strip().splitlines()[-1])
+    norm, exact, numels = _megatron_norm(SCALE_SCRIPT, timeout=300)
     rel = bounds.norm_rel_error(max(numels), len(numels), ranks=1)
     assert sum(numels) > 25_000_000 and rel < 1e-2
     assert abs(norm - exact) <= rel * exact
