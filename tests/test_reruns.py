@@ -114,8 +114,10 @@ def test_ctrl_c_ends_every_launch_within_seconds(tmp_path):
     proc.send_signal(signal.SIGINT)
     sent = time.monotonic()
     _, err = proc.communicate(timeout=60)
-    # Each launch gets SIGTERM, then SIGKILL after 5 s: bounded by 10 s plus a poll.
-    assert time.monotonic() - sent < 15, err
+    # Each launch (two at a time, in their own threads) gets SIGTERM, then SIGKILL after 5 s,
+    # then up to 5 s more for the kill to be reaped: 10 s, plus the launcher's 0.25 s poll and
+    # the parent's exit on a loaded machine: well under the scenario's own 120 s timeout.
+    assert time.monotonic() - sent < 30, err
     assert proc.returncode == 130, err
     assert "interrupted" in err and "Traceback" not in err
     left = subprocess.run(["pgrep", "-af", str(out)], capture_output=True, text=True).stdout
