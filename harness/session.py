@@ -125,7 +125,6 @@ def judge_expectation(doc: dict, expect: Expectation | None) -> None:
             doc["verdict"] = "known-divergence"
 
 
-
 def compare_scenario(s: Scenario | None, paths: dict[str, Path], sdir: Path, say=print,
                      policy: ComparePolicy | None = None, verify: bool = True) -> dict:
     """Compare the traces of one scenario; write steps.csv/json, results.csv, summary.json.
