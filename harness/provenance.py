@@ -145,19 +145,19 @@ def code_identity(env: dict[str, str] | None = None) -> dict:
     env = dict(os.environ if env is None else env)
     path = worker_path(env)
     hashes = _FileHashes()
-    env["PYTHONPATH"] = os.pathsep.join(_user_path(env))
-    user = [Path(p) for p in _user_path(env) if Path(p).exists()]
+    user = _user_path(env)
+    env["PYTHONPATH"] = os.pathsep.join(user)
+    roots = {n: _package_roots(n, path)
+             for n in ("megatron", "transformer_engine", "sitecustomize", "usercustomize")}  # fmt: skip
     code = {
-        "megatron": tree_hash(_package_roots("megatron", path), hashes),
-        "transformer_engine": tree_hash(_package_roots("transformer_engine", path), hashes),
+        "megatron": tree_hash(roots["megatron"], hashes),
+        "transformer_engine": tree_hash(roots["transformer_engine"], hashes),
         "harness": tree_hash([ROOT / "harness"], hashes),
-        "site_customize": tree_hash(
-            [*_package_roots("sitecustomize", path), *_package_roots("usercustomize", path)], hashes
-        ),
-        "pythonpath": tree_hash(user, hashes, limit=MAX_FILES_HASHED),
+        "site_customize": tree_hash([*roots["sitecustomize"], *roots["usercustomize"]], hashes),
+        "pythonpath": tree_hash([Path(p) for p in user if Path(p).exists()], hashes, limit=MAX_FILES_HASHED),
     }
     hashes.save()
-    where = {n: [str(p) for p in _package_roots(n, path)] for n in ("megatron", "transformer_engine")}
+    where = {n: [str(p) for p in roots[n]] for n in ("megatron", "transformer_engine")}
     doc = {
         "versions": {
             "python": platform.python_version(),
