@@ -2,9 +2,11 @@
 
 A plain torch model of the scale check's weight sizes (hidden 512, FFN 4096, 4 blocks, vocab
 4096: 25M parameters) trains with SGD; each step records the parameters and their gradients
-under each capture policy in turn (interleaved, one thread). Full capture copies the tensors
-on the step and hashes and writes them in the writer thread; the figure includes ``close``
-(waiting for the writes) spread over the steps, and the step alone.
+under each capture policy in turn (interleaved, one thread for torch). Full capture and the
+asynchronous fingerprint copy the tensors on the step and hash (and write) them in the writer
+thread; the figure includes ``close`` (waiting for the writer) spread over the steps, and the
+step alone. Process CPU time per step is printed too: on a shared machine it is the steadier
+figure, and it counts the writer thread's work.
 
     PYTHONPATH=. python benchmarks/capture_overhead.py [--steps 4] [--rounds 2]
 """
@@ -26,6 +28,8 @@ from harness.scenario import CapturePolicy
 POLICIES = {
     "losses+scalars": CapturePolicy(kinds=("loss", "scalar")),
     "fingerprint": CapturePolicy(kinds=("loss", "scalar", "param", "main_grad"), mode="fingerprint"),
+    "fingerprint (async)": CapturePolicy(kinds=("loss", "scalar", "param", "main_grad"), mode="fingerprint",
+                                         fingerprint_async=True),
     "full": CapturePolicy(kinds=("loss", "scalar", "param", "main_grad")),
 }
 

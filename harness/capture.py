@@ -31,12 +31,9 @@ from __future__ import annotations
 import atexit
 import copy
 import fnmatch
-import hashlib
-import math
 import platform
 import queue
 import threading
-import zlib
 from importlib import metadata
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
@@ -44,57 +41,10 @@ from typing import Callable, Iterable, Mapping
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
+from harness.fingerprint import fingerprint
 from harness.layout import Layout
 from harness.scenario import CapturePolicy
-from harness.trace import FORMAT, FORMAT_VERSION, Entry, content_hash, tensor_key, write_json, write_tensors
-
-FINGERPRINT_BLOCKS = 16
-
-
-def fingerprint(t: torch.Tensor) -> dict:
-    """Statistics, a bitwise hash and per-block checksums (blocks along dim 0).
-
-    Cheap enough to run every step: the hashes read the tensor's bytes in place (no copy),
-    block checksums are CRC-32 (zlib, hardware-accelerated where the CPU has it), and the
-    statistics are reductions in the tensor's dtype accumulated in fp64 (no fp64 copy); only
-    a tensor holding NaN or Inf pays for the masked copy its finite statistics need.
-    """
-    flat = t.detach().contiguous().reshape(-1)
-    raw = _bytes(flat)
-    blocks = []
-    rows = t.shape[0] if t.dim() else 1
-    for chunk in (flat.reshape(rows, -1).chunk(min(FINGERPRINT_BLOCKS, rows)) if t.numel() else []):
-        blocks.append({
-            "rows": int(chunk.shape[0]),
-            "sum": float(chunk.sum(dtype=torch.float64)) if chunk.dtype.is_floating_point else float(chunk.sum()),
-            "crc32": f"{zlib.crc32(_bytes(chunk)):08x}",
-        })  # fmt: skip
-    return {"sha256": hashlib.sha256(raw).hexdigest(), "numel": int(t.numel()), **_finite_stats(flat),
-            "blocks": blocks}  # fmt: skip
-
-
-def _bytes(t: torch.Tensor):
-    """The bytes of a contiguous tensor as a buffer, without a copy."""
-    return t.view(torch.uint8).numpy() if t.numel() else b""
-
-
-def _finite_stats(flat: torch.Tensor) -> dict:
-    """NaN and Inf counts; min, max, mean and L2 norm of the finite values (fp64 accumulation)."""
-    if not flat.dtype.is_floating_point:
-        flat = flat.double()
-    total = float(flat.sum(dtype=torch.float64)) if flat.numel() else 0.0
-    nan = inf = 0
-    good = flat
-    if not math.isfinite(total):  # only then look for the non-finite positions
-        nan, inf = int(torch.isnan(flat).sum()), int(torch.isinf(flat).sum())
-        good = flat[torch.isfinite(flat)]
-        total = float(good.sum(dtype=torch.float64)) if good.numel() else 0.0
-    if not good.numel():
-        return {"nan": nan, "inf": inf, "min": None, "max": None, "mean": None, "l2": None}
-    lo, hi = torch.aminmax(good)
-    return {"nan": nan, "inf": inf, "min": float(lo), "max": float(hi), "mean": total / good.numel(),
-            "l2": float(torch.linalg.vector_norm(good, dtype=torch.float64))}  # fmt: skip
-
+from harness.trace import DIGEST, FORMAT, FORMAT_VERSION, Entry, content_hash, tensor_key, write_json, write_tensors
 
 def versions() -> dict[str, str | None]:
     out = {"python": platform.python_version()}
@@ -108,6 +58,30 @@ def versions() -> dict[str, str | None]:
 
 WRITE_QUEUE = 2
 """Steps whose copies may wait for the writer thread; a step beyond them waits for a write."""
+
+
+class _CopyPool:
+    """The step's copies, recycled once the writer is done with them: a step copies into
+    buffers whose pages are already mapped (a fresh allocation of a large tensor faults in
+    every page, which costs more than the copy). At most one more step's copies than the
+    writer's queue holds are kept per tensor shape."""
+
+    def __init__(self):
+        self._free: dict[tuple, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def copy(self, value: torch.Tensor) -> torch.Tensor:
+        with self._lock:
+            free = self._free.get((value.dtype, value.device, tuple(value.shape)))
+            buf = free.pop() if free else None
+        return value.clone(memory_format=torch.contiguous_format) if buf is None else buf.copy_(value)
+
+    def release(self, tensors: Iterable[torch.Tensor]) -> None:
+        with self._lock:
+            for t in tensors:
+                free = self._free.setdefault((t.dtype, t.device, tuple(t.shape)), [])
+                if len(free) <= WRITE_QUEUE:
+                    free.append(t)
 
 
 class _Writer:
@@ -167,7 +141,9 @@ class Capture:
         self.step: int | None = None
         self._mb: int | None = None
         self._ids: tuple[int, ...] | None = None
-        self._pending: dict[str, torch.Tensor] = {}
+        self._pending: dict[str, torch.Tensor] = {}  # copies to write
+        self._to_fingerprint: dict[str, torch.Tensor] = {}  # copies to fingerprint in the writer
+        self._copies = _CopyPool()
         self._entries: list[Entry] = []
         self._recorded: set[tuple[int, str]] = set()
         self._scalars: list[dict] = []
@@ -237,9 +213,12 @@ class Capture:
             sample_ids=sample_ids,
         )  # fmt: skip
         if self.policy.mode == "fingerprint" and kind != "input":
-            entry.fingerprint = fingerprint(value)
+            if self.policy.fingerprint_async:
+                self._to_fingerprint[key] = self._copies.copy(value)  # the step waits for the copy only
+            else:
+                entry.fingerprint = fingerprint(value)
         else:
-            self._pending[key] = value.clone()  # the step waits for this copy only: hash and write run behind
+            self._pending[key] = self._copies.copy(value)  # the step waits for this copy only: hash and write run behind
         self._entries.append(entry)
 
     def params(
@@ -291,24 +270,28 @@ class Capture:
         write_json(self.rank_dir / "progress.json", {"rank": self.rank, "step": self.step, "phase": phase})
 
     def end_step(self) -> None:
-        """Hand the step's copies to the writer thread: it hashes them, writes the step's file,
-        then the index up to this step (a rank that dies later leaves a readable, incomplete
-        trace). At most :data:`WRITE_QUEUE` steps wait, bounding the copies held in memory."""
-        pending, entries = self._pending, self._entries[self._flushed:]
+        """Hand the step's copies to the writer thread: it fingerprints or hashes them, writes
+        the step's file, then the index up to this step (a rank that dies later leaves a
+        readable, incomplete trace). At most :data:`WRITE_QUEUE` steps wait, bounding the
+        copies held in memory."""
+        pending, to_fingerprint, entries = self._pending, self._to_fingerprint, self._entries[self._flushed:]
         self._flushed = len(self._entries)
         path = self.rank_dir / f"step{self.step}.safetensors"
         index = self._index_doc(len(self._entries))
 
         def write() -> None:
             for e in entries:
-                if e.key in pending:
-                    e.sha256 = content_hash(pending[e.key])
+                if e.key in to_fingerprint:
+                    e.fingerprint = fingerprint(to_fingerprint[e.key])
+                elif e.key in pending:
+                    e.digest, e.digest_alg = content_hash(pending[e.key]), DIGEST
             if pending:
                 write_tensors(path, pending)
             write_json(self.rank_dir / "index.json", index())
+            self._copies.release([*pending.values(), *to_fingerprint.values()])
 
         self._writer.submit(write)
-        self._pending = {}
+        self._pending, self._to_fingerprint = {}, {}
         self._mb = self._ids = None
         self.progress("end")
 

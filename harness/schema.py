@@ -238,6 +238,9 @@ class CapturePolicy:
     """Steps to capture (1-based); None captures every step."""
     mode: CaptureMode = "full"
     """``full`` stores tensors; ``fingerprint`` stores statistics, a hash and block checksums."""
+    fingerprint_async: bool = False
+    """``fingerprint``: copy each tensor on the step and fingerprint the copy in the writer
+    thread (the step waits for the copy only, memory holds the queued steps' copies)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -56,7 +56,7 @@ def test_fingerprint_mode_stores_no_tensors(tmp_path):
     plain_loop_trace(tmp_path / "t", CapturePolicy(mode="fingerprint"))
     t = trace.read(tmp_path / "t")
     fps = [e.fingerprint for e in t.entries if e.kind == "param"]
-    assert fps and all(len(fp["sha256"]) == 64 and fp["blocks"] for fp in fps)
+    assert fps and all(len(fp["sha256"]) == 64 and fp["blocks"] and "crc32" in fp["blocks"][0] for fp in fps)
     assert not list((tmp_path / "t" / "rank0").glob("step1.safetensors")) or all(
         e.kind == "input" for e in t.entries if e.fingerprint is None)
 
@@ -186,6 +186,59 @@ def test_tensors_swapped_inside_a_file_are_refused(tmp_path, capsys):
     assert torch.equal(trace.read(tmp_path / "t", verify=False).tensor(entry), tensors[a])  # opt-out
     code = cli.main(["compare", str(tmp_path / "t"), str(tmp_path / "t"), "--out", str(tmp_path / "cmp")])
     assert code == 2 and "content hash" in capsys.readouterr().err
+
+
+def test_traces_recorded_with_sha256_still_verify(tmp_path):
+    """An index written before the digest was named holds ``sha256`` per tensor: read as such."""
+    plain_loop_trace(tmp_path / "t")
+    assert {e.digest_alg for e in trace.read(tmp_path / "t").entries if e.digest} == {trace.DIGEST}
+    idx_path = tmp_path / "t" / "rank0" / "index.json"
+    idx = json.loads(idx_path.read_text())
+    t = trace.read(tmp_path / "t")
+    for e, entry in zip(idx["tensors"], t.entries):
+        if e.pop("digest_alg") and e.pop("digest"):
+            e["sha256"] = trace.content_hash(t.tensor(entry), "sha256")
+    idx["tensors"][0]["sha256"] = "0" * 64
+    idx_path.write_text(json.dumps(idx))
+    old = trace.read(tmp_path / "t")
+    first, rest = old.entries[0], [e for e in old.entries[1:] if e.digest]
+    assert rest and {e.digest_alg for e in rest} == {"sha256"}
+    for e in rest:
+        old.tensor(e)  # verified against the sha256 recorded
+    with pytest.raises(BadInput, match="content hash"):
+        old.tensor(first)
+    idx["tensors"][0]["digest_alg"] = "md5"
+    idx_path.write_text(json.dumps(idx))
+    with pytest.raises(BadInput, match="index.json.*unknown digest_alg 'md5'"):
+        trace.read(tmp_path / "t")
+
+
+def test_fingerprints_in_the_writer_thread_equal_those_on_the_step(tmp_path):
+    plain_loop_trace(tmp_path / "step", CapturePolicy(mode="fingerprint"))
+    plain_loop_trace(tmp_path / "writer", CapturePolicy(mode="fingerprint", fingerprint_async=True))
+    on_step, in_writer = (
+        [(e.step, e.key, e.fingerprint) for e in trace.read(tmp_path / d).entries if e.kind != "input"]
+        for d in ("step", "writer"))  # fmt: skip
+    assert on_step == in_writer and all(fp for _, _, fp in on_step)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fingerprint_statistics_within_the_rounding_of_their_sums(dtype):
+    """Sums and norms in the tensor's dtype (fp32 for bf16), blocks added in fp64: each within
+    gamma_m (fp32) of the exact value, m the largest block; NaN and Inf counted apart."""
+    from harness.bounds import gamma
+    from harness.fingerprint import FINGERPRINT_BLOCKS, fingerprint
+
+    x = torch.randn(64, 100, generator=torch.Generator().manual_seed(3)).to(dtype)
+    fp, xd = fingerprint(x), x.double()
+    m = x.numel() // FINGERPRINT_BLOCKS
+    assert abs(fp["mean"] * x.numel() - float(xd.sum())) <= gamma(m) * float(xd.abs().sum())
+    assert fp["l2"] == pytest.approx(float(xd.norm()), rel=gamma(m))
+    assert (fp["min"], fp["max"]) == (float(xd.min()), float(xd.max()))
+    assert len(fp["blocks"]) == FINGERPRINT_BLOCKS and fp["nan"] == fp["inf"] == 0
+    x[3, 7], x[9, 1] = float("nan"), float("inf")
+    bad = fingerprint(x)
+    assert (bad["nan"], bad["inf"]) == (1, 1) and bad["max"] == fp["max"] and bad["sha256"] != fp["sha256"]
 
 
 def test_comparing_two_models_is_a_bad_input(tmp_path, capsys):
