@@ -14,6 +14,7 @@ figure, and it counts the writer thread's work.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import tempfile
 import time
@@ -21,6 +22,7 @@ import time
 import torch
 from torch.distributed.tensor import Replicate
 
+from harness import fingerprint as fp
 from harness.capture import Capture
 from harness.layout import Layout
 from harness.scenario import CapturePolicy
@@ -32,6 +34,8 @@ POLICIES = {
                                          fingerprint_async=True),
     "full": CapturePolicy(kinds=("loss", "scalar", "param", "main_grad")),
 }
+XXH3 = {"fingerprint, xxh3 digests": "fingerprint", "fingerprint (async), xxh3 digests": "fingerprint (async)"}
+"""Rows measured with fingerprint.WHOLE_DIGEST / BLOCK_DIGEST set to xxh3_128 / xxh3_64."""
 
 
 def model() -> torch.nn.Module:
@@ -46,11 +50,11 @@ def layout(name: str, p: torch.Tensor) -> Layout:
     return Layout(tuple(p.shape), {"tp": 1}, {"tp": Replicate()})
 
 
-def run(policy: CapturePolicy, net, opt, steps: int, tokens: torch.Tensor) -> tuple[float, float]:
-    """(seconds per step without waiting for the writer, seconds per step with close)."""
+def run(policy: CapturePolicy, net, opt, steps: int, tokens: torch.Tensor) -> tuple[float, float, float]:
+    """Seconds per step: without waiting for the writer, with close, and process CPU with close."""
     with tempfile.TemporaryDirectory() as d:
         cap = Capture(d, rank=0, world_size=1, coord={"tp": 0, "gtp": 0, "dp": 0}, mesh={"tp": 1}, policy=policy)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for step in range(1, steps + 1):
             cap.begin_step(step)
             loss = torch.nn.functional.cross_entropy(net(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
@@ -63,8 +67,8 @@ def run(policy: CapturePolicy, net, opt, steps: int, tokens: torch.Tensor) -> tu
             cap.end_step()
         steps_done = time.perf_counter()
         cap.close()
-        end = time.perf_counter()
-    return (steps_done - t0) / steps, (end - t0) / steps
+        end, cpu = time.perf_counter(), time.process_time() - c0
+    return (steps_done - t0) / steps, (end - t0) / steps, cpu / steps
 
 
 def main() -> None:
@@ -78,18 +82,20 @@ def main() -> None:
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
     tokens = torch.randint(0, 4096, (2, 129))
     n = sum(p.numel() for p in net.parameters())
-    best = {k: (float("inf"), float("inf")) for k in POLICIES}
+    best = {k: (float("inf"),) * 3 for k in [*POLICIES, *XXH3]}
     for _ in range(args.rounds):
-        for name, policy in POLICIES.items():
-            step, total = run(policy, net, opt, args.steps, tokens)
-            best[name] = (min(best[name][0], step), min(best[name][1], total))
-    base = best["losses+scalars"][1]
+        for name in best:
+            fp.WHOLE_DIGEST, fp.BLOCK_DIGEST = ("xxh3_128", "xxh3_64") if name in XXH3 else ("sha256", "crc32")
+            policy = POLICIES[XXH3.get(name, name)]
+            best[name] = tuple(map(min, best[name], run(policy, net, opt, args.steps, tokens)))
+    base, base_cpu = best["losses+scalars"][1], best["losses+scalars"][2]
     print(f"# {platform.machine()}, torch {torch.__version__}, 1 thread, {n / 1e6:.1f}M parameters, "
-          f"params + grads each step")
-    print("| capture | s/step (step only) | s/step (with writes) | vs losses+scalars |")
-    print("|---|---|---|---|")
-    for name, (step, total) in best.items():
-        print(f"| {name} | {step:.3f} | {total:.3f} | {total / base:.2f}x |")
+          f"params + grads each step, best of {args.rounds} interleaved rounds, load average "
+          f"{os.getloadavg()[0]:.1f}")
+    print("| capture | s/step (step only) | s/step (with writes) | vs losses+scalars | CPU s/step | CPU vs losses+scalars |")
+    print("|---|---|---|---|---|---|")
+    for name, (step, total, cpu) in best.items():
+        print(f"| {name} | {step:.3f} | {total:.3f} | {total / base:.2f}x | {cpu:.3f} | {cpu / base_cpu:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -236,6 +236,11 @@ def test_fingerprint_statistics_within_the_rounding_of_their_sums(dtype):
     assert fp["l2"] == pytest.approx(float(xd.norm()), rel=gamma(m))
     assert (fp["min"], fp["max"]) == (float(xd.min()), float(xd.max()))
     assert len(fp["blocks"]) == FINGERPRINT_BLOCKS and fp["nan"] == fp["inf"] == 0
+    fast, moved = fingerprint(x, "xxh3_128", "xxh3_64"), x.clone()
+    moved[41, 0] += 1  # block 10 of 16 (4 rows each)
+    fast_moved = fingerprint(moved, "xxh3_128", "xxh3_64")
+    assert fast["xxh3_128"] != fast_moved["xxh3_128"]
+    assert [i for i, (a, b) in enumerate(zip(fast["blocks"], fast_moved["blocks"])) if a != b] == [10]
     x[3, 7], x[9, 1] = float("nan"), float("inf")
     bad = fingerprint(x)
     assert (bad["nan"], bad["inf"]) == (1, 1) and bad["max"] == fp["max"] and bad["sha256"] != fp["sha256"]
