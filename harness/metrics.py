@@ -1,7 +1,7 @@
 """Metrics of one (reference, candidate) pair in one streaming pass, in bounded memory.
 
 Both tensors are read once, chunk by chunk (:data:`CHUNK` elements, widened into fp64 buffers
-allocated once per pass: the working set is fixed whatever the tensor's size, and no chunk
+kept between passes: the working set is fixed whatever the tensor's size, and no chunk
 allocates). Every per-element quantity (``|c - r|``, ``|c - r| / |r|``, ``(c - r)^2``) is
 rounded once in fp64, as a whole-tensor fp64 computation rounds it: the same values bit for
 bit (``c - r`` of two fp32 values is exact in fp64 whenever their exponents differ by less
