@@ -6,6 +6,7 @@ limit of what the harness covers, said as such.
 from __future__ import annotations
 
 from harness.errors import BadInput
+from harness.fault_catalog import MOE_FAULTS
 from harness.schema import ModelConfig, Scenario, Side
 
 
@@ -27,6 +28,8 @@ def validate_moe_side(s: Scenario, name: str, side: Side, where: str) -> None:
     for key in ("ep", "expert_gtp"):
         if getattr(side, key) < 1:
             raise BadInput(f"{where}.{key}", f"must be >= 1, got {getattr(side, key)}")
+    if not m.num_experts and (planted := [f for f in side.inject if f in MOE_FAULTS]):
+        raise BadInput(f"{where}.inject", f"{planted[0]!r} never fires on a dense model ([model].num_experts = 0)")
     if side.ep * side.expert_gtp == 1 and not m.num_experts:
         return
     if not m.num_experts:

@@ -23,7 +23,7 @@ from harness.backends.recording import Materialized, Recording, StepScalars, gat
 from harness.capture import Capture
 from harness.dtypes import DTYPES
 from harness.gpt import canonical_state, captured_modules, layout_of, mesh_of, param_specs
-from harness.layout import from_mcore_param, shard
+from harness.layout import from_mcore_param, holds, shard
 from harness.mesh import on_grid
 
 
@@ -133,7 +133,7 @@ def _load_canonical(model, job: Job, mesh: dict, coord: dict) -> None:
         with torch.no_grad():
             p.copy_(shard(state[name], ours, on_grid(coord, ours.grid)).to(p.dtype))
         seen.add(name)
-    missing = set(specs) - seen
+    missing = {n for n, spec in specs.items() if holds(layout_of(spec, job.side, job.model.num_experts), coord)} - seen
     if missing:
         raise RuntimeError(f"megatron-core did not build {sorted(missing)}")
 
