@@ -138,8 +138,11 @@ def check_reach(name: str, side, data=None) -> str | None:
         if not 1 <= step <= side.steps:
             return f"{name!r} never fires: step {step} is not in 1..{side.steps} (the side's steps)"
         return None
-    if name == "moe-expert-gather-wrong-buffer" and side.expert_gtp == 1:
+    if name in ("moe-expert-gather-wrong-buffer", "moe-expert-wgrad-dense-group") and side.expert_gtp == 1:
         return f"{name!r} never fires on a side without expert GTP (expert_gtp = 1)"
+    if name == "moe-expert-wgrad-dense-group" and (side.gtp == 1 or side.ep == 1):
+        # The dense and expert GTP groups are the same ranks unless both GTPs and EP are on.
+        return f"{name!r} never fires unless gtp > 1 and ep > 1 (the dense and expert GTP groups differ)"
     if name in _NEEDS_GTP and side.gtp == 1:
         return f"{name!r} never fires on a side without GTP (gtp = 1)"
     if name == "gtp-prescale-under-per-token-loss" and side.per_token_loss != "both":
@@ -169,6 +172,11 @@ MOE_FAULTS: dict[str, Fault] = {
             "the gathered weight of layer 0's routed expert 0 fc1 is taken from expert 1's buffer",
             {"step": 1, "kind": "materialized", "tensor": "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight",
              "signature": "gemm-consumed-foreign-weight"},
+        ),
+        Fault(
+            "moe-expert-wgrad-dense-group", "reduction over the wrong group",
+            "routed experts' wgrads are reduce-scattered over the dense GTP group instead of the expert GTP group",
+            {"step": 1, "kind": "main_grad", "tensor": "*.local_experts.*", "signature": "pad-rows"},
         ),
     ]
 }

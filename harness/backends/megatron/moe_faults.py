@@ -43,7 +43,21 @@ def _expert_gather_wrong_buffer(ctx) -> None:
         patch(GTPShardedParam, "all_gather_and_prefetch", all_gather_and_prefetch)
 
 
+def _expert_wgrad_dense_group(ctx) -> None:
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import generalized_tensor_parallelism as gtp
+
+    expert_group, dense_group = ps.get_expert_gtp_weight_remat_group(), ps.get_gtp_weight_remat_group()
+    original = gtp.reduce_scatter_along_first_dim
+
+    def over_dense_group(inp, process_group, *args, **kwargs):
+        return original(inp, dense_group if process_group is expert_group else process_group, *args, **kwargs)
+
+    patch(gtp, "reduce_scatter_along_first_dim", over_dense_group)
+
+
 MOE_INSTALLERS = {
     "moe-aux-loss-wrong-group": _aux_loss_wrong_group,
     "moe-expert-gather-wrong-buffer": _expert_gather_wrong_buffer,
+    "moe-expert-wgrad-dense-group": _expert_wgrad_dense_group,
 }
