@@ -170,12 +170,14 @@ MOE_FAULTS: dict[str, Fault] = {
         Fault(
             "moe-expert-gather-wrong-buffer", "stale or clobbered buffer",
             "the gathered weight of layer 0's routed expert 0 fc1 is taken from expert 1's buffer",
-            {"step": 1, "kind": "materialized", "tensor": "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight",
+            {"step": 1, "kind": "materialized",
+             "tensor": "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight",
              "signature": "gemm-consumed-foreign-weight"},
         ),
         Fault(
             "moe-expert-wgrad-dense-group", "reduction over the wrong group",
-            "routed experts' wgrads are reduce-scattered over the dense GTP group instead of the expert GTP group",
+            "routed experts' wgrads are reduce-scattered over the dense GTP group instead of the expert "
+            "GTP group",
             {"step": 1, "kind": "main_grad", "tensor": "*.local_experts.*", "signature": "pad-rows"},
         ),
     ]

@@ -132,7 +132,8 @@ def _expert_layout(spec: ParamSpec, side: Side, num_experts: int) -> Layout:
         local0 = spec.shape[0] // (side.tp if spec.tp_dim == 0 else 1)
         placements["gtp"] = Shard(0)
         pads["gtp"] = gtp_pad(local0, eg, side.gtp_pad_alignment)
-    return Layout(spec.shape, mesh, placements, pads, grid="expert", fixed={"ep": spec.expert // (num_experts // ep)})
+    owner = spec.expert // (num_experts // ep)
+    return Layout(spec.shape, mesh, placements, pads, grid="expert", fixed={"ep": owner})
 
 
 def captured_modules(model) -> dict[str, torch.nn.Module]:

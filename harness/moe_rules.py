@@ -18,7 +18,8 @@ def validate_moe_model(s: Scenario) -> None:
         return
     if not 1 <= m.moe_topk <= m.num_experts:
         # TopKRouter: torch.topk(k) over num_moe_experts scores
-        raise BadInput(f"{src}: [model].moe_topk", f"must be in 1..num_experts = {m.num_experts}, got {m.moe_topk}")
+        raise BadInput(f"{src}: [model].moe_topk",
+                       f"must be in 1..num_experts = {m.num_experts}, got {m.moe_topk}")  # fmt: skip
     if m.moe_aux_loss_coeff < 0:
         raise BadInput(f"{src}: [model].moe_aux_loss_coeff", f"must be >= 0, got {m.moe_aux_loss_coeff}")
 
@@ -29,17 +30,20 @@ def validate_moe_side(s: Scenario, name: str, side: Side, where: str) -> None:
         if getattr(side, key) < 1:
             raise BadInput(f"{where}.{key}", f"must be >= 1, got {getattr(side, key)}")
     if not m.num_experts and (planted := [f for f in side.inject if f in MOE_FAULTS]):
-        raise BadInput(f"{where}.inject", f"{planted[0]!r} never fires on a dense model ([model].num_experts = 0)")
+        raise BadInput(f"{where}.inject",
+                       f"{planted[0]!r} never fires on a dense model ([model].num_experts = 0)")  # fmt: skip
     if side.ep * side.expert_gtp == 1 and not m.num_experts:
         return
     if not m.num_experts:
         raise BadInput(f"{where}.ep", "expert parallelism and expert GTP need [model].num_experts > 0")
     if side.backend == "mlm" or (side.backend == "torch" and name != "golden"):
-        raise BadInput(f"{where}.backend", "MoE runs on the megatron backend, and on the torch backend as the golden only")
+        raise BadInput(f"{where}.backend",
+                       "MoE runs on the megatron backend, and on the torch backend as the golden only")  # fmt: skip
     if name == "golden" and side.ep * side.expert_gtp != 1:
         raise BadInput(f"{where}.ep", "the golden side runs in a single process: ep = expert_gtp = 1")
     if side.tp != 1:
-        raise BadInput(f"{where}.tp", "MoE scenarios run at TP 1: expert tensor parallelism is not covered yet")
+        raise BadInput(f"{where}.tp",
+                       "MoE scenarios run at TP 1: expert tensor parallelism is not covered yet")  # fmt: skip
     if m.num_experts % side.ep:
         # MoELayer: num_moe_experts % expert_model_parallel_size == 0 (moe_layer.py, BaseMoELayer)
         raise BadInput(f"{where}.ep", f"EP {side.ep} must divide [model].num_experts = {m.num_experts}")
@@ -54,9 +58,11 @@ def validate_moe_side(s: Scenario, name: str, side: Side, where: str) -> None:
                 raise BadInput(f"{where}.expert_gtp",
                                f"EGTP {side.expert_gtp} must divide dim 0 of the experts' {key} ({dim0}) when gtp_pad_alignment = 0")  # fmt: skip
     if side.expert_gtp > 1 and not m.untie_embeddings:
-        raise BadInput(f"{s.source}: [model].untie_embeddings", "tied embedding/output weights are not supported with GTP")
+        raise BadInput(f"{s.source}: [model].untie_embeddings",
+                       "tied embedding/output weights are not supported with GTP")  # fmt: skip
     if side.ep * side.expert_gtp > 1 and side.distributed_optimizer:
-        raise BadInput(f"{where}.distributed_optimizer", "not covered with expert parallelism or expert GTP yet")
+        raise BadInput(f"{where}.distributed_optimizer",
+                       "not covered with expert parallelism or expert GTP yet")  # fmt: skip
 
 
 def moe_parameter_count(m: ModelConfig) -> int:

@@ -28,7 +28,9 @@ EXPERT = "module.decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"
 def _side(restore: bool) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.distributed import (
+        DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads,
+    )  # fmt: skip
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel import gtp_api
@@ -49,7 +51,8 @@ def _side(restore: bool) -> dict:
         use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False,
         gradient_accumulation_fusion=False, deterministic_mode=True,
     )  # fmt: skip
-    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False),
+    spec = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False)
+    model = GPTModel(config=cfg, transformer_layer_spec=spec,
                      vocab_size=64, max_sequence_length=8, share_embeddings_and_output_weights=False,
                      position_embedding_type="learned_absolute")  # fmt: skip
     if restore:

@@ -28,7 +28,8 @@ def _record(cap: Capture, name: str, value: torch.Tensor, sample_ids: tuple[int,
     if cap.step is None or cap.micro_batch_index is None or not cap.wants("activation", name):
         return
     layout = Layout(tuple(value.shape), {"tp": cap.mesh.get("tp", 1)}, {"tp": Replicate()})
-    cap.tensor("activation", name, value, layout=layout, micro_batch=cap.micro_batch_index, sample_ids=sample_ids)
+    cap.tensor("activation", name, value, layout=layout, micro_batch=cap.micro_batch_index,
+               sample_ids=sample_ids)  # fmt: skip
 
 
 def record_routing(cap: Capture, layer: int, logits: torch.Tensor, routing_map: torch.Tensor,

@@ -47,7 +47,8 @@ def _build(job: Job):
     side, m = job.side, job.model
     if side.recipe != "none":
         raise NotImplementedError(f"recipe {side.recipe!r} needs the Transformer Engine path of this backend")
-    ps.initialize_model_parallel(tensor_model_parallel_size=side.tp, gtp_remat_size=side.gtp, **moe.parallel_kwargs(side))
+    ps.initialize_model_parallel(tensor_model_parallel_size=side.tp, gtp_remat_size=side.gtp,
+                                 **moe.parallel_kwargs(side))  # fmt: skip
     model_parallel_cuda_manual_seed(side.seed)
     torch.manual_seed(side.seed)
     if moe.uses_gtp(side):
@@ -133,7 +134,8 @@ def _load_canonical(model, job: Job, mesh: dict, coord: dict) -> None:
         with torch.no_grad():
             p.copy_(shard(state[name], ours, on_grid(coord, ours.grid)).to(p.dtype))
         seen.add(name)
-    missing = {n for n, spec in specs.items() if holds(layout_of(spec, job.side, job.model.num_experts), coord)} - seen
+    here = {n for n, spec in specs.items() if holds(layout_of(spec, job.side, job.model.num_experts), coord)}
+    missing = here - seen  # a routed expert is built on the ranks of its EP coordinate only
     if missing:
         raise RuntimeError(f"megatron-core did not build {sorted(missing)}")
 
@@ -259,7 +261,8 @@ class _MegatronStep:
         self.skipped = 0
         gtp_on = moe.uses_gtp(job.side)
         # Where GTP is off the weight each GEMM reads is the parameter itself.
-        direct = [(n, p) for n, p in rec.named if _GTP_SHARDABLE(n) and not getattr(p, "is_gtp_weight_remat", False)]
+        direct = [(n, p) for n, p in rec.named
+                  if _GTP_SHARDABLE(n) and not getattr(p, "is_gtp_weight_remat", False)]  # fmt: skip
         self.materialized = Materialized(rec.cap, {n: gathered(l) for n, l in rec.layouts.items()}, direct)
         if gtp_on:
             record_gathers(rec.named, self.materialized.record, rec.cap)
