@@ -18,7 +18,8 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from harness.errors import BadInput
-from harness.layout import MESH_AXES, assemble
+from harness.layout import MESH_AXES, assemble, holds
+from harness.mesh import on_grid
 from harness.trace import Entry, Trace
 
 SAMPLE_KINDS = ("activation", "logits")
@@ -87,6 +88,9 @@ def _assemble_placed(trace, key, entries, coords, rank_of, out: Logical) -> None
     layout = entries[0].layout
     if layout is None:
         raise BadInput(str(trace.path), f"{key[2]} ({key[1]}, step {key[0]}) has no layout")
+    if layout.grid != "dense":  # a routed expert's weight: the ranks of its EP coordinate, on the expert grid
+        coords = {r: on_grid(c, layout.grid) for r, c in coords.items() if holds(layout, c)}
+        rank_of = {(c["tp"], c["gtp"], c["dp"]): r for r, c in coords.items()}
 
     def shard_of(c: dict) -> torch.Tensor:
         rank = rank_of.get((c.get("tp", 0), c.get("gtp", 0), c.get("dp", 0)))

@@ -179,6 +179,11 @@ class Capture:
         """The micro-batch being recorded (None outside one)."""
         return self._mb
 
+    @property
+    def sample_ids(self) -> tuple[int, ...] | None:
+        """The global sample ids of the micro-batch being recorded (None outside one)."""
+        return self._ids
+
     def micro_batch(self, index: int, sample_ids: Iterable[int]) -> None:
         """Tag what is captured next with this micro-batch and its global sample ids."""
         self._mb, self._ids = index, tuple(int(i) for i in sample_ids)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.mesh import Mesh
+from harness.mesh import Mesh, expert_coord
 from harness.scenario import DataConfig, ModelConfig, Side
 
 
@@ -31,7 +31,10 @@ def batch(seed: int, sample_ids: list[int], model: ModelConfig) -> tuple[torch.T
 def coord(rank: int, side: Side) -> dict[str, int]:
     """Mesh coordinates of ``rank`` (:mod:`harness.mesh`), with its data rank as ``data``."""
     mesh = Mesh.of_side(side)
-    return {**mesh.coord(rank), "data": mesh.data_rank(rank)}
+    experts = {}
+    if getattr(side, "ep", 1) * getattr(side, "expert_gtp", 1) > 1:  # the expert grid's axes too
+        experts = expert_coord(rank, side.world_size, side.tp, side.ep, side.expert_gtp)
+    return {**mesh.coord(rank), "data": mesh.data_rank(rank), **experts}
 
 
 def step_sample_ids(step: int, data: DataConfig) -> list[int]:

@@ -138,6 +138,11 @@ def check_reach(name: str, side, data=None) -> str | None:
         if not 1 <= step <= side.steps:
             return f"{name!r} never fires: step {step} is not in 1..{side.steps} (the side's steps)"
         return None
+    if name in ("moe-expert-gather-wrong-buffer", "moe-expert-wgrad-dense-group") and side.expert_gtp == 1:
+        return f"{name!r} never fires on a side without expert GTP (expert_gtp = 1)"
+    if name == "moe-expert-wgrad-dense-group" and (side.gtp == 1 or side.ep == 1):
+        # The dense and expert GTP groups are the same ranks unless both GTPs and EP are on.
+        return f"{name!r} never fires unless gtp > 1 and ep > 1 (the dense and expert GTP groups differ)"
     if name in _NEEDS_GTP and side.gtp == 1:
         return f"{name!r} never fires on a side without GTP (gtp = 1)"
     if name == "gtp-prescale-under-per-token-loss" and side.per_token_loss != "both":
@@ -149,3 +154,32 @@ def check_reach(name: str, side, data=None) -> str | None:
     if side.backend == "mlm" and name not in MLM_FAULTS:
         return f"{name!r} is not implemented by the mlm backend; it implements {sorted(MLM_FAULTS)}"
     return None
+
+
+# Faults of MoE models (expert GTP, routing): planted on megatron sides with [model].num_experts > 0.
+MOE_FAULTS: dict[str, Fault] = {
+    f.name: f
+    for f in [
+        Fault(
+            "moe-aux-loss-wrong-group", "reduction over the wrong group",
+            "the router's per-expert token counts for the load-balancing loss are summed over the "
+            "data-parallel group instead of the tensor x context group",
+            {"step": 1, "kind": "activation", "tensor": "decoder.layers.0.mlp.router.aux_loss",
+             "signature": "ratio-1/G"},  # world 2: the data group doubles tokens and counts
+        ),
+        Fault(
+            "moe-expert-gather-wrong-buffer", "stale or clobbered buffer",
+            "the gathered weight of layer 0's routed expert 0 fc1 is taken from expert 1's buffer",
+            {"step": 1, "kind": "materialized",
+             "tensor": "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight",
+             "signature": "gemm-consumed-foreign-weight"},
+        ),
+        Fault(
+            "moe-expert-wgrad-dense-group", "reduction over the wrong group",
+            "routed experts' wgrads are reduce-scattered over the dense GTP group instead of the expert "
+            "GTP group",
+            {"step": 1, "kind": "main_grad", "tensor": "*.local_experts.*", "signature": "pad-rows"},
+        ),
+    ]
+}
+CATALOG.update(MOE_FAULTS)

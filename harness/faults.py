@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from harness.backends.megatron.moe_faults import MOE_INSTALLERS
 from harness.data import rank_sample_ids
 from harness.fault_catalog import CATALOG, RANK_FAULTS, Fault, check_name
 from harness.mesh import Mesh
@@ -96,6 +97,7 @@ INSTALLERS: dict[str, Callable[[Context], None]] = {
     "gtp-ln-grad-not-reduced": _skip_gtp_replicated_reduce,
     "grad-norm-double-count": _double_count_norm,
 }
+INSTALLERS.update(MOE_INSTALLERS)
 
 
 def install(names: tuple[str, ...], ctx: Context) -> None:

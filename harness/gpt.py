@@ -30,6 +30,8 @@ class ParamSpec:
     """GTP-sharded (dim 0 of the TP-local block) when G > 1."""
     init: str
     """normal, scaled_normal, ones or zeros."""
+    expert: int | None = None
+    """The routed expert (global index) whose weight this is; None: not an expert's."""
 
 
 def param_specs(m: ModelConfig) -> list[ParamSpec]:
@@ -48,15 +50,29 @@ def param_specs(m: ModelConfig) -> list[ParamSpec]:
             ParamSpec(p + "self_attention.linear_qkv.weight", (3 * h, h), 0, True, "normal"),
             ParamSpec(p + "pre_mlp_layernorm.weight", (h,), None, False, "ones"),
             ParamSpec(p + "pre_mlp_layernorm.bias", (h,), None, False, "zeros"),
-            ParamSpec(p + "mlp.linear_fc1.weight", (f, h), 0, True, "normal"),
-            ParamSpec(p + "mlp.linear_fc2.weight", (h, f), 1, True, "scaled_normal"),
         ]
+        specs += _mlp_specs(m, p)
     specs += [
         ParamSpec("decoder.final_layernorm.weight", (h,), None, False, "ones"),
         ParamSpec("decoder.final_layernorm.bias", (h,), None, False, "zeros"),
     ]
     if m.untie_embeddings:
         specs.append(ParamSpec("output_layer.weight", (v, h), 0, True, "normal"))
+    return specs
+
+
+def _mlp_specs(m: ModelConfig, p: str) -> list[ParamSpec]:
+    """The dense MLP, or megatron-core's MoE layer: the router (replicated, never GTP-sharded)
+    then each routed expert's MLP, named by its global index."""
+    h, f = m.hidden_size, m.ffn_hidden_size
+    if not m.num_experts:
+        return [ParamSpec(p + "mlp.linear_fc1.weight", (f, h), 0, True, "normal"),
+                ParamSpec(p + "mlp.linear_fc2.weight", (h, f), 1, True, "scaled_normal")]  # fmt: skip
+    specs = [ParamSpec(p + "mlp.router.weight", (m.num_experts, h), None, False, "normal")]
+    for e in range(m.num_experts):
+        q = f"{p}mlp.experts.local_experts.{e}."
+        specs += [ParamSpec(q + "linear_fc1.weight", (f, h), 0, True, "normal", e),
+                  ParamSpec(q + "linear_fc2.weight", (h, f), 1, True, "scaled_normal", e)]  # fmt: skip
     return specs
 
 
@@ -86,8 +102,10 @@ def mesh_of(side: Side) -> dict[str, int]:
     return Mesh.of_side(side).sizes()
 
 
-def layout_of(spec: ParamSpec, side: Side) -> Layout:
+def layout_of(spec: ParamSpec, side: Side, num_experts: int = 0) -> Layout:
     """Where the shards of ``spec`` sit on ``side``'s mesh (as megatron-core lays them out)."""
+    if spec.expert is not None:
+        return _expert_layout(spec, side, num_experts)
     mesh = mesh_of(side)
     placements, pads = {}, {}
     if spec.tp_dim is not None and side.tp > 1:
@@ -97,6 +115,25 @@ def layout_of(spec: ParamSpec, side: Side) -> Layout:
         placements["gtp"] = Shard(0)
         pads["gtp"] = gtp_pad(local0, side.gtp, side.gtp_pad_alignment)
     return Layout(spec.shape, mesh, placements, pads)
+
+
+def _expert_layout(spec: ParamSpec, side: Side, num_experts: int) -> Layout:
+    """A routed expert's weight: on the expert grid (expert TP x EP x EGTP x expert DP) when EP
+    or EGTP is on, held by the ranks of its EP coordinate, cut by EGTP on dim 0 (padded as
+    GTP pads); replicated on the dense mesh otherwise."""
+    ep, eg = side.ep, side.expert_gtp
+    if ep * eg == 1:
+        return Layout(spec.shape, mesh_of(side), {"tp": Shard(spec.tp_dim)} if side.tp > 1 else {})
+    mesh = {"tp": side.tp, "gtp": eg, "dp": side.world_size // (side.tp * ep * eg)}
+    placements, pads = {}, {}
+    if side.tp > 1:
+        placements["tp"] = Shard(spec.tp_dim)
+    if eg > 1:
+        local0 = spec.shape[0] // (side.tp if spec.tp_dim == 0 else 1)
+        placements["gtp"] = Shard(0)
+        pads["gtp"] = gtp_pad(local0, eg, side.gtp_pad_alignment)
+    owner = spec.expert // (num_experts // ep)
+    return Layout(spec.shape, mesh, placements, pads, grid="expert", fixed={"ep": owner})
 
 
 def captured_modules(model) -> dict[str, torch.nn.Module]:

@@ -35,6 +35,12 @@ class Layout:
     """Placement per mesh axis; missing axes are Replicate."""
     pads: Mapping[str, int] = field(default_factory=dict)
     """Rows padded onto the sharded dim before cutting it along this axis (GTP)."""
+    grid: str = "dense"
+    """``dense``, or ``expert``: the axes are then expert TP, expert GTP and expert DP
+    (:func:`harness.mesh.on_grid`), on the ranks whose coordinates match ``fixed``."""
+    fixed: Mapping[str, int] = field(default_factory=dict)
+    """Coordinates outside the placement axes that select the ranks holding the tensor (a
+    routed expert's weight lives on the ranks of one EP coordinate: ``{"ep": r}``)."""
 
     def placement(self, axis: str) -> Placement:
         return self.placements.get(axis, Replicate())
@@ -45,6 +51,7 @@ class Layout:
             "mesh": dict(self.mesh),
             "placements": {a: placement_str(p) for a, p in self.placements.items()},
             "pads": dict(self.pads),
+            **({"grid": self.grid, "fixed": dict(self.fixed)} if self.grid != "dense" else {}),
         }
 
     @staticmethod
@@ -54,6 +61,8 @@ class Layout:
             mesh=dict(doc["mesh"]),
             placements={a: parse_placement(p) for a, p in doc["placements"].items()},
             pads=dict(doc.get("pads", {})),
+            grid=doc.get("grid", "dense"),
+            fixed=dict(doc.get("fixed", {})),
         )
 
     def local_shape(self) -> tuple[int, ...]:
@@ -64,6 +73,11 @@ class Layout:
                 d = p.dim % len(shape)
                 shape[d] = (shape[d] + self.pads.get(axis, 0)) // self.mesh.get(axis, 1)
         return tuple(shape)
+
+
+def holds(layout: Layout, coord: Mapping[str, int]) -> bool:
+    """Whether the rank at ``coord`` (its full coordinate, expert axes included) holds a shard."""
+    return all(coord.get(axis) == c for axis, c in layout.fixed.items())
 
 
 def replicated(shape: tuple[int, ...], mesh: Mapping[str, int] | None = None) -> Layout:

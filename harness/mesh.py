@@ -95,3 +95,21 @@ class Mesh:
             c = self.coord(rank)
             out.setdefault(tuple(c[a.value] for a in fixed), []).append(rank)
         return list(out.values())
+
+
+def expert_coord(rank: int, world_size: int, tp: int = 1, ep: int = 1, egtp: int = 1) -> dict[str, int]:
+    """``rank``'s coordinate on the expert grid: megatron-core orders expert ranks
+    ``tp-ep-gtp_remat-dp`` (``initialize_model_parallel``: the expert generator's order is the
+    dense one with EGTP injected after EP), so ``rank = etp + TP * (ep + EP * (egtp + EG * edp))``."""
+    out = {}
+    for axis, size in (("etp", tp), ("ep", ep), ("egtp", egtp), ("edp", world_size // (tp * ep * egtp))):
+        rank, out[axis] = divmod(rank, size)
+    return out
+
+
+def on_grid(coord: Mapping[str, int], grid: str) -> dict[str, int]:
+    """A rank's (tp, gtp, dp) coordinate on ``grid``: the dense mesh's, or on the expert grid
+    (``expert_coord``) expert TP, expert GTP and expert DP in those places."""
+    if grid == "expert":
+        return {"tp": coord["etp"], "gtp": coord["egtp"], "dp": coord["edp"]}
+    return {a.value: coord[a.value] for a in AXES}

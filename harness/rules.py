@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from harness.errors import BadInput
 from harness.fault_catalog import check_name, check_reach
+from harness.moe_rules import moe_parameter_count, validate_moe_model, validate_moe_side
 from harness.schema import (
     BACKENDS, CAPTURE_KINDS, CAPTURE_MODES, COLLECTIVES, LIMITS, LR_DECAY_STYLES, MEGATRON_PATH_OPTIONS,
     MLM_DATA, OPTIMIZERS, PER_TOKEN_LOSSES, POLICIES, PRECISIONS, RECIPE_NAMES, RECOMPUTES, ModelConfig,
@@ -22,6 +23,7 @@ def validate(s: Scenario, limits: bool = True) -> None:
     if limits:
         _validate_limits(s)
     _validate_model(s)
+    validate_moe_model(s)
     steps = {}
     for name, side in s.sides.items():
         where = f"{s.source}: [{name}]"
@@ -32,6 +34,7 @@ def validate(s: Scenario, limits: bool = True) -> None:
         _validate_faults(name, side, where, s.data)
         _validate_paths(s, side, where)
         _validate_mlm(s, side, where)
+        validate_moe_side(s, name, side, where)
         steps[name] = side.steps
     if len(set(steps.values())) != 1:
         raise BadInput(f"{s.source}: steps", f"every side must run the same number of steps, got {steps}")
@@ -244,7 +247,8 @@ def parameter_count(m: ModelConfig) -> int:
     """Parameters of the GPT (no linear biases; LayerNorms, embeddings), for the size limit."""
     h, f, v = m.hidden_size, m.ffn_hidden_size, m.vocab_size
     layer = 4 * h * h + 2 * h * f + 4 * h  # qkv + proj, fc1 + fc2, two LayerNorms (weight, bias)
-    return m.num_layers * layer + v * h * (2 if m.untie_embeddings else 1) + m.seq_length * h + 2 * h
+    return (m.num_layers * layer + v * h * (2 if m.untie_embeddings else 1) + m.seq_length * h + 2 * h
+            + moe_parameter_count(m))
 
 
 # Block formats need whole blocks along both GEMM dims (TE pads nothing here).

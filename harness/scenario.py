@@ -119,7 +119,7 @@ def parse_scenario(raw: dict, source: str, limits: bool = True) -> Scenario:
     _build(Side, train, f"{source}: [train]")  # unknown keys in defaults are errors too
     # The golden side inherits training settings but not topology, precision or faults.
     golden_defaults = {"backend": "torch", "precision": "fp64", "world_size": 1, "tp": 1, "gtp": 1,
-                       "recipe": "none"}
+                       "recipe": "none", "ep": 1, "expert_gtp": 1}
     inherited = {k: v for k, v in train.items()
                  if k not in {*golden_defaults, "dp", "inject", *MEGATRON_PATH_OPTIONS}}  # fmt: skip
     sides = {

@@ -99,6 +99,13 @@ class ModelConfig:
     """Separate output layer weight. GTP does not support tied embeddings."""
     init_std: float = 0.02
     """Std of the normal initialization; output projections use std / sqrt(2 * num_layers)."""
+    num_experts: int = 0
+    """Routed experts per layer (0: a dense MLP). megatron-core's MoE layer on the local spec:
+    ``TopKRouter`` (softmax over the top-k logits), the alltoall dispatcher, ``SequentialMLP``."""
+    moe_topk: int = 2
+    """Experts each token is routed to."""
+    moe_aux_loss_coeff: float = 0.01
+    """Coefficient of the load-balancing (``aux_loss``) loss, per layer and micro-batch."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -196,6 +203,10 @@ class Side:
     mutant: str = ""
     """A mutant of megatron-core's GTP code (an id from ``gtp-parity mutate``) this side runs
     with (megatron backend; the mutation campaign sets it)."""
+    ep: int = 1
+    """Expert-parallel size (``expert_model_parallel_size``): the experts are split over EP ranks."""
+    expert_gtp: int = 1
+    """Expert GTP degree EG = ``expert_tensor_parallel_num_weight_shards`` / expert TP (1 = off)."""
 
     @property
     def data_ranks(self) -> int:
@@ -214,8 +225,13 @@ class Side:
         side = dataclasses.asdict(self)
         if not side["mutant"]:
             del side["mutant"]  # clean sides keep the keys they had before mutants existed
+        model_doc = dataclasses.asdict(model)
+        for doc, defaults in ((side, _MOE_SIDE_DEFAULTS), (model_doc, _MOE_MODEL_DEFAULTS)):
+            for k, v in defaults.items():  # so do dense sides, before experts existed
+                if doc[k] == v:
+                    del doc[k]
         blob = json.dumps(
-            [side, dataclasses.asdict(model), dataclasses.asdict(data)],
+            [side, model_doc, dataclasses.asdict(data)],
             sort_keys=True,
         )
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
@@ -223,7 +239,12 @@ class Side:
     def label(self) -> str:
         gtp = f"gtp{self.gtp}" if self.gtp > 1 else "gtpoff"
         recipe = "" if self.recipe == "none" else f"-{self.recipe}"
-        return f"{self.backend}-w{self.world_size}-tp{self.tp}-{gtp}-{self.precision}{recipe}"
+        experts = f"-ep{self.ep}-egtp{self.expert_gtp}" if self.ep * self.expert_gtp > 1 else ""
+        return f"{self.backend}-w{self.world_size}-tp{self.tp}-{gtp}{experts}-{self.precision}{recipe}"
+
+
+_MOE_SIDE_DEFAULTS = {"ep": 1, "expert_gtp": 1}
+_MOE_MODEL_DEFAULTS = {"num_experts": 0, "moe_topk": 2, "moe_aux_loss_coeff": 0.01}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

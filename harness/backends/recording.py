@@ -156,4 +156,5 @@ class Materialized:
 
 def gathered(layout: Layout) -> Layout:
     """Layout of a gathered (materialized) weight: the param's TP placement only."""
-    return Layout(layout.logical_shape, layout.mesh, {"tp": layout.placement("tp")})
+    return Layout(layout.logical_shape, layout.mesh, {"tp": layout.placement("tp")},
+                  grid=layout.grid, fixed=layout.fixed)  # fmt: skip

@@ -154,6 +154,15 @@ def reduce_scatter_along_first_dim(inp, process_group, async_op=False, output=No
     return out, _issued(process_group, handle if async_op else None)
 
 
+def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+    """MoE token dispatchers move their split sizes device-to-host (``moe_utils``): on a GPU the
+    copy also turns them into numpy arrays, which ``all_to_all_single`` takes as sizes. A CPU
+    tensor is already on the host; only the numpy conversion is kept."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
 def get_dummy_wgrad(shape, dtype, zero=False):
     """TE returns a cached placeholder grad for params whose real grad went to main_grad."""
     return torch.zeros(shape, dtype=dtype)
@@ -307,6 +316,11 @@ def install() -> bool:
     gtp._NVFP4AllGatherAsyncHandle = _NoQuantizedTensor
     gtp.HAVE_TE = True
     gtp_api.HAVE_GTP = True
+
+    from megatron.core.transformer.moe import token_dispatcher
+
+    # The dispatcher imported the helper by name: its CPU tensors never became numpy split sizes.
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
     _CudaToCpu().__enter__()
     _installed = True

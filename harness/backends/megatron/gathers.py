@@ -39,7 +39,9 @@ def record_gathers(named: list[tuple[str, torch.Tensor]], record: Callable[[str,
         if id(self) in names:
             if fwd:
                 record(names[id(self)], out)
-            if len(events) < MAX_EVENTS and (foreign := _foreign(self, out, g, shards)) is not None:
+            # An expert weight's shard index is its rank in the expert GTP group, not the dense one.
+            rank = self.group.rank() if getattr(self, "group", None) is not None else g
+            if len(events) < MAX_EVENTS and (foreign := _foreign(self, out, rank, shards)) is not None:
                 phase = ("recompute" if torch._C._current_graph_task_id() != -1 else "forward") if fwd else "backward"
                 events.append({"step": cap.step, "micro_batch": cap.micro_batch_index, "phase": phase,
                                "param": names[id(self)], "consumed": foreign})

@@ -17,13 +17,14 @@ import torch.distributed as dist
 from harness import data as data_mod
 from harness import faults
 from harness.backends import Job
-from harness.backends.megatron import compat
+from harness.backends.megatron import compat, moe
 from harness.backends.megatron.gathers import record_gathers
 from harness.backends.recording import Materialized, Recording, StepScalars, gathered, train
 from harness.capture import Capture
 from harness.dtypes import DTYPES
 from harness.gpt import canonical_state, captured_modules, layout_of, mesh_of, param_specs
-from harness.layout import from_mcore_param, shard
+from harness.layout import from_mcore_param, holds, shard
+from harness.mesh import on_grid
 
 
 def canonical_name(name: str) -> str:
@@ -36,7 +37,6 @@ def canonical_name(name: str) -> str:
 def _build(job: Job):
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel import gtp_api
     from megatron.core.tensor_parallel import generalized_tensor_parallelism as gtp_impl
@@ -47,10 +47,11 @@ def _build(job: Job):
     side, m = job.side, job.model
     if side.recipe != "none":
         raise NotImplementedError(f"recipe {side.recipe!r} needs the Transformer Engine path of this backend")
-    ps.initialize_model_parallel(tensor_model_parallel_size=side.tp, gtp_remat_size=side.gtp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=side.tp, gtp_remat_size=side.gtp,
+                                 **moe.parallel_kwargs(side))  # fmt: skip
     model_parallel_cuda_manual_seed(side.seed)
     torch.manual_seed(side.seed)
-    if side.gtp > 1:
+    if moe.uses_gtp(side):
         # Megatron-LM passes --calculate-per-token-loss here too; a user of the API may not
         # (per_token_loss = "transformer-config"): GTP then keeps its 1/G wgrad pre-scale.
         gtp_api.configure_gtp_remat_from_recipe(calculate_per_token_loss=side.per_token_loss == "both")
@@ -82,10 +83,11 @@ def _build(job: Job):
         calculate_per_token_loss=side.per_token_loss != "none",
         sequence_parallel=side.sequence_parallel,
         **_RECOMPUTE[side.recompute],
+        **moe.config_kwargs(job),
     )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        transformer_layer_spec=moe.layer_spec(job),
         vocab_size=m.vocab_size,
         max_sequence_length=m.seq_length,
         share_embeddings_and_output_weights=not m.untie_embeddings,
@@ -103,7 +105,7 @@ def _build(job: Job):
     if side.overlap_grad_reduce:  # as Megatron-LM's train() wires an overlapping DDP
         config.no_sync_func = ddp.no_sync
         config.grad_sync_func = ddp.start_grad_sync
-    if side.gtp > 1:
+    if moe.uses_gtp(side):
         gtp_api.classify_gtp_remat_chains(ddp)
     return config, ddp, mesh, coord
 
@@ -122,16 +124,18 @@ def _load_canonical(model, job: Job, mesh: dict, coord: dict) -> None:
     state = canonical_state(job.model, job.side.seed)
     seen = set()
     for name, p in model.named_parameters():
-        spec = specs.get(name)
+        spec = specs.get(name := moe.global_name(name, job))
         if spec is None:
             raise RuntimeError(f"megatron-core built a parameter the harness does not know: {name}")
-        ours, theirs = layout_of(spec, job.side), from_mcore_param(p, mesh)
+        ours = layout_of(spec, job.side, job.model.num_experts)
+        theirs = moe.mcore_layout(p, ours) if spec.expert is not None else from_mcore_param(p, mesh)
         if ours.to_json() != theirs.to_json():
             raise RuntimeError(f"{name}: megatron-core lays it out as {theirs.to_json()}, expected {ours.to_json()}")
         with torch.no_grad():
-            p.copy_(shard(state[name], ours, coord).to(p.dtype))
+            p.copy_(shard(state[name], ours, on_grid(coord, ours.grid)).to(p.dtype))
         seen.add(name)
-    missing = set(specs) - seen
+    here = {n for n, spec in specs.items() if holds(layout_of(spec, job.side, job.model.num_experts), coord)}
+    missing = here - seen  # a routed expert is built on the ranks of its EP coordinate only
     if missing:
         raise RuntimeError(f"megatron-core did not build {sorted(missing)}")
 
@@ -215,10 +219,12 @@ def _train(job, cap, config, ddp, opt, scheduler, mesh, forward_backward, finali
 
     side = job.side
     rank = dist.get_rank()
-    layouts = {canonical_name(n): from_mcore_param(p, mesh) for n, p in ddp.named_parameters()}
-    named = [(canonical_name(n), p) for n, p in ddp.named_parameters()]
+    named = [(moe.global_name(canonical_name(n), job), p) for n, p in ddp.named_parameters()]
+    layouts = {n: from_mcore_param(p, mesh) for n, p in named}
+    layouts.update(moe.expert_layouts(job, named))
     inner = ddp.module.module if side.precision == "bf16" else ddp.module
     cap.attach(captured_modules(inner), vocab_parallel=["output_layer"], sequence_parallel=side.sequence_parallel)
+    moe.attach_router_capture(inner, cap, job.model.seq_length)
     cap.info["gtp_params"] = {n: getattr(p, "chain_id", None) for n, p in named
                               if getattr(p, "is_gtp_weight_remat", False)}  # fmt: skip
     cap.info["data_parallel_rank"] = ps.get_data_parallel_rank()
@@ -253,9 +259,10 @@ class _MegatronStep:
         self.positions = torch.arange(m.seq_length)[None]
         self.data_group = ps.get_data_parallel_group()  # GTP-inclusive: the data-distribution group
         self.skipped = 0
-        gtp_on = job.side.gtp > 1
+        gtp_on = moe.uses_gtp(job.side)
         # Where GTP is off the weight each GEMM reads is the parameter itself.
-        direct = [] if gtp_on else [(n, p) for n, p in rec.named if _GTP_SHARDABLE(n)]
+        direct = [(n, p) for n, p in rec.named
+                  if _GTP_SHARDABLE(n) and not getattr(p, "is_gtp_weight_remat", False)]  # fmt: skip
         self.materialized = Materialized(rec.cap, {n: gathered(l) for n, l in rec.layouts.items()}, direct)
         if gtp_on:
             record_gathers(rec.named, self.materialized.record, rec.cap)

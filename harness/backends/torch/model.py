@@ -22,6 +22,8 @@ from torch import nn
 
 from harness.scenario import ModelConfig
 
+from .moe import MoE
+
 LAYERNORM_EPS = 1e-5
 
 
@@ -92,7 +94,7 @@ class TransformerLayer(nn.Module):
         self.input_layernorm = nn.LayerNorm(m.hidden_size, eps=LAYERNORM_EPS)
         self.self_attention = SelfAttention(m, tp)
         self.pre_mlp_layernorm = nn.LayerNorm(m.hidden_size, eps=LAYERNORM_EPS)
-        self.mlp = MLP(m)
+        self.mlp = MoE(m, MLP) if m.num_experts else MLP(m)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attention(self.input_layernorm(x), mask)

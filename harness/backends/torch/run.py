@@ -20,6 +20,7 @@ from harness.gpt import captured_modules, canonical_state, layout_of, param_spec
 
 from .distributed import run_distributed
 from .model import GPT, token_losses
+from .routed import routed_aux_loss, set_micro_batch_size
 from .optim import build_optimizer, clip, lr_at
 
 __all__ = ["lr_at", "run"]
@@ -37,6 +38,7 @@ def _run_golden(job: Job, cap: Capture) -> None:
     side, m = job.side, job.model
     dtype = DTYPES[side.precision]
     model = GPT(m).to(dtype)
+    set_micro_batch_size(model, job.data.micro_batch_size)
     state = canonical_state(m, side.seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -69,7 +71,7 @@ class _GoldenStep:
         self.opt.zero_grad(set_to_none=True)
         losses = token_losses(self.model(tokens), labels)  # [b, s]
         self.loss = losses.mean()
-        self.loss.backward()
+        (self.loss + routed_aux_loss(self.model, self.rec.cap, m, tuple(ids))).backward()
         for i, sid in enumerate(ids):
             self.rec.loss(losses[i].mean().item(), 0, [sid])
         self.rec.grads(lambda p: p.grad)

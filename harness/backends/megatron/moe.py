@@ -1,0 +1,126 @@
+"""The megatron backend's MoE layer: megatron-core's own router, dispatcher and experts.
+
+The local layer spec with ``num_experts`` (``get_gpt_layer_local_spec(num_experts=E,
+moe_grouped_gemm=False)``): ``TopKRouter`` (softmax over the top-k logits, ``aux_loss`` load
+balancing), the ``alltoall`` token dispatcher over the EP group and ``SequentialMLP`` experts,
+each a local-spec MLP whose weights megatron-core GTP-shards over the *expert* GTP group
+(``expert_tensor_parallel_num_weight_shards``, ``initialize_model_parallel(expert_gtp_remat_size=)``).
+
+This module supplies the configuration, names each expert by its global index (rank ep's
+local expert i is expert ``ep * E / EP + i``), reads each expert weight's layout off
+megatron-core's attributes, and records the router's logits, routing and load-balancing
+loss (:mod:`harness.backends.routing`) by wrapping the router's methods of this model only.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch.distributed.tensor import Shard
+
+from harness.backends.routing import record_aux_loss, record_routing
+from harness.capture import Capture
+from harness.layout import Layout
+
+_LOCAL_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)(\.)")
+
+
+def is_moe(job) -> bool:
+    return job.model.num_experts > 0
+
+
+def parallel_kwargs(side) -> dict:
+    """``initialize_model_parallel``'s expert arguments."""
+    return {"expert_model_parallel_size": side.ep, "expert_gtp_remat_size": side.expert_gtp}
+
+
+def config_kwargs(job) -> dict:
+    """TransformerConfig's MoE fields (none for a dense model)."""
+    m, side = job.model, job.side
+    if not is_moe(job):
+        return {}
+    return {
+        "num_moe_experts": m.num_experts,
+        "moe_router_topk": m.moe_topk,
+        "moe_ffn_hidden_size": m.ffn_hidden_size,
+        "moe_router_load_balancing_type": "aux_loss",
+        "moe_aux_loss_coeff": m.moe_aux_loss_coeff,
+        "moe_token_dispatcher_type": "alltoall",
+        "moe_grouped_gemm": False,
+        "expert_model_parallel_size": side.ep,
+        "expert_tensor_parallel_num_weight_shards": side.tp * side.expert_gtp,
+    }
+
+
+def layer_spec(job):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    if not is_moe(job):
+        return get_gpt_layer_local_spec()
+    return get_gpt_layer_local_spec(num_experts=job.model.num_experts, moe_grouped_gemm=False)
+
+
+def uses_gtp(side) -> bool:
+    """Whether any weight is GTP-sharded: dense GTP or expert GTP."""
+    return side.gtp > 1 or side.expert_gtp > 1
+
+
+def global_name(name: str, job) -> str:
+    """An expert parameter's name with its global expert index (other names unchanged)."""
+    match = _LOCAL_EXPERT.search(name)
+    if match is None:
+        return name
+    from megatron.core import parallel_state as ps
+
+    per_rank = job.model.num_experts // job.side.ep
+    index = ps.get_expert_model_parallel_rank() * per_rank + int(match.group(2))
+    return name[: match.start(2)] + str(index) + name[match.end(2):]
+
+
+def mcore_layout(p: torch.Tensor, ours: Layout) -> Layout:
+    """An expert weight's layout as megatron-core built it: the EGTP cut and pad read off the
+    parameter (``is_gtp_weight_remat``, ``pad_length``) on the expert grid; the EP coordinate
+    is ``ours``'s (the global name already encodes it)."""
+    shape, placements, pads = list(p.shape), {}, {}
+    if getattr(p, "is_gtp_weight_remat", False):
+        placements["gtp"], pads["gtp"] = Shard(0), int(getattr(p, "pad_length", 0))
+        shape[0] = shape[0] * ours.mesh.get("gtp", 1) - pads["gtp"]
+    return Layout(tuple(shape), dict(ours.mesh), placements, pads, grid=ours.grid, fixed=dict(ours.fixed))
+
+
+def attach_router_capture(model, cap: Capture, seq_length: int) -> None:
+    """Record every MoE layer's router logits, routing and load-balancing loss, per micro-batch."""
+    for i, layer in enumerate(model.decoder.layers):
+        router = getattr(layer.mlp, "router", None)
+        if router is not None:
+            _wrap_router(router, i, cap, seq_length)
+
+
+def _wrap_router(router, layer: int, cap: Capture, seq_length: int) -> None:
+    # Instance attributes: this model's routers only, gone with the model.
+    routing, attach = router.routing, router.attach_and_log_load_balancing_loss
+
+    def routing_and_record(logits, *args, **kwargs):
+        probs, routing_map = routing(logits, *args, **kwargs)
+        if cap.sample_ids is not None:
+            flat = logits.reshape(-1, logits.shape[-1])
+            record_routing(cap, layer, flat, routing_map, seq_length, cap.sample_ids)
+        return probs, routing_map
+
+    def attach_and_record(activation, aux_loss_coeff, aux_loss, *args, **kwargs):
+        if cap.sample_ids is not None:
+            record_aux_loss(cap, layer, aux_loss, cap.sample_ids)
+        return attach(activation, aux_loss_coeff, aux_loss, *args, **kwargs)
+
+    router.routing = routing_and_record
+    router.attach_and_log_load_balancing_loss = attach_and_record
+
+
+def expert_layouts(job, named) -> dict[str, Layout]:
+    """The layouts of the expert weights among ``named`` (global names), as the harness lays them out
+    (checked against megatron-core's at load)."""
+    from harness.gpt import layout_of, param_specs
+
+    specs = {s.name: s for s in param_specs(job.model) if s.expert is not None}
+    return {n: layout_of(specs[n], job.side, job.model.num_experts) for n, _ in named if n in specs}

@@ -1,0 +1,146 @@
+"""Expert GTP (MoE): megatron-core's routed experts against expert GTP off and the fp64 golden,
+routing determinism, the expert grid's rank order, the MoE rules, and the planted MoE faults."""
+
+import fnmatch
+import math
+
+import pytest
+import torch
+
+from harness import scenario
+from harness.errors import BadInput
+from harness.fault_catalog import MOE_FAULTS
+from harness.gpt import layout_of, param_specs
+from harness.layout import holds, shard
+from harness.mesh import expert_coord, on_grid
+from tests.helpers import ASSETS, ROOT, results, run, summary
+
+FAST = ASSETS / "moe_fast.toml"
+# The faults the fast subset plants; the dense-group wgrad fault needs world 4 (EP 2 x EGTP 2):
+# scenarios/moe_faults_nightly.toml plants it, outside the suite.
+FAST_FAULTS = sorted({f for s in scenario.load(FAST) for f in s.candidate.inject})
+NIGHTLY_FAULTS = ROOT / "scenarios" / "moe_faults_nightly.toml"
+
+
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("moe")
+    code, doc = run(FAST, out, parallel=1)
+    assert code == 1, doc  # the two fault scenarios fail; the clean one must pass (below)
+    return out
+
+
+@pytest.mark.multirank
+def test_expert_gtp_matches_expert_gtp_off_and_the_golden(moe_run):
+    s = summary(moe_run, "moe-clean-egtp2-vs-off")
+    assert s["verdict"] == "pass", s.get("first_divergence")
+    df = results(moe_run, "moe-clean-egtp2-vs-off")
+    # Every expert weight, gradient and router quantity was compared, not just the losses.
+    for pattern in ("*.local_experts.3.linear_fc2.weight", "*.mlp.router.weight", "*.router.logits",
+                    "*.router.routing_map", "*.router.tokens_per_expert", "*.router.aux_loss"):
+        assert df["tensor"].map(lambda t: fnmatch.fnmatchcase(t, pattern)).any(), pattern
+    expert_kinds = set(df[df["tensor"].str.contains("local_experts")]["kind"])
+    assert expert_kinds >= {"param", "main_grad", "materialized"}
+
+
+@pytest.mark.multirank
+def test_routing_is_the_same_on_every_layout(moe_run):
+    """Same logical weights and tokens: the same experts for every token on both sides and in
+    the golden (fp64), and the same per-expert token counts."""
+    df = results(moe_run, "moe-clean-egtp2-vs-off")
+    routing = df[df["tensor"].str.endswith((".routing_map", ".tokens_per_expert"))]
+    assert len(routing) == 2 * 2 * 2  # 2 layers x 2 quantities x 2 steps
+    assert routing["bitwise_equal"].all()
+    assert (routing["ref_err_golden"] == 0).all() and (routing["cand_err_golden"] == 0).all()
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("fault", FAST_FAULTS)
+def test_moe_fault_is_localized(moe_run, fault):
+    s = summary(moe_run, f"moe-{fault}")
+    fd, expect = s["first_divergence"], MOE_FAULTS[fault].expect
+    assert s["verdict"] == "fail"
+    assert (fd["step"], fd["kind"]) == (expect["step"], expect["kind"]), fd
+    assert fnmatch.fnmatchcase(fd["tensor"], expect["tensor"]), fd
+    assert fd["signature"] == expect["signature"], fd
+
+
+def test_every_moe_fault_is_planted():
+    nightly = {f for s in scenario.load(NIGHTLY_FAULTS) for f in s.candidate.inject}
+    assert set(FAST_FAULTS) | nightly == set(MOE_FAULTS) and not set(FAST_FAULTS) & nightly
+
+
+def test_topk_tie_breaking_does_not_depend_on_the_batch():
+    """megatron-core's top-k routing picks a token's experts from that token's logits alone: the
+    choice under exact ties is the same whichever tokens share its micro-batch or rank."""
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 3, (64, 4), generator=gen).float()  # many exact ties
+    _, whole = topk_routing_with_score_function(logits, 2, score_function="softmax")
+    perm = torch.randperm(64, generator=gen)
+    parts = [topk_routing_with_score_function(logits[perm][i:i + 8], 2, score_function="softmax")[1]
+             for i in range(0, 64, 8)]  # fmt: skip
+    assert torch.equal(torch.cat(parts), whole[perm])
+
+
+def test_expert_grid_is_megatron_cores_rank_order():
+    from megatron.core.parallel_state import RankGenerator
+
+    world, ep, eg = 8, 2, 2
+    gen = RankGenerator(tp=1, ep=ep, dp=world // (ep * eg), pp=1, cp=1, order="tp-cp-ep-gtp_remat-dp-pp",
+                        gtp_remat=eg)  # fmt: skip
+    for axis, key in (("ep", "ep"), ("gtp_remat", "egtp"), ("dp", "edp")):
+        for group in gen.get_ranks(axis):
+            coords = [expert_coord(r, world, 1, ep, eg) for r in group]
+            assert [c[key] for c in coords] == list(range(len(group))), (axis, group)
+            others = {tuple(v for k, v in c.items() if k != key) for c in coords}
+            assert len(others) == 1, (axis, group)
+
+
+def test_expert_weights_are_cut_on_the_expert_grid():
+    (sc,) = scenario.load(FAST)[:1]
+    side = scenario.Side(world_size=8, gtp=2, ep=2, expert_gtp=2)
+    spec = next(s for s in param_specs(sc.model) if s.name.endswith("local_experts.3.linear_fc1.weight"))
+    layout = layout_of(spec, side, sc.model.num_experts)
+    full = torch.arange(math.prod(spec.shape), dtype=torch.float32).view(spec.shape)
+    held = {}
+    for rank in range(8):
+        c = expert_coord(rank, 8, 1, 2, 2)
+        if holds(layout, c):
+            held[rank] = shard(full, layout, on_grid(c, layout.grid))
+    # Expert 3 lives on EP rank 1 (experts 2, 3): ranks 1, 3, 5, 7; EGTP pairs hold halves.
+    assert sorted(held) == [1, 3, 5, 7]
+    rows = spec.shape[0]
+    assert torch.equal(torch.cat([held[1], held[3]])[:rows], full)
+    assert torch.equal(held[1], held[5]) and torch.equal(held[3], held[7])  # expert DP replicas
+
+
+def _bad(tmp_path, **edits) -> str:
+    text = FAST.read_text().split("[matrix]")[0]
+    for old, new in edits.items():
+        text = text.replace(old, new)
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(BadInput) as e:
+        scenario.load(path)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("edit, key", [
+    ({"num_experts = 4": "num_experts = 0"}, "ep"),  # expert GTP on a dense model
+    ({"moe_topk = 2": "moe_topk = 5"}, "moe_topk"),
+    ({"num_experts = 4": "num_experts = 3", "[candidate]\n": "[candidate]\nep = 2\nworld_size = 4\n"}, "ep"),
+    ({"[candidate]\n": "[candidate]\nep = 2\n"}, "world_size"),  # 2 ranks < EP 2 x EGTP 2
+    ({"[candidate]\n": "[candidate]\ntp = 2\nworld_size = 4\n"}, "tp"),
+    ({"[golden]\n": "[golden]\nep = 2\n"}, "ep"),
+    ({"[candidate]\n": "[candidate]\nbackend = \"torch\"\n"}, "backend"),
+])
+def test_moe_rules(tmp_path, edit, key):
+    assert f".{key}" in _bad(tmp_path, **edit)
+
+
+def test_moe_fault_on_a_dense_model_is_refused(tmp_path):
+    text = _bad(tmp_path, **{"num_experts = 4": "num_experts = 0", "expert_gtp = 2\n": "",
+                             "[candidate]\n": "[candidate]\ninject = [\"moe-aux-loss-wrong-group\"]\n"})  # fmt: skip
+    assert "inject" in text and "dense" in text
