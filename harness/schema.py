@@ -30,7 +30,8 @@ CaptureMode = Literal["full", "fingerprint"]
 PolicyName = Literal["exact", "dtype", "noise-floor"]
 Recompute = Literal["none", "selective", "full"]
 PerTokenLoss = Literal["none", "transformer-config", "both"]
-Collectives = Literal["async", "eager"]
+Collectives = Literal["async", "eager", "lagging"]
+LossMask = Literal["none", "variable"]
 Expected = Literal["known-divergence"]
 
 BACKENDS = frozenset(get_args(Backend))
@@ -48,6 +49,7 @@ POLICIES = frozenset(get_args(PolicyName))
 RECOMPUTES = frozenset(get_args(Recompute))
 PER_TOKEN_LOSSES = frozenset(get_args(PerTokenLoss))
 COLLECTIVES = frozenset(get_args(Collectives))
+LOSS_MASKS = frozenset(get_args(LossMask))
 
 # The top-level keys of a scenario file (a matrix file adds [matrix]).
 TOP_KEYS = frozenset({
@@ -111,6 +113,10 @@ class DataConfig:
     """Samples per micro-batch per data rank."""
     global_batch_size: int = 2
     """Samples per optimizer step across all data ranks and micro-batches."""
+    loss_mask: LossMask = "none"
+    """``variable``: each sample counts only its first n tokens in the loss (n drawn from
+    (seed, sample id) in 1..seq_length; the rest is padding), so token counts differ per sample
+    and micro-batch and only the global token count normalizes the loss right."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -167,7 +173,10 @@ class Side:
     gtp_collectives: Collectives = "async"
     """``async``: GTP's collectives overlap compute as megatron-core issues them; ``eager``: each
     completes when it is issued, the schedule of a communication stream running ahead of the
-    GEMMs, which makes a GEMM that reads a reused gather buffer read it deterministically."""
+    GEMMs, which makes a GEMM that reads a reused gather buffer read it deterministically;
+    ``lagging``: an async collective's output lands only when its handle (or a later one of its
+    group) is waited, the schedule of a communication stream running behind the GEMMs, under
+    which a read without its wait reads the buffer's previous content every time."""
     recompute: Recompute = "none"
     """Activation recompute: ``selective`` (core attention) or ``full`` (uniform, one layer per
     checkpoint): TransformerConfig ``recompute_granularity`` / ``recompute_method``."""
@@ -214,8 +223,11 @@ class Side:
         side = dataclasses.asdict(self)
         if not side["mutant"]:
             del side["mutant"]  # clean sides keep the keys they had before mutants existed
+        data_keys = dataclasses.asdict(data)
+        if data_keys["loss_mask"] == "none":
+            del data_keys["loss_mask"]  # likewise for sides without a loss mask
         blob = json.dumps(
-            [side, dataclasses.asdict(model), dataclasses.asdict(data)],
+            [side, dataclasses.asdict(model), data_keys],
             sort_keys=True,
         )
         return hashlib.sha256(blob.encode()).hexdigest()[:12]

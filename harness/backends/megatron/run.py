@@ -56,7 +56,7 @@ def _build(job: Job):
         gtp_api.configure_gtp_remat_from_recipe(calculate_per_token_loss=side.per_token_loss == "both")
         gtp_impl.update_gtp_config(pad_for_alignment=side.gtp_pad_alignment,
                                    weight_prefetch=side.gtp_weight_prefetch)  # fmt: skip
-    compat.set_eager_collectives(side.gtp_collectives == "eager")
+    compat.set_collectives(side.gtp_collectives)
     if side.sequence_parallel:
         compat.layer_norm_for_sequence_parallel()
     bf16 = side.precision == "bf16"
@@ -199,39 +199,38 @@ def run(job: Job, cap: Capture) -> None:
 
             reach = apply(job.side.mutant, watch=True)
         config, ddp, mesh, coord = _build(job)
-        opt, scheduler = _optimizer(job, ddp)
-        _train(job, cap, config, ddp, opt, scheduler, mesh, get_forward_backward_func(), finalize_model_grads)
+        named = [(canonical_name(n), p) for n, p in ddp.named_parameters()]
+        ctx = faults.Context(backend="megatron", side=job.side, model=ddp, optimizer=None, rank=dist.get_rank(),
+                             coord=coord, named_params=named)  # fmt: skip
+        ctx.saved["data"] = job.data
+        faults.install(job.side.inject, ctx)  # before the optimizer: a fault may act on how it is built
+        ctx.optimizer, scheduler = _optimizer(job, ddp)
+        _train(job, cap, ctx, config, ddp, scheduler, mesh, get_forward_backward_func(), finalize_model_grads)
     finally:
         if reach is not None:  # beside the rank's trace files, not in them (see mutation.campaign)
             reach.close(cap.rank_dir / "mutant.json")
-        compat.set_eager_collectives(False)
+        compat.set_collectives("async")
         faults.uninstall()  # the faults' patches and the gather recorder's
         ps.destroy_model_parallel()
         compat.reset_gtp_state()
 
 
-def _train(job, cap, config, ddp, opt, scheduler, mesh, forward_backward, finalize_model_grads):
+def _train(job, cap, ctx, config, ddp, scheduler, mesh, forward_backward, finalize_model_grads):
     from megatron.core import parallel_state as ps
 
-    side = job.side
-    rank = dist.get_rank()
+    side, opt, named = job.side, ctx.optimizer, ctx.named_params
     layouts = {canonical_name(n): from_mcore_param(p, mesh) for n, p in ddp.named_parameters()}
-    named = [(canonical_name(n), p) for n, p in ddp.named_parameters()]
     inner = ddp.module.module if side.precision == "bf16" else ddp.module
     cap.attach(captured_modules(inner), vocab_parallel=["output_layer"], sequence_parallel=side.sequence_parallel)
     cap.info["gtp_params"] = {n: getattr(p, "chain_id", None) for n, p in named
                               if getattr(p, "is_gtp_weight_remat", False)}  # fmt: skip
     cap.info["data_parallel_rank"] = ps.get_data_parallel_rank()
     cap.info["data_parallel_size"] = ps.get_data_parallel_world_size()
-    ctx = faults.Context(backend="megatron", side=side, model=ddp, optimizer=opt, rank=rank,
-                         coord=data_mod.coord(rank, side), named_params=named)  # fmt: skip
-    ctx.saved["data"] = job.data
-    faults.install(side.inject, ctx)
     rec = Recording(cap, named, layouts)
     fns = _MegatronStep(job, rec, ctx, config, ddp, opt, scheduler, forward_backward)
 
     def finalize(model_chunks, num_tokens=None, **kw):
-        finalize_model_grads(model_chunks, num_tokens, **kw)
+        finalize_model_grads(model_chunks, num_tokens, **faults.finalize_kwargs(ctx, kw))
         faults.after_finalize(ctx)
         rec.grads(_reduced_grad(opt))
 
@@ -274,12 +273,12 @@ class _MegatronStep:
                 faults.before_micro_batch(self.ctx, mb)
                 mb_state.update(mb=mb, ids=mb_ids)
                 cap.micro_batch(mb, mb_ids)
-                yield data_mod.batch(d.seed, mb_ids, m)
+                yield (*data_mod.batch(d.seed, mb_ids, m), data_mod.loss_mask(d, mb_ids, m.seq_length))
 
         def forward_step(data_iterator, model):
-            tokens, labels = next(data_iterator)
+            tokens, labels, loss_mask = next(data_iterator)
             out = model(tokens, self.positions.expand(tokens.shape[0], -1), self.mask, labels=labels)
-            return out, partial(_loss_func, self.rec, mb_state, torch.ones_like(labels, dtype=torch.float32))
+            return out, partial(_loss_func, self.rec, mb_state, loss_mask)
 
         self.ddp.zero_grad_buffer()
         self.opt.zero_grad()
