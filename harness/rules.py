@@ -191,6 +191,10 @@ def _validate_paths(s: Scenario, side: Side, where: str) -> None:
         raise BadInput(f"{where}.distributed_optimizer",
                        "megatron-core's DistributedOptimizer takes Adam only (it asserts Adam or an "
                        "init_state_fn, for its checkpoint format)")  # fmt: skip
+    if side.overlap_param_gather and not (side.distributed_optimizer and side.overlap_grad_reduce):
+        # Megatron-LM's arguments.py: the param gather it overlaps is the distributed optimizer's,
+        # and it "must use --overlap-param-gather with --overlap-grad-reduce".
+        raise BadInput(f"{where}.overlap_param_gather", "needs distributed_optimizer and overlap_grad_reduce")
     _validate_loss_mask(s, side, where)
     if side.bucket_size is not None and not side.overlap_grad_reduce:
         # megatron-core buckets only when it overlaps (DistributedDataParallel's bucket_size rule).

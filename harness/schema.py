@@ -192,6 +192,9 @@ class Side:
     """DDP overlaps its grad reduce-scatters / all-reduces with backward (bucketed)."""
     bucket_size: int | None = None
     """DDP bucket size in elements (small: several buckets); None: megatron-core's default."""
+    overlap_param_gather: bool = False
+    """The distributed optimizer's param all-gather waits for the next forward (DDP's forward
+    pre-hooks, enabled after the first step as Megatron-LM's ``train()`` does)."""
     distributed_optimizer: bool = False
     """megatron-core's DistributedOptimizer: grads reduce-scattered over the data-parallel
     group, each rank steps its range of every buffer, params all-gathered after the step."""
@@ -272,7 +275,8 @@ class ComparePolicy:
 
 # Keys of a side that only the megatron backend reads; the golden side does not inherit them.
 MEGATRON_PATH_OPTIONS = ("gtp_weight_prefetch", "gtp_collectives", "recompute", "per_token_loss",
-                         "sequence_parallel", "overlap_grad_reduce", "bucket_size", "distributed_optimizer")  # fmt: skip
+                         "sequence_parallel", "overlap_grad_reduce", "bucket_size", "distributed_optimizer",
+                         "overlap_param_gather")  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

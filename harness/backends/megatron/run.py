@@ -98,8 +98,11 @@ def _build(job: Job):
         model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=side.overlap_grad_reduce,
                                                bucket_size=side.bucket_size,
-                                               use_distributed_optimizer=side.distributed_optimizer)  # fmt: skip
+                                               use_distributed_optimizer=side.distributed_optimizer,
+                                               overlap_param_gather=side.overlap_param_gather)  # fmt: skip
     ddp = DistributedDataParallel(config, ddp_config, model)
+    if side.overlap_param_gather:  # Megatron-LM's train(): no pre-hooks until the first step is done
+        ddp.disable_forward_pre_hook(param_sync=False)
     if side.overlap_grad_reduce:  # as Megatron-LM's train() wires an overlapping DDP
         config.no_sync_func = ddp.no_sync
         config.grad_sync_func = ddp.start_grad_sync
@@ -156,6 +159,7 @@ def _optimizer(job: Job, ddp):
             params_dtype=DTYPES[side.precision],
             log_num_zeros_in_grad=True,
             use_distributed_optimizer=side.distributed_optimizer,
+            overlap_param_gather=side.overlap_param_gather,
         ),
         [ddp],
     )
@@ -226,7 +230,9 @@ def _train(job, cap, ctx, config, ddp, scheduler, mesh, forward_backward, finali
                               if getattr(p, "is_gtp_weight_remat", False)}  # fmt: skip
     cap.info["data_parallel_rank"] = ps.get_data_parallel_rank()
     cap.info["data_parallel_size"] = ps.get_data_parallel_world_size()
-    rec = Recording(cap, named, layouts)
+    # With the param gather overlapped, the updated params reach every rank in the next forward:
+    # the step's new weights are the ranges each rank's optimizer wrote, put together.
+    rec = Recording(cap, named, layouts, param_value=_updated_param(opt) if side.overlap_param_gather else None)
     fns = _MegatronStep(job, rec, ctx, config, ddp, opt, scheduler, forward_backward)
 
     def finalize(model_chunks, num_tokens=None, **kw):
@@ -294,6 +300,8 @@ class _MegatronStep:
     def update(self, step: int) -> None:
         faults.before_step(self.ctx)
         ok, self.grad_norm, self.num_zeros = self.opt.step()
+        if self.job.side.overlap_param_gather and step == 1:  # as Megatron-LM's train() does
+            self.ddp.enable_forward_pre_hook()
         self.skipped += 0 if ok else 1
         self.scheduler.step(increment=self.job.data.global_batch_size)
         faults.after_step(self.ctx)
@@ -353,6 +361,18 @@ def _whole(group, p, r, shard: torch.Tensor | None, dtype=torch.float32) -> torc
         full[r.start:r.end] = shard.detach().reshape(-1)
     dist.all_reduce(full, group=group)
     return full.view(p.shape)
+
+
+def _updated_param(opt):
+    """A parameter as the distributed optimizer's ranges hold it (each rank's own range is
+    written by its step; the others arrive with the param all-gather)."""
+    group = _distributed_group(opt)
+
+    def value(p):
+        _, r = _owned(opt, p)
+        return _whole(group, p, r, None if r is None else p.detach().reshape(-1)[r.start:r.end], p.dtype)
+
+    return value
 
 
 def _reduced_grad(opt):
