@@ -4,6 +4,7 @@ divergences are reported as such, each naming its cause (``scenarios/gtp_paths.t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import xml.etree.ElementTree as ET
 
@@ -112,3 +113,16 @@ def test_variable_loss_mask_gives_every_sample_its_own_token_count():
     assert len(set(counts.tolist())) > 1 and counts.min() >= 1 and counts.max() <= sc.model.seq_length
     again = data_mod.loss_mask(sc.data, ids[::-1], sc.model.seq_length).sum(1)
     assert torch.equal(again, counts.flip(0))
+
+
+def test_nightly_paths_hold_the_controls_of_the_param_gather_divergence():
+    """The divergence's two controls (prefetch off, one DDP bucket) differ from it in exactly
+    the one switch each names, so a pass of both points at GTP's prefetch across buckets."""
+    main = {s.name: s for s in scenario.load(PATHS)}
+    nightly = {s.name: s for s in scenario.load(ROOT / "scenarios" / "gtp_paths_nightly.toml")}
+    known = main["overlap-param-gather-prefetch-on"].candidate
+    assert known.overlap_param_gather and known.gtp_weight_prefetch and known.bucket_size
+    off, one = nightly["overlap-param-gather-prefetch-off"].candidate, nightly["overlap-param-gather-one-bucket"].candidate
+    assert off == dataclasses.replace(known, gtp_weight_prefetch=False)
+    assert one == dataclasses.replace(known, bucket_size=None)
+    assert all(s.expect is None for s in nightly.values())
