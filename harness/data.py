@@ -28,6 +28,20 @@ def batch(seed: int, sample_ids: list[int], model: ModelConfig) -> tuple[torch.T
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
+def loss_mask(data: DataConfig, sample_ids: list[int], seq_length: int) -> torch.Tensor:
+    """[len(sample_ids), seq_length] float mask of the tokens the loss counts (1) and the
+    padding (0). ``variable``: sample ``i`` counts its first ``n_i`` tokens, ``n_i`` drawn
+    uniformly from 1..seq_length by (seed, sample id) on a stream apart from the tokens'."""
+    mask = torch.ones(len(sample_ids), seq_length)
+    if data.loss_mask == "none":
+        return mask
+    for row, i in enumerate(sample_ids):
+        gen = torch.Generator().manual_seed((data.seed * 1_000_003 + i) * 2 + 1)
+        n = int(torch.randint(1, seq_length + 1, (1,), generator=gen))
+        mask[row, n:] = 0.0
+    return mask
+
+
 def coord(rank: int, side: Side) -> dict[str, int]:
     """Mesh coordinates of ``rank`` (:mod:`harness.mesh`), with its data rank as ``data``."""
     mesh = Mesh.of_side(side)

@@ -16,6 +16,8 @@ class Fault:
     description: str
     expect: dict
     """Expected first divergence: step, phase, kind, tensor (fnmatch), signature."""
+    target: str = ""
+    """The parameter the fault acts on, where it acts on one."""
 
 
 CATALOG: dict[str, Fault] = {
@@ -86,6 +88,40 @@ CATALOG: dict[str, Fault] = {
             {"step": 1, "kind": "param", "tensor": "*.weight", "signature": "update-term"},
         ),
         Fault(
+            "token-count-without-gtp-peers", "loss normalization",
+            "under per-token loss finalize_model_grads all-reduces the token count over the "
+            "replicate-DP group, leaving out GTP peers' tokens: each GTP peer normalizes by its own "
+            "share of the global count",
+            # Each GTP peer's shard is scaled by (global tokens / its own): a per-rank factor.
+            {"step": 1, "phase": "backward", "kind": "main_grad", "tensor": "output_layer.weight",
+             "signature": "mismatch"},
+        ),
+        Fault(
+            "gtp-prefetch-missing-wait", "missing wait on an async collective",
+            "the forward consumer of one prefetched GTP weight reads its gather buffer without "
+            "waiting on the all-gather: its GEMM reads the weight the shared buffer held before",
+            {"step": 1, "phase": "forward", "kind": "activation", "tensor": "decoder.layers.1.self_attention",
+             "signature": "gemm-consumed-foreign-weight"},
+            target="decoder.layers.1.self_attention.linear_qkv.weight",
+        ),
+        Fault(
+            "gtp-wgrad-rs-finalized-twice", "double counting",
+            "one weight's async wgrad reduce-scatter is finalized twice: the chain's finalizing drain "
+            "adds it to main_grad and the deferred path adds it again",
+            {"step": 1, "phase": "backward", "kind": "main_grad",
+             "tensor": "decoder.layers.1.mlp.linear_fc1.weight", "signature": "ratio-G"},  # 2 x at G = 2
+            target="decoder.layers.1.mlp.linear_fc1.weight",
+        ),
+        Fault(
+            "distopt-offsets-ignore-gtp-pad", "padding",
+            "the distributed optimizer places parameters in the buffer as if GTP shards had no pad "
+            "rows: after a padded shard every parameter's update is written pad rows early",
+            # The optimizer's view of the gradient is misplaced first: the captured main_grad is
+            # put together from the ranges the optimizer owns.
+            {"step": 1, "phase": "backward", "kind": "main_grad", "tensor": "decoder.layers.0.mlp.linear_fc1.weight",
+             "signature": "mismatch"},
+        ),
+        Fault(
             "fp8-unreduced-amax", "precision loss",
             "FP8 quantized all-gather of GTP weights (torch backend): each shard is quantized with "
             "its own per-tensor amax, not the amax reduced over the GTP group, and the gathered "
@@ -116,14 +152,18 @@ def check_name(name: str) -> str | None:
 _NEEDS_GTP = frozenset({"gtp-rs-no-prescale", "gtp-ag-swap-shards", "gtp-ln-grad-not-reduced",
                         "gtp-peers-same-sample", "gtp-pad-leak", "loss-report-wrong-group",
                         "grad-norm-double-count", "fp8-unreduced-amax", "gtp-update-no-weight-decay",
-                        "gtp-update-lr-mult", "gtp-prescale-under-per-token-loss"})  # fmt: skip
+                        "gtp-update-lr-mult", "gtp-prescale-under-per-token-loss", "token-count-without-gtp-peers",
+                        "gtp-prefetch-missing-wait", "gtp-wgrad-rs-finalized-twice",
+                        "distopt-offsets-ignore-gtp-pad"})  # fmt: skip
 # What the torch backend can plant (the others patch megatron-core's own functions).
 TORCH_FAULTS = frozenset({"fp8-unreduced-amax", "gtp-peers-same-sample", "gtp-pad-leak", "optimizer-skips-weight"})
 # What Megatron-LM's loop (the mlm backend) can plant: its sampler hands out the samples and
 # its schedule the micro-batches (no routing or micro-batch hook), per-token loss is a megatron
 # side option, and FP8 needs Transformer Engine.
 MLM_FAULTS = frozenset(CATALOG) - {"gtp-peers-same-sample", "fp8-unreduced-amax", "microbatch-grad-overwrite",
-                                    "gtp-prescale-under-per-token-loss"}  # fmt: skip
+                                    "gtp-prescale-under-per-token-loss", "token-count-without-gtp-peers",
+                                    "gtp-prefetch-missing-wait", "gtp-wgrad-rs-finalized-twice",
+                                    "distopt-offsets-ignore-gtp-pad"}  # fmt: skip
 
 
 def check_reach(name: str, side, data=None) -> str | None:
@@ -147,6 +187,17 @@ def check_reach(name: str, side, data=None) -> str | None:
         return f"{name!r} never fires on a side without GTP (gtp = 1)"
     if name == "gtp-prescale-under-per-token-loss" and side.per_token_loss != "both":
         return f"{name!r} never fires unless GTP is told the loss is per-token (per_token_loss = \"both\")"
+    if name == "token-count-without-gtp-peers" and side.per_token_loss == "none":
+        return f"{name!r} never fires without per-token loss (per_token_loss)"
+    if name == "gtp-prefetch-missing-wait" and not (side.gtp_weight_prefetch and side.gtp_collectives == "lagging"):
+        return (f"{name!r} needs the prefetch chain (gtp_weight_prefetch) and gtp_collectives = \"lagging\": "
+                "with collectives that complete on gloo's timing the skipped wait may read the right weight")
+    if name == "gtp-prefetch-missing-wait" and data is not None and side.num_microbatches(data) * side.steps < 2:
+        return f"{name!r} never fires in one forward: the first forward links the prefetch chain"
+    if name == "distopt-offsets-ignore-gtp-pad" and not (side.distributed_optimizer and side.precision == "bf16"):
+        # In fp32 the optimizer steps views of the params themselves: the misplaced copy then
+        # overlaps its own source and torch raises instead of diverging.
+        return f"{name!r} needs the distributed optimizer (distributed_optimizer) in bf16"
     if name == "microbatch-grad-overwrite" and data is not None and side.num_microbatches(data) < 2:
         return f"{name!r} never fires with one micro-batch per step"
     if side.backend == "torch" and name not in TORCH_FAULTS:

@@ -90,12 +90,81 @@ def _prescale_under_per_token_loss(ctx: Context) -> None:
     patch(_gtp().GTP_CONFIG, "calculate_per_token_loss", False)
 
 
+def _param(ctx: Context, name: str):
+    for n, p in ctx.named_params:
+        if n == name:
+            return p
+    raise RuntimeError(f"planted fault: the model has no {name}")
+
+
+def _prefetch_missing_wait(ctx: Context) -> None:
+    # The consumer of one prefetched weight reads the gather buffer without waiting on its
+    # all-gather (the handle is dropped): it reads what the buffer held before.
+    target = _param(ctx, CATALOG["gtp-prefetch-missing-wait"].target)
+    cls = _gtp().GTPShardedParam
+    original = cls._wait_param_gather
+
+    def wait_param_gather(self):
+        if self is target and self._prefetch_handle is not None:
+            self._prefetch_handle = None
+            return None
+        return original(self)
+
+    patch(cls, "_wait_param_gather", wait_param_gather)
+
+
+def _wgrad_finalized_twice(ctx: Context) -> None:
+    # The chain's cascade finalizes one weight's async reduce-scatter (megatron-core's own
+    # finalizing drain) and loses the ``_already_finalized`` flag, so the deferred path of its
+    # predecessor's wgrad_reduce_scatter adds the reduce-scattered wgrad to main_grad again.
+    target = _param(ctx, CATALOG["gtp-wgrad-rs-finalized-twice"].target)
+    cls = _gtp().GTPShardedParam
+    original = cls.wgrad_reduce_scatter
+
+    def wgrad_reduce_scatter(self, wgrad, nvtx_label=None):
+        if self.next_w is target and target._wgrad_rs_handle is not None:
+            target._wait_reduce_scatter(finalize_grad=True)
+            target._already_finalized = False
+        return original(self, wgrad, nvtx_label=nvtx_label)
+
+    patch(cls, "wgrad_reduce_scatter", wgrad_reduce_scatter)
+
+
+def _distopt_offsets_ignore_pad(ctx: Context) -> None:
+    # The distributed optimizer lays GTP shards out in the buffer as if they had no pad rows:
+    # on the GTP rank holding them, every parameter after a padded shard is placed pad rows
+    # early, so its updated elements are written over the shard before it.
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._build_model_gbuf_param_range_map.__func__
+
+    def build(cls, param_world_index_map, gbuf_world_range, bucket_offset):
+        shifted, shift = {}, 0
+        for param, (start, end, bucket) in sorted(param_world_index_map.items(), key=lambda kv: kv[1][0]):
+            shifted[param] = (start - shift, end - shift, bucket)
+            if getattr(param, "is_gtp_weight_remat", False) and _pad_rows_here(ctx, param):
+                shift += _pad_rows_here(ctx, param) * (param.numel() // param.shape[0])
+        return original(cls, shifted, gbuf_world_range, bucket_offset)
+
+    patch(DistributedOptimizer, "_build_model_gbuf_param_range_map", classmethod(build))
+
+
+def _pad_rows_here(ctx: Context, param) -> int:
+    """Pad rows of this rank's GTP shard of ``param`` (GTP pads the tail of the weight)."""
+    pad, rows = getattr(param, "pad_length", 0), param.shape[0]
+    g = ctx.coord["gtp"]
+    return max(0, min(rows, pad - (ctx.side.gtp - 1 - g) * rows))
+
+
 INSTALLERS: dict[str, Callable[[Context], None]] = {
     "gtp-prescale-under-per-token-loss": _prescale_under_per_token_loss,
     "gtp-rs-no-prescale": _no_prescale,
     "gtp-ag-swap-shards": _swap_gather,
     "gtp-ln-grad-not-reduced": _skip_gtp_replicated_reduce,
     "grad-norm-double-count": _double_count_norm,
+    "gtp-prefetch-missing-wait": _prefetch_missing_wait,
+    "gtp-wgrad-rs-finalized-twice": _wgrad_finalized_twice,
+    "distopt-offsets-ignore-gtp-pad": _distopt_offsets_ignore_pad,
 }
 INSTALLERS.update(MOE_INSTALLERS)
 
@@ -137,6 +206,22 @@ def before_micro_batch(ctx: Context, index: int) -> None:
         for _, p in ctx.named_params:
             if getattr(p, "main_grad", None) is not None:
                 p.main_grad.zero_()
+
+
+def finalize_kwargs(ctx: Context, kwargs: dict) -> dict:
+    """The keyword arguments the schedule hands ``finalize_model_grads``. Under
+    ``token-count-without-gtp-peers`` its process groups count the per-token loss's tokens over
+    the replicate-DP group instead of the GTP-inclusive data group."""
+    pg = kwargs.get("pg_collection")
+    if "token-count-without-gtp-peers" not in ctx.active or pg is None:
+        return kwargs
+    import copy
+
+    from megatron.core import parallel_state as ps
+
+    wrong = copy.copy(pg)  # finalize reads dp_cp_gtp_remat, else dp_cp (GTP-inclusive by default)
+    wrong.dp_cp = wrong.dp_cp_gtp_remat = ps.get_data_parallel_group(with_context_parallel=True, with_gtp_remat=False)
+    return {**kwargs, "pg_collection": wrong}
 
 
 def after_finalize(ctx: Context) -> None:

@@ -14,7 +14,9 @@ _UNDO: list[Callable[[], None]] = []
 
 def patch(obj: Any, attr: str, value: Any) -> Any:
     """Set ``obj.attr = value`` until :func:`undo_all`; returns the attribute replaced."""
-    old = getattr(obj, attr)
+    # A class's own attribute is kept as stored (a classmethod or staticmethod descriptor, not
+    # the function it binds to), so the undo puts back exactly what was there.
+    old = vars(obj)[attr] if isinstance(obj, type) and attr in vars(obj) else getattr(obj, attr)
     setattr(obj, attr, value)
     _UNDO.append(lambda: setattr(obj, attr, old))
     return old

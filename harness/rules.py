@@ -10,7 +10,7 @@ from harness.errors import BadInput
 from harness.fault_catalog import check_name, check_reach
 from harness.moe_rules import moe_parameter_count, validate_moe_model, validate_moe_side
 from harness.schema import (
-    BACKENDS, CAPTURE_KINDS, CAPTURE_MODES, COLLECTIVES, LIMITS, LR_DECAY_STYLES, MEGATRON_PATH_OPTIONS,
+    BACKENDS, CAPTURE_KINDS, CAPTURE_MODES, COLLECTIVES, LIMITS, LOSS_MASKS, LR_DECAY_STYLES, MEGATRON_PATH_OPTIONS,
     MLM_DATA, OPTIMIZERS, PER_TOKEN_LOSSES, POLICIES, PRECISIONS, RECIPE_NAMES, RECOMPUTES, ModelConfig,
     Scenario, Side,
 )  # fmt: skip
@@ -189,9 +189,41 @@ def _validate_paths(s: Scenario, side: Side, where: str) -> None:
         raise BadInput(f"{where}.sequence_parallel", f"TP {side.tp} must divide the sequence length {s.model.seq_length}")
     if side.bucket_size is not None and side.bucket_size < 1:
         raise BadInput(f"{where}.bucket_size", f"must be >= 1 elements, got {side.bucket_size}")
+    if side.distributed_optimizer and side.optimizer != "adam":
+        # megatron-core 0.19.2, optimizer/distrib_optimizer.py, DistributedOptimizer.__init__ (l.688-694).
+        raise BadInput(f"{where}.distributed_optimizer",
+                       "megatron-core's DistributedOptimizer takes Adam only (it asserts Adam or an "
+                       "init_state_fn, for its checkpoint format)")  # fmt: skip
+    if side.overlap_param_gather and not (side.distributed_optimizer and side.overlap_grad_reduce):
+        # Megatron-LM's arguments.py: the param gather it overlaps is the distributed optimizer's,
+        # and it "must use --overlap-param-gather with --overlap-grad-reduce".
+        raise BadInput(f"{where}.overlap_param_gather", "needs distributed_optimizer and overlap_grad_reduce")
+    _validate_loss_mask(s, side, where)
     if side.bucket_size is not None and not side.overlap_grad_reduce:
         # megatron-core buckets only when it overlaps (DistributedDataParallel's bucket_size rule).
         raise BadInput(f"{where}.bucket_size", "takes effect only with overlap_grad_reduce = true")
+
+
+def _validate_loss_mask(s: Scenario, side: Side, where: str) -> None:
+    """A variable loss mask needs a loss normalized by the global token count on every side,
+    as the golden computes it."""
+    mask = s.data.loss_mask
+    if mask not in LOSS_MASKS:
+        raise BadInput(f"{s.source}: [data].loss_mask", f"{mask!r}: one of {sorted(LOSS_MASKS)}")
+    if mask == "none":
+        return
+    if side.backend == "megatron" and side.per_token_loss == "none":
+        # megatron-core's mean loss averages each micro-batch's token mean: with token counts
+        # differing per micro-batch that is another objective than the global token mean.
+        raise BadInput(f"{where}.per_token_loss",
+                       "a variable loss mask needs per_token_loss (\"both\" or \"transformer-config\"): "
+                       "the mean loss averages per-micro-batch token means, not the global token mean")  # fmt: skip
+    if side.backend == "mlm":
+        raise BadInput(f"{s.source}: [data].loss_mask", "the mlm backend reads Megatron-LM's own loss mask")
+    if side.backend == "torch" and (side.world_size > 1 or side.recipe != "none" or side.precision == "bf16"):
+        raise BadInput(f"{s.source}: [data].loss_mask",
+                       "the torch backend applies a loss mask on its single-process golden path only "
+                       "(world_size 1, no recipe, fp32 or fp64)")  # fmt: skip
 
 
 def _validate_expect(s: Scenario) -> None:

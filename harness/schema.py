@@ -30,7 +30,8 @@ CaptureMode = Literal["full", "fingerprint"]
 PolicyName = Literal["exact", "dtype", "noise-floor"]
 Recompute = Literal["none", "selective", "full"]
 PerTokenLoss = Literal["none", "transformer-config", "both"]
-Collectives = Literal["async", "eager"]
+Collectives = Literal["async", "eager", "lagging"]
+LossMask = Literal["none", "variable"]
 Expected = Literal["known-divergence"]
 
 BACKENDS = frozenset(get_args(Backend))
@@ -48,6 +49,7 @@ POLICIES = frozenset(get_args(PolicyName))
 RECOMPUTES = frozenset(get_args(Recompute))
 PER_TOKEN_LOSSES = frozenset(get_args(PerTokenLoss))
 COLLECTIVES = frozenset(get_args(Collectives))
+LOSS_MASKS = frozenset(get_args(LossMask))
 
 # The top-level keys of a scenario file (a matrix file adds [matrix]).
 TOP_KEYS = frozenset({
@@ -118,6 +120,10 @@ class DataConfig:
     """Samples per micro-batch per data rank."""
     global_batch_size: int = 2
     """Samples per optimizer step across all data ranks and micro-batches."""
+    loss_mask: LossMask = "none"
+    """``variable``: each sample counts only its first n tokens in the loss (n drawn from
+    (seed, sample id) in 1..seq_length; the rest is padding), so token counts differ per sample
+    and micro-batch and only the global token count normalizes the loss right."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -174,7 +180,10 @@ class Side:
     gtp_collectives: Collectives = "async"
     """``async``: GTP's collectives overlap compute as megatron-core issues them; ``eager``: each
     completes when it is issued, the schedule of a communication stream running ahead of the
-    GEMMs, which makes a GEMM that reads a reused gather buffer read it deterministically."""
+    GEMMs, which makes a GEMM that reads a reused gather buffer read it deterministically;
+    ``lagging``: an async collective's output lands only when its handle (or a later one of its
+    group) is waited, the schedule of a communication stream running behind the GEMMs, under
+    which a read without its wait reads the buffer's previous content every time."""
     recompute: Recompute = "none"
     """Activation recompute: ``selective`` (core attention) or ``full`` (uniform, one layer per
     checkpoint): TransformerConfig ``recompute_granularity`` / ``recompute_method``."""
@@ -190,6 +199,9 @@ class Side:
     """DDP overlaps its grad reduce-scatters / all-reduces with backward (bucketed)."""
     bucket_size: int | None = None
     """DDP bucket size in elements (small: several buckets); None: megatron-core's default."""
+    overlap_param_gather: bool = False
+    """The distributed optimizer's param all-gather waits for the next forward (DDP's forward
+    pre-hooks, enabled after the first step as Megatron-LM's ``train()`` does)."""
     distributed_optimizer: bool = False
     """megatron-core's DistributedOptimizer: grads reduce-scattered over the data-parallel
     group, each rank steps its range of every buffer, params all-gathered after the step."""
@@ -230,8 +242,11 @@ class Side:
             for k, v in defaults.items():  # so do dense sides, before experts existed
                 if doc[k] == v:
                     del doc[k]
+        data_keys = dataclasses.asdict(data)
+        if data_keys["loss_mask"] == "none":
+            del data_keys["loss_mask"]  # likewise for sides without a loss mask
         blob = json.dumps(
-            [side, model_doc, dataclasses.asdict(data)],
+            [side, model_doc, data_keys],
             sort_keys=True,
         )
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
@@ -284,7 +299,8 @@ class ComparePolicy:
 
 # Keys of a side that only the megatron backend reads; the golden side does not inherit them.
 MEGATRON_PATH_OPTIONS = ("gtp_weight_prefetch", "gtp_collectives", "recompute", "per_token_loss",
-                         "sequence_parallel", "overlap_grad_reduce", "bucket_size", "distributed_optimizer")  # fmt: skip
+                         "sequence_parallel", "overlap_grad_reduce", "bucket_size", "distributed_optimizer",
+                         "overlap_param_gather")  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

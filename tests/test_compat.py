@@ -43,6 +43,15 @@ def test_gtp_collectives_of_a_group_complete_in_issue_order(reports):
 
 
 @pytest.mark.multirank
+def test_lagging_collectives_land_only_when_waited(reports):
+    # gtp_collectives = "lagging": what a read that skips its wait sees is the buffer's previous
+    # content, every time (the planted gtp-prefetch-missing-wait relies on it).
+    for rep in reports:
+        checks = {k: ok for k, ok in rep["checks"].items() if k.startswith("lagging-")}
+        assert checks and all(checks.values()), f"rank {rep['rank']}: {checks}"
+
+
+@pytest.mark.multirank
 @pytest.mark.parametrize("key, expected", [
     # rank = tp + TP * (g + G * dp); data rank = rank // TP; data rank d reads [d*mbs, (d+1)*mbs).
     ("tp2-gtp2-dp1", [[[0], [2], [4], [6]], [[0], [2], [4], [6]], [[1], [3], [5], [7]], [[1], [3], [5], [7]]]),

@@ -61,6 +61,14 @@ def test_fault_specifics(fault_run):
     # Per-token loss with GTP's pre-scale still on: every GTP weight, on every rank, halved.
     assert fd["gtp-prescale-under-per-token-loss"]["ranks"] == [0, 1]
     assert fd["microbatch-grad-overwrite"]["phase"] == "backward"
+    # GTP's other code paths: each where the catalogue puts it, phase included.
+    for fault in ("token-count-without-gtp-peers", "gtp-prefetch-missing-wait", "gtp-wgrad-rs-finalized-twice",
+                  "distopt-offsets-ignore-gtp-pad"):  # fmt: skip
+        assert fd[fault]["phase"] == CATALOG[fault].expect["phase"], (fault, fd[fault])
+    # A skipped wait: the GEMM of layers.1's qkv read layers.0's, the shared buffer's previous weight.
+    assert "consumed decoder.layers.0.self_attention.linear_qkv.weight's weight" in fd["gtp-prefetch-missing-wait"]["explanation"]
+    # Only the last GTP rank holds pad rows, so only its shards of the optimizer's ranges move.
+    assert fd["distopt-offsets-ignore-gtp-pad"]["region"]["shard"] == {"gtp": 1}
 
 
 def test_planted_faults_leave_installed_code_untouched(fault_run):

@@ -4,10 +4,12 @@ divergences are reported as such, each naming its cause (``scenarios/gtp_paths.t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import xml.etree.ElementTree as ET
 
 import pytest
+import torch
 
 from harness import report, scenario
 from harness.session import judge_expectation, run_scenarios
@@ -22,6 +24,8 @@ KNOWN = {
                                   "decoder.layers.0.mlp.linear_fc1.weight consumed "
                                   "decoder.layers.0.mlp.linear_fc2.weight's weight"),
     "per-token-loss-transformer-config": ("ratio-1/G", "the GTP mean was taken twice"),
+    # Step 2: GTP's prefetch gathers shards DDP's overlapped param all-gather has not updated.
+    "overlap-param-gather-prefetch-on": ("replica-drift", "a replicated tensor differs across ranks"),
 }
 
 
@@ -44,7 +48,7 @@ def test_paths_that_hold_pass_and_known_divergences_are_named(paths):
         signature, text = KNOWN[name]
         fd = s["first_divergence"]
         assert s["verdict"] == "known-divergence", (name, s.get("expectation"))
-        assert fd["step"] == 1 and fd["signature"] == signature and text in fd["explanation"]
+        assert fd["step"] == s["expect"]["step"] and fd["signature"] == signature and text in fd["explanation"]
         assert "generalized_tensor_parallelism.py" in s["expect"]["reason"]
 
 
@@ -96,3 +100,29 @@ def test_a_known_divergence_gates_on_change(doc, expect, verdict):
     judge_expectation(doc, exp)
     assert doc["verdict"] == verdict
     assert ("expectation" in doc) == (verdict == "fail")
+
+
+def test_variable_loss_mask_gives_every_sample_its_own_token_count():
+    """What makes a wrong normalization show: the samples of a step count different numbers
+    of tokens (1..seq_length), and the same sample the same number on every side."""
+    from harness import data as data_mod
+
+    sc = next(s for s in scenario.load(PATHS) if s.name == "per-token-loss-variable-length")
+    ids = data_mod.step_sample_ids(1, sc.data)
+    counts = data_mod.loss_mask(sc.data, ids, sc.model.seq_length).sum(1)
+    assert len(set(counts.tolist())) > 1 and counts.min() >= 1 and counts.max() <= sc.model.seq_length
+    again = data_mod.loss_mask(sc.data, ids[::-1], sc.model.seq_length).sum(1)
+    assert torch.equal(again, counts.flip(0))
+
+
+def test_nightly_paths_hold_the_controls_of_the_param_gather_divergence():
+    """The divergence's two controls (prefetch off, one DDP bucket) differ from it in exactly
+    the one switch each names, so a pass of both points at GTP's prefetch across buckets."""
+    main = {s.name: s for s in scenario.load(PATHS)}
+    nightly = {s.name: s for s in scenario.load(ROOT / "scenarios" / "gtp_paths_nightly.toml")}
+    known = main["overlap-param-gather-prefetch-on"].candidate
+    assert known.overlap_param_gather and known.gtp_weight_prefetch and known.bucket_size
+    off, one = nightly["overlap-param-gather-prefetch-off"].candidate, nightly["overlap-param-gather-one-bucket"].candidate
+    assert off == dataclasses.replace(known, gtp_weight_prefetch=False)
+    assert one == dataclasses.replace(known, bucket_size=None)
+    assert all(s.expect is None for s in nightly.values())

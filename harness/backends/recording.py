@@ -75,12 +75,15 @@ class Recording:
     cap: Capture
     named: list[tuple[str, torch.Tensor]]
     layouts: Mapping[str, Layout]
+    param_value: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """The value recorded for a parameter where it is not the parameter itself (a distributed
+    optimizer whose all-gather of the updated params waits for the next forward)."""
 
     def layout_of(self, name: str, p: torch.Tensor) -> Layout:
         return self.layouts[name]
 
     def weights(self, kind: str) -> None:
-        self.cap.params(kind, self.named, self.layout_of)
+        self.cap.params(kind, self.named, self.layout_of, value=self.param_value or (lambda p: p))
 
     def grads(self, value: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
         self.cap.params("main_grad", self.named, self.layout_of, value=value)

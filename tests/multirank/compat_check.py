@@ -36,6 +36,29 @@ def _issue_order(group, n: int, rounds: int = 200) -> bool:
     return ok
 
 
+def _lagging(group, n: int) -> bool:
+    """``lagging``: an async collective's output is untouched until its handle, or a later one
+    of its group, is waited; then every earlier one lands first, in issue order."""
+    rows = 1 << 10
+    compat.set_collectives("lagging")
+    try:
+        first, second = torch.full((rows * n,), -1.0), torch.full((rows * n,), -1.0)
+        h1 = compat.gather_along_first_dim(torch.full((rows,), 1.0), group, async_op=True, output_tensor=first)[1]
+        h2 = compat.gather_along_first_dim(torch.full((rows,), 2.0), group, async_op=True, output_tensor=second)[1]
+        untouched = bool(first.eq(-1).all() and second.eq(-1).all())  # issuing h2 completed h1, unlanded
+        h2.wait()
+        landed = bool(first.eq(1).all() and second.eq(2).all())
+        h1.wait()  # already landed: no rewrite
+        scattered = torch.full((rows,), -1.0)
+        h3 = compat.reduce_scatter_along_first_dim(torch.full((rows * n,), 3.0), group, async_op=True,
+                                                   output=scattered)[1]  # fmt: skip
+        rs_untouched = bool(scattered.eq(-1).all())
+        h3.wait()
+        return untouched and landed and rs_untouched and bool(scattered.eq(3 * n).all()) and _issue_order(group, n, 20)
+    finally:
+        compat.set_collectives("async")
+
+
 def main(report_path):
     compat.install()
     dist.init_process_group("gloo")
@@ -62,6 +85,7 @@ def main(report_path):
         me = members.index(rank)
         checks[f"reduce-scatter-{name}"] = torch.equal(rs, full.chunk(n)[me])
         checks[f"issue-order-{name}"] = _issue_order(group, n)
+        checks[f"lagging-{name}"] = _lagging(group, n)
         z = torch.full((3,), float(rank + 1))
         dist.all_reduce(z, op=dist.ReduceOp.AVG, group=group)
         checks[f"avg-{name}"] = torch.allclose(z, torch.full((3,), sum(m + 1 for m in members) / n))

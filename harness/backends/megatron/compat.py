@@ -87,40 +87,78 @@ class _Once:
     def __init__(self, work):
         self._work = work
 
-    def wait(self):
+    def finish(self) -> None:
+        """Complete the collective (what the next collective of its group waits for)."""
         work, self._work = self._work, None
         if work is not None:
             work.wait()
+
+    def wait(self):
+        self.finish()
         return True
 
 
 def _after_previous(group) -> None:
     previous = _IN_FLIGHT.pop(id(group), None)
     if previous is not None:
-        previous.wait()
+        previous.finish()
 
 
-# Eager: each GTP collective completes before its call returns (a scenario's
-# ``gtp_collectives = "eager"``): the order of a GPU whose communication stream runs ahead of
-# the GEMMs, under which a GEMM reading a gather buffer that a later prefetch reuses reads the
-# later weight every time instead of when gloo's timing happens to allow it.
-_EAGER = False
+# How GTP's async collectives complete relative to the GEMMs (a scenario's ``gtp_collectives``):
+# ``async``: as gloo completes them (in issue order, above). ``eager``: each completes before
+# its call returns, the order of a GPU whose communication stream runs ahead of the GEMMs,
+# under which a GEMM reading a gather buffer that a later prefetch reuses reads the later
+# weight every time instead of when gloo's timing happens to allow it. ``lagging``: each
+# collective runs into a private copy that lands in its output only when its handle, or a
+# later one of its group, is waited: a communication stream running behind the GEMMs (a wait
+# on a stream covers everything issued on it before), under which a read that skipped its
+# wait reads the buffer's previous content every time.
+_MODE = "async"
+_UNLANDED: dict[int, list["_Lagging"]] = {}
 
 
-def set_eager_collectives(on: bool) -> None:
-    global _EAGER
-    _EAGER = bool(on)
+def set_collectives(mode: str) -> None:
+    global _MODE
+    if mode not in ("async", "eager", "lagging"):
+        raise ValueError(f"unknown collectives mode {mode!r}")
+    _MODE = mode
+    _UNLANDED.clear()
 
 
-def _issued(group, work):
+class _Lagging(_Once):
+    """A lagging collective's handle: its output is written from the private copy at a wait."""
+
+    def __init__(self, work, group, staged: torch.Tensor, out: torch.Tensor):
+        super().__init__(work)
+        self._staged, self._out = staged, out
+        self._queue = _UNLANDED.setdefault(id(group), [])
+        self._queue.append(self)
+
+    def wait(self):
+        if any(h is self for h in self._queue):  # land every earlier one of the group, then this
+            while self._queue:
+                handle = self._queue.pop(0)
+                handle.finish()
+                handle._out.copy_(handle._staged)
+                if handle is self:
+                    break
+        return True
+
+
+def _target(out: torch.Tensor, async_op: bool) -> torch.Tensor:
+    """Where the collective writes: its output, or a private copy while it lags."""
+    return torch.empty_like(out) if async_op and _MODE == "lagging" else out
+
+
+def _issued(group, work, target: torch.Tensor, out: torch.Tensor):
     if work is None:
         return None
-    if _EAGER:
+    if _MODE == "eager":
         work.wait()
         return _Done()
-    handle = _IN_FLIGHT[id(group)] = _Once(work)
+    handle = _Lagging(work, group, target, out) if target is not out else _Once(work)
+    _IN_FLIGHT[id(group)] = handle
     return handle
-
 
 
 def gather_along_first_dim(
@@ -136,10 +174,9 @@ def gather_along_first_dim(
     shape = (inp.shape[0] * world, *inp.shape[1:])
     out = output_tensor if output_tensor is not None else inp.new_empty(shape)
     _after_previous(process_group)
-    handle = dist.all_gather_into_tensor(
-        out, inp.contiguous(), group=process_group, async_op=async_op
-    )
-    return out, _issued(process_group, handle if async_op else None)
+    target = _target(out, async_op)
+    handle = dist.all_gather_into_tensor(target, inp.contiguous(), group=process_group, async_op=async_op)
+    return out, _issued(process_group, handle if async_op else None, target, out)
 
 
 def reduce_scatter_along_first_dim(inp, process_group, async_op=False, output=None):
@@ -148,10 +185,11 @@ def reduce_scatter_along_first_dim(inp, process_group, async_op=False, output=No
     shape = (inp.shape[0] // world, *inp.shape[1:])
     out = output if output is not None else inp.new_empty(shape)
     _after_previous(process_group)
+    target = _target(out, async_op)
     handle = dist.reduce_scatter_tensor(
-        out, inp.contiguous(), op=dist.ReduceOp.SUM, group=process_group, async_op=async_op
+        target, inp.contiguous(), op=dist.ReduceOp.SUM, group=process_group, async_op=async_op
     )
-    return out, _issued(process_group, handle if async_op else None)
+    return out, _issued(process_group, handle if async_op else None, target, out)
 
 
 def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
@@ -345,6 +383,7 @@ def reset_gtp_state() -> None:
     gtp._wgrad_buf_pool.clear()
     gtp.GTP_CONFIG.__init__()
     _IN_FLIGHT.clear()
+    _UNLANDED.clear()
 
 
 def layer_norm_for_sequence_parallel() -> None:

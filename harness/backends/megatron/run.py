@@ -19,6 +19,7 @@ from harness import faults
 from harness.backends import Job
 from harness.backends.megatron import compat, moe
 from harness.backends.megatron.gathers import record_gathers
+from harness.backends.megatron.optimizer_ranges import optimizer_state, reduced_grad, updated_param
 from harness.backends.recording import Materialized, Recording, StepScalars, gathered, train
 from harness.capture import Capture
 from harness.dtypes import DTYPES
@@ -57,7 +58,7 @@ def _build(job: Job):
         gtp_api.configure_gtp_remat_from_recipe(calculate_per_token_loss=side.per_token_loss == "both")
         gtp_impl.update_gtp_config(pad_for_alignment=side.gtp_pad_alignment,
                                    weight_prefetch=side.gtp_weight_prefetch)  # fmt: skip
-    compat.set_eager_collectives(side.gtp_collectives == "eager")
+    compat.set_collectives(side.gtp_collectives)
     if side.sequence_parallel:
         compat.layer_norm_for_sequence_parallel()
     bf16 = side.precision == "bf16"
@@ -100,8 +101,11 @@ def _build(job: Job):
         model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=side.overlap_grad_reduce,
                                                bucket_size=side.bucket_size,
-                                               use_distributed_optimizer=side.distributed_optimizer)  # fmt: skip
+                                               use_distributed_optimizer=side.distributed_optimizer,
+                                               overlap_param_gather=side.overlap_param_gather)  # fmt: skip
     ddp = DistributedDataParallel(config, ddp_config, model)
+    if side.overlap_param_gather:  # Megatron-LM's train(): no pre-hooks until the first step is done
+        ddp.disable_forward_pre_hook(param_sync=False)
     if side.overlap_grad_reduce:  # as Megatron-LM's train() wires an overlapping DDP
         config.no_sync_func = ddp.no_sync
         config.grad_sync_func = ddp.start_grad_sync
@@ -160,6 +164,7 @@ def _optimizer(job: Job, ddp):
             params_dtype=DTYPES[side.precision],
             log_num_zeros_in_grad=True,
             use_distributed_optimizer=side.distributed_optimizer,
+            overlap_param_gather=side.overlap_param_gather,
         ),
         [ddp],
     )
@@ -203,23 +208,26 @@ def run(job: Job, cap: Capture) -> None:
 
             reach = apply(job.side.mutant, watch=True)
         config, ddp, mesh, coord = _build(job)
-        opt, scheduler = _optimizer(job, ddp)
-        _train(job, cap, config, ddp, opt, scheduler, mesh, get_forward_backward_func(), finalize_model_grads)
+        named = [(moe.global_name(canonical_name(n), job), p) for n, p in ddp.named_parameters()]
+        ctx = faults.Context(backend="megatron", side=job.side, model=ddp, optimizer=None, rank=dist.get_rank(),
+                             coord=coord, named_params=named)  # fmt: skip
+        ctx.saved["data"] = job.data
+        faults.install(job.side.inject, ctx)  # before the optimizer: a fault may act on how it is built
+        ctx.optimizer, scheduler = _optimizer(job, ddp)
+        _train(job, cap, ctx, config, ddp, scheduler, mesh, get_forward_backward_func(), finalize_model_grads)
     finally:
         if reach is not None:  # beside the rank's trace files, not in them (see mutation.campaign)
             reach.close(cap.rank_dir / "mutant.json")
-        compat.set_eager_collectives(False)
+        compat.set_collectives("async")
         faults.uninstall()  # the faults' patches and the gather recorder's
         ps.destroy_model_parallel()
         compat.reset_gtp_state()
 
 
-def _train(job, cap, config, ddp, opt, scheduler, mesh, forward_backward, finalize_model_grads):
+def _train(job, cap, ctx, config, ddp, scheduler, mesh, forward_backward, finalize_model_grads):
     from megatron.core import parallel_state as ps
 
-    side = job.side
-    rank = dist.get_rank()
-    named = [(moe.global_name(canonical_name(n), job), p) for n, p in ddp.named_parameters()]
+    side, opt, named = job.side, ctx.optimizer, ctx.named_params
     layouts = {n: from_mcore_param(p, mesh) for n, p in named}
     layouts.update(moe.expert_layouts(job, named))
     inner = ddp.module.module if side.precision == "bf16" else ddp.module
@@ -229,17 +237,15 @@ def _train(job, cap, config, ddp, opt, scheduler, mesh, forward_backward, finali
                               if getattr(p, "is_gtp_weight_remat", False)}  # fmt: skip
     cap.info["data_parallel_rank"] = ps.get_data_parallel_rank()
     cap.info["data_parallel_size"] = ps.get_data_parallel_world_size()
-    ctx = faults.Context(backend="megatron", side=side, model=ddp, optimizer=opt, rank=rank,
-                         coord=data_mod.coord(rank, side), named_params=named)  # fmt: skip
-    ctx.saved["data"] = job.data
-    faults.install(side.inject, ctx)
-    rec = Recording(cap, named, layouts)
+    # With the param gather overlapped, the updated params reach every rank in the next forward:
+    # the step's new weights are the ranges each rank's optimizer wrote, put together.
+    rec = Recording(cap, named, layouts, param_value=updated_param(opt) if side.overlap_param_gather else None)
     fns = _MegatronStep(job, rec, ctx, config, ddp, opt, scheduler, forward_backward)
 
     def finalize(model_chunks, num_tokens=None, **kw):
-        finalize_model_grads(model_chunks, num_tokens, **kw)
+        finalize_model_grads(model_chunks, num_tokens, **faults.finalize_kwargs(ctx, kw))
         faults.after_finalize(ctx)
-        rec.grads(_reduced_grad(opt))
+        rec.grads(reduced_grad(opt))
 
     config.finalize_model_grads_func = finalize
     config.grad_scale_func = opt.scale_loss
@@ -281,12 +287,12 @@ class _MegatronStep:
                 faults.before_micro_batch(self.ctx, mb)
                 mb_state.update(mb=mb, ids=mb_ids)
                 cap.micro_batch(mb, mb_ids)
-                yield data_mod.batch(d.seed, mb_ids, m)
+                yield (*data_mod.batch(d.seed, mb_ids, m), data_mod.loss_mask(d, mb_ids, m.seq_length))
 
         def forward_step(data_iterator, model):
-            tokens, labels = next(data_iterator)
+            tokens, labels, loss_mask = next(data_iterator)
             out = model(tokens, self.positions.expand(tokens.shape[0], -1), self.mask, labels=labels)
-            return out, partial(_loss_func, self.rec, mb_state, torch.ones_like(labels, dtype=torch.float32))
+            return out, partial(_loss_func, self.rec, mb_state, loss_mask)
 
         self.ddp.zero_grad_buffer()
         self.opt.zero_grad()
@@ -302,12 +308,14 @@ class _MegatronStep:
     def update(self, step: int) -> None:
         faults.before_step(self.ctx)
         ok, self.grad_norm, self.num_zeros = self.opt.step()
+        if self.job.side.overlap_param_gather and step == 1:  # as Megatron-LM's train() does
+            self.ddp.enable_forward_pre_hook()
         self.skipped += 0 if ok else 1
         self.scheduler.step(increment=self.job.data.global_batch_size)
         faults.after_step(self.ctx)
 
     def optimizer_state(self):
-        return _optimizer_state(self.opt, self.rec.named)
+        return optimizer_state(self.opt, self.rec.named)
 
     def scalars(self, step: int) -> StepScalars:
         totals = torch.stack([x["lm loss"] for x in self.losses]).sum(0)
@@ -325,84 +333,3 @@ class _MegatronStep:
 def _GTP_SHARDABLE(name: str) -> bool:
     return name.endswith(("word_embeddings.weight", "linear_qkv.weight", "linear_proj.weight",
                           "linear_fc1.weight", "linear_fc2.weight", "output_layer.weight"))
-
-
-def _parts(opt) -> list:
-    """The optimizers behind MCore's wrapper (one per param group family when chained)."""
-    return list(getattr(opt, "chained_optimizers", None) or [opt])
-
-
-def _distributed_group(opt):
-    """The data-parallel group of MCore's DistributedOptimizer, or None (local optimizer)."""
-    for part in _parts(opt):
-        if hasattr(part, "gbuf_ranges"):
-            return part.data_parallel_group
-    return None
-
-
-def _owned(opt, p):
-    """(the DistributedOptimizer part, the range of ``p``'s elements) this data-parallel rank
-    owns, or (None, None): a rank's range maps list only the params it owns a part of."""
-    for part in _parts(opt):
-        for gbuf in getattr(part, "gbuf_ranges", []):
-            for buckets in gbuf.values():
-                for bucket in buckets:
-                    if p in bucket["param_map"]:
-                        return part, bucket["param_map"][p]["param"]
-    return None, None
-
-
-def _whole(group, p, r, shard: torch.Tensor | None, dtype=torch.float32) -> torch.Tensor:
-    """A tensor of ``p``'s shape from the range ``r`` of it that each data-parallel rank holds
-    (``shard``; None where this rank holds none): the ranges are disjoint, so a SUM of
-    zero-filled copies is exact. Every rank of the group calls it, for every parameter."""
-    full = torch.zeros(p.numel(), dtype=dtype)
-    if shard is not None:
-        full[r.start:r.end] = shard.detach().reshape(-1)
-    dist.all_reduce(full, group=group)
-    return full.view(p.shape)
-
-
-def _reduced_grad(opt):
-    """main_grad after finalize: under the distributed optimizer only this rank's range of
-    each grad buffer is reduced, so the whole gradient is put together from every range."""
-    group = _distributed_group(opt)
-
-    def value(p):
-        grad = getattr(p, "main_grad", None)
-        if group is None or grad is None:
-            return grad
-        _, r = _owned(opt, p)
-        return _whole(group, p, r, None if r is None else grad.reshape(-1)[r.start:r.end], grad.dtype)
-
-    return value
-
-
-# The per-element states of a DistributedOptimizer's range, the same on every rank (whether it
-# owns a range or not: each is put together by a collective).
-_ADAM_OR_SGD = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
-
-
-def _optimizer_state(opt, named) -> tuple[dict, dict]:
-    """(states by id of the stepped tensor, fp32 masters by parameter name) across MCore's
-    wrapper, which chains one optimizer per param-group family. Under the distributed
-    optimizer each state is put together from the data-parallel ranks' ranges."""
-    masters, states = {}, {}
-    if (group := _distributed_group(opt)) is not None:
-        config = _parts(opt)[0].config
-        kinds = _ADAM_OR_SGD[config.optimizer] if config.optimizer == "adam" or config.sgd_momentum else ()
-        for name, p in named:
-            part, r = _owned(opt, p)
-            owned = part._get_main_param_and_optimizer_states(p) if part is not None else {}
-            master = _whole(group, p, r, owned.get("param"))
-            states[id(master) if p.dtype != torch.float32 else id(p)] = {
-                k: _whole(group, p, r, owned.get(k)) for k in kinds}  # fmt: skip
-            if p.dtype != torch.float32:  # as the local optimizer: a separate master only in mixed precision
-                masters[id(p)] = master
-        return states, {name: masters[id(p)] for name, p in named if id(p) in masters}
-    for part in _parts(opt):
-        for g16, g32 in zip(getattr(part, "float16_groups", []), getattr(part, "fp32_from_float16_groups", [])):
-            for p16, p32 in zip(g16, g32):  # mixed precision: the fp32 master copies
-                masters[id(p16)] = p32
-        states.update({id(p): st for p, st in part.optimizer.state.items()})
-    return states, {name: masters[id(p)] for name, p in named if id(p) in masters}

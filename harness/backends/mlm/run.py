@@ -27,7 +27,8 @@ from harness import faults
 from harness.backends import Job
 from harness.backends.megatron import compat
 from harness.backends.megatron.gathers import record_gathers
-from harness.backends.megatron.run import _GTP_SHARDABLE, _load_canonical, _optimizer_state, canonical_name
+from harness.backends.megatron.optimizer_ranges import optimizer_state
+from harness.backends.megatron.run import _GTP_SHARDABLE, _load_canonical, canonical_name
 from harness.backends.mlm import compat as training_compat
 from harness.backends.mlm import providers
 from harness.backends.mlm.args import CPU_FLAGS, side_argv
@@ -193,4 +194,4 @@ class _Hooks:
             num_zeros=float(num_zeros) if num_zeros is not None else nan,
             skipped=float(self.skipped),
         )  # fmt: skip
-        record_step_end(self.rec, lambda: _optimizer_state(optimizer, self.rec.named), scalars)
+        record_step_end(self.rec, lambda: optimizer_state(optimizer, self.rec.named), scalars)

@@ -70,10 +70,16 @@ class _GoldenStep:
         tokens, labels = data_mod.batch(d.seed, ids, m)
         self.opt.zero_grad(set_to_none=True)
         losses = token_losses(self.model(tokens), labels)  # [b, s]
-        self.loss = losses.mean()
+        if d.loss_mask == "none":
+            self.loss = losses.mean()
+            per_sample = [row.mean() for row in losses]
+        else:  # megatron-core's per-token loss: the token sum over the global token count
+            mask = data_mod.loss_mask(d, ids, m.seq_length).to(losses.dtype)
+            self.loss = (losses * mask).sum() / mask.sum()
+            per_sample = (losses * mask).sum(1) / mask.sum(1)
         (self.loss + routed_aux_loss(self.model, self.rec.cap, m, tuple(ids))).backward()
         for i, sid in enumerate(ids):
-            self.rec.loss(losses[i].mean().item(), 0, [sid])
+            self.rec.loss(per_sample[i].item(), 0, [sid])
         self.rec.grads(lambda p: p.grad)
 
     def prepare_update(self, step: int) -> None:
