@@ -196,15 +196,20 @@ class Side:
     mutant: str = ""
     """A mutant of megatron-core's GTP code (an id from ``gtp-parity mutate``) this side runs
     with (megatron backend; the mutation campaign sets it)."""
+    pipeline_parallel: int = 1
+    """Pipeline stages (megatron backend): layers split evenly, embedding on the first stage,
+    output layer and loss on the last; megatron-core's 1F1B schedule over the micro-batches."""
+    virtual_pipeline: int | None = None
+    """Model chunks per stage (megatron-core's interleaved schedule); None: not interleaved."""
 
     @property
     def data_ranks(self) -> int:
-        """Ranks that read distinct samples: GTP peers are data ranks (world / TP)."""
-        return self.world_size // self.tp
+        """Ranks that read distinct samples: GTP peers are data ranks (world / (TP x PP))."""
+        return self.world_size // (self.tp * self.pipeline_parallel)
 
     @property
     def replicate_dp(self) -> int:
-        return self.world_size // (self.tp * self.gtp)
+        return self.world_size // (self.tp * self.gtp * self.pipeline_parallel)
 
     def num_microbatches(self, data: DataConfig) -> int:
         return data.global_batch_size // (data.micro_batch_size * self.data_ranks)
@@ -214,6 +219,9 @@ class Side:
         side = dataclasses.asdict(self)
         if not side["mutant"]:
             del side["mutant"]  # clean sides keep the keys they had before mutants existed
+        for key, default in (("pipeline_parallel", 1), ("virtual_pipeline", None)):
+            if side[key] == default:
+                del side[key]  # unpipelined sides keep the keys they had before pipelining
         blob = json.dumps(
             [side, dataclasses.asdict(model), dataclasses.asdict(data)],
             sort_keys=True,
@@ -223,7 +231,9 @@ class Side:
     def label(self) -> str:
         gtp = f"gtp{self.gtp}" if self.gtp > 1 else "gtpoff"
         recipe = "" if self.recipe == "none" else f"-{self.recipe}"
-        return f"{self.backend}-w{self.world_size}-tp{self.tp}-{gtp}-{self.precision}{recipe}"
+        pp = "" if self.pipeline_parallel == 1 else f"-pp{self.pipeline_parallel}"
+        pp += f"v{self.virtual_pipeline}" if self.virtual_pipeline else ""
+        return f"{self.backend}-w{self.world_size}-tp{self.tp}{pp}-{gtp}-{self.precision}{recipe}"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -260,7 +270,8 @@ class ComparePolicy:
 
 # Keys of a side that only the megatron backend reads; the golden side does not inherit them.
 MEGATRON_PATH_OPTIONS = ("gtp_weight_prefetch", "gtp_collectives", "recompute", "per_token_loss",
-                         "sequence_parallel", "overlap_grad_reduce", "bucket_size", "distributed_optimizer")  # fmt: skip
+                         "sequence_parallel", "overlap_grad_reduce", "bucket_size", "distributed_optimizer",
+                         "pipeline_parallel", "virtual_pipeline")  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

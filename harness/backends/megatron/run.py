@@ -17,7 +17,7 @@ import torch.distributed as dist
 from harness import data as data_mod
 from harness import faults
 from harness.backends import Job
-from harness.backends.megatron import compat
+from harness.backends.megatron import compat, pipeline
 from harness.backends.megatron.gathers import record_gathers
 from harness.backends.recording import Materialized, Recording, StepScalars, gathered, train
 from harness.capture import Capture
@@ -47,7 +47,8 @@ def _build(job: Job):
     side, m = job.side, job.model
     if side.recipe != "none":
         raise NotImplementedError(f"recipe {side.recipe!r} needs the Transformer Engine path of this backend")
-    ps.initialize_model_parallel(tensor_model_parallel_size=side.tp, gtp_remat_size=side.gtp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=side.tp, gtp_remat_size=side.gtp,
+                                 **pipeline.parallel_state_kwargs(side))  # fmt: skip
     model_parallel_cuda_manual_seed(side.seed)
     torch.manual_seed(side.seed)
     if side.gtp > 1:
@@ -82,6 +83,7 @@ def _build(job: Job):
         calculate_per_token_loss=side.per_token_loss != "none",
         sequence_parallel=side.sequence_parallel,
         **_RECOMPUTE[side.recompute],
+        **pipeline.config_kwargs(side),
     )
     model = GPTModel(
         config=config,
@@ -90,6 +92,7 @@ def _build(job: Job):
         max_sequence_length=m.seq_length,
         share_embeddings_and_output_weights=not m.untie_embeddings,
         position_embedding_type="learned_absolute",
+        **pipeline.stage_flags(),
     )
     mesh = mesh_of(side)
     coord = data_mod.coord(dist.get_rank(), side)
@@ -118,10 +121,16 @@ _RECOMPUTE = {
 
 def _load_canonical(model, job: Job, mesh: dict, coord: dict) -> None:
     """Cut the canonical weights into this rank's shards, after checking MCore's layout is ours."""
+    from megatron.core import parallel_state as ps
+
     specs = {s.name: s for s in param_specs(job.model)}
     state = canonical_state(job.model, job.side.seed)
+    names = pipeline.canonical_names(model, canonical_name)
+    stage = ps.get_pipeline_model_parallel_rank()
+    specs = {n: specs[n] for n in pipeline.owned(list(specs), job.model.num_layers, job.side.pipeline_parallel, stage)}
     seen = set()
-    for name, p in model.named_parameters():
+    for local, p in model.named_parameters():
+        name = names[local]
         spec = specs.get(name)
         if spec is None:
             raise RuntimeError(f"megatron-core built a parameter the harness does not know: {name}")
@@ -215,10 +224,12 @@ def _train(job, cap, config, ddp, opt, scheduler, mesh, forward_backward, finali
 
     side = job.side
     rank = dist.get_rank()
-    layouts = {canonical_name(n): from_mcore_param(p, mesh) for n, p in ddp.named_parameters()}
-    named = [(canonical_name(n), p) for n, p in ddp.named_parameters()]
+    names = pipeline.canonical_names(ddp, canonical_name)  # global layer numbers on every stage
+    layouts = {names[n]: from_mcore_param(p, mesh) for n, p in ddp.named_parameters()}
+    named = [(names[n], p) for n, p in ddp.named_parameters()]
     inner = ddp.module.module if side.precision == "bf16" else ddp.module
-    cap.attach(captured_modules(inner), vocab_parallel=["output_layer"], sequence_parallel=side.sequence_parallel)
+    modules = captured_modules(inner) if side.pipeline_parallel == 1 else pipeline.stage_modules(inner)
+    cap.attach(modules, vocab_parallel=["output_layer"], sequence_parallel=side.sequence_parallel)
     cap.info["gtp_params"] = {n: getattr(p, "chain_id", None) for n, p in named
                               if getattr(p, "is_gtp_weight_remat", False)}  # fmt: skip
     cap.info["data_parallel_rank"] = ps.get_data_parallel_rank()
@@ -303,8 +314,9 @@ class _MegatronStep:
         return _optimizer_state(self.opt, self.rec.named)
 
     def scalars(self, step: int) -> StepScalars:
-        totals = torch.stack([x["lm loss"] for x in self.losses]).sum(0)
+        totals = pipeline.loss_totals(self.losses)  # zeros before the last pipeline stage
         dist.all_reduce(totals, group=faults.loss_report_group(self.ctx, self.data_group))
+        pipeline.from_last_stage(totals)
         nan = float("nan")
         return StepScalars(
             reduced_loss=(totals[0] / totals[1]).item(),
