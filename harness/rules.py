@@ -105,7 +105,7 @@ def _validate_training(side: Side, where: str) -> None:
 
 def _validate_topology(s: Scenario, name: str, side: Side, where: str) -> None:
     m, d = s.model, s.data
-    for key in ("world_size", "tp", "gtp"):
+    for key in ("world_size", "tp", "gtp", "pipeline_parallel"):
         if getattr(side, key) < 1:
             raise BadInput(f"{where}.{key}", f"must be >= 1, got {getattr(side, key)}")
     if side.world_size % (side.tp * side.gtp):
@@ -288,9 +288,7 @@ def _validate_mlm(s: Scenario, side: Side, where: str) -> None:
 
 def _validate_pipeline(s: Scenario, side: Side, where: str) -> None:
     """Pipeline stages: the world splits into whole stages, the layers evenly over them."""
-    pp, vpp = side.pipeline_parallel, side.virtual_pipeline
-    if pp < 1:
-        raise BadInput(f"{where}.pipeline_parallel", f"must be >= 1, got {pp}")
+    pp, vpp = side.pipeline_parallel, side.virtual_pipeline  # pp >= 1: _validate_topology
     if side.world_size % (side.tp * side.gtp * pp):
         raise BadInput(f"{where}.world_size", f"world_size {side.world_size} must be a multiple of "
                                               f"TP x G x PP = {side.tp} x {side.gtp} x {pp}")  # fmt: skip
