@@ -153,6 +153,10 @@ def check_reach(name: str, side, data=None) -> str | None:
     if name == "pp-swap-microbatch-grads" and (getattr(side, "pipeline_parallel", 1) == 1 or (
             data is not None and side.num_microbatches(data) < 2)):  # fmt: skip
         return f"{name!r} never fires without pipeline stages and two micro-batches per step"
+    if name == "pp-swap-microbatch-grads" and getattr(side, "virtual_pipeline", None):
+        # Interleaved, the first stage's later model chunks send input gradients back: holding a
+        # backward would hold the schedule's p2p.
+        return f"{name!r} is planted on the 1F1B schedule only (virtual_pipeline unset)"
     if side.backend == "torch" and name not in TORCH_FAULTS:
         return f"{name!r} is not implemented by the torch backend; it implements {sorted(TORCH_FAULTS)}"
     if side.backend == "mlm" and name not in MLM_FAULTS:

@@ -3,7 +3,10 @@
 With ``pipeline_parallel = P`` each rank builds its stage of the model (``pre_process`` on
 the first stage: the embeddings; ``post_process`` on the last: final LayerNorm, output layer
 and loss) and megatron-core's schedule (1F1B, ``forward_backward_pipelining_without_interleaving``)
-moves activations and their gradients between stages with its own p2p calls over gloo.
+moves activations and their gradients between stages with its own p2p calls over gloo. With
+``virtual_pipeline = V`` each rank builds V model chunks (``vp_stage``), run by the
+interleaved schedule (``forward_backward_pipelining_with_interleaving``), each chunk reading
+every micro-batch from its own iterator.
 
 What this module adds to the backend, and why:
 
@@ -47,31 +50,47 @@ def config_kwargs(side) -> dict:
             "batch_p2p_comm": False}  # fmt: skip
 
 
-def stage_flags() -> dict:
-    """GPTModel's ``pre_process`` / ``post_process`` for this rank's stage."""
+def chunk_ids(side) -> list[int | None]:
+    """The virtual pipeline stage of each model chunk this rank builds (None: not interleaved)."""
+    return list(range(side.virtual_pipeline)) if side.virtual_pipeline else [None]
+
+
+def one_or_list(items: list):
+    """What megatron-core's schedules take: the item itself for one model chunk, else the list."""
+    return items[0] if len(items) == 1 else items
+
+
+def stage_flags(vp: int | None = None) -> dict:
+    """GPTModel's ``pre_process`` / ``post_process`` (and ``vp_stage``) for this rank's stage,
+    or for its model chunk ``vp`` when interleaved."""
     from megatron.core import parallel_state as ps
 
-    return {"pre_process": ps.is_pipeline_first_stage(), "post_process": ps.is_pipeline_last_stage()}
+    if vp is None:
+        return {"pre_process": ps.is_pipeline_first_stage(), "post_process": ps.is_pipeline_last_stage()}
+    return {"pre_process": ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            "post_process": ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp), "vp_stage": vp}  # fmt: skip
 
 
-def stage_layers(num_layers: int, stages: int, stage: int) -> range:
-    """Global layer numbers (0-based) stage ``stage`` of ``stages`` holds: an even split."""
-    per = num_layers // stages
-    return range(stage * per, (stage + 1) * per)
+def stage_layers(num_layers: int, stages: int, stage: int, chunks: int = 1, chunk: int = 0) -> range:
+    """Global layer numbers (0-based) model chunk ``chunk`` of stage ``stage`` holds: an even
+    split, chunk-major when interleaved (chunk c of stage s is virtual stage c * stages + s)."""
+    per = num_layers // (stages * chunks)
+    first = (chunk * stages + stage) * per
+    return range(first, first + per)
 
 
-def owned(names: list[str], num_layers: int, stages: int, stage: int) -> set[str]:
-    """The canonical parameters of ``names`` that stage ``stage`` holds."""
-    layers = stage_layers(num_layers, stages, stage)
+def owned(names: list[str], num_layers: int, stages: int, stage: int, chunks: int = 1, chunk: int = 0) -> set[str]:
+    """The canonical parameters of ``names`` that model chunk ``chunk`` of stage ``stage`` holds."""
+    layers = stage_layers(num_layers, stages, stage, chunks, chunk)
     out = set()
     for name in names:
         m = _LAYER.match(name)
         if m:
             keep = int(m[1]) in layers
         elif name.startswith("embedding."):
-            keep = stage == 0
+            keep = stage == 0 and chunk == 0
         else:  # final LayerNorm, output layer
-            keep = stage == stages - 1
+            keep = stage == stages - 1 and chunk == chunks - 1
         if keep:
             out.add(name)
     return out

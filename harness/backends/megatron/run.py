@@ -85,30 +85,33 @@ def _build(job: Job):
         **_RECOMPUTE[side.recompute],
         **pipeline.config_kwargs(side),
     )
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
-        vocab_size=m.vocab_size,
-        max_sequence_length=m.seq_length,
-        share_embeddings_and_output_weights=not m.untie_embeddings,
-        position_embedding_type="learned_absolute",
-        **pipeline.stage_flags(),
-    )
     mesh = mesh_of(side)
     coord = data_mod.coord(dist.get_rank(), side)
-    _load_canonical(model, job, mesh, coord)
-    if bf16:
-        model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=side.overlap_grad_reduce,
                                                bucket_size=side.bucket_size,
                                                use_distributed_optimizer=side.distributed_optimizer)  # fmt: skip
-    ddp = DistributedDataParallel(config, ddp_config, model)
+    chunks = []  # one model chunk per virtual pipeline stage (one when not interleaved)
+    for vp in pipeline.chunk_ids(side):
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=get_gpt_layer_local_spec(),
+            vocab_size=m.vocab_size,
+            max_sequence_length=m.seq_length,
+            share_embeddings_and_output_weights=not m.untie_embeddings,
+            position_embedding_type="learned_absolute",
+            **pipeline.stage_flags(vp),
+        )
+        _load_canonical(model, job, mesh, coord, vp)
+        if bf16:
+            model = Float16Module(config, model)
+        # As Megatron-LM's get_model: only the first chunk buckets its grads.
+        chunks.append(DistributedDataParallel(config, ddp_config, model, disable_bucketing=bool(chunks)))
     if side.overlap_grad_reduce:  # as Megatron-LM's train() wires an overlapping DDP
-        config.no_sync_func = ddp.no_sync
-        config.grad_sync_func = ddp.start_grad_sync
+        config.no_sync_func = pipeline.one_or_list([c.no_sync for c in chunks])
+        config.grad_sync_func = pipeline.one_or_list([c.start_grad_sync for c in chunks])
     if side.gtp > 1:
-        gtp_api.classify_gtp_remat_chains(ddp)
-    return config, ddp, mesh, coord
+        gtp_api.classify_gtp_remat_chains(chunks)
+    return config, chunks, mesh, coord
 
 
 # TransformerConfig's recompute settings per scenario choice (full: one layer per checkpoint).
@@ -119,7 +122,7 @@ _RECOMPUTE = {
 }
 
 
-def _load_canonical(model, job: Job, mesh: dict, coord: dict) -> None:
+def _load_canonical(model, job: Job, mesh: dict, coord: dict, vp: int | None = None) -> None:
     """Cut the canonical weights into this rank's shards, after checking MCore's layout is ours."""
     from megatron.core import parallel_state as ps
 
@@ -127,7 +130,8 @@ def _load_canonical(model, job: Job, mesh: dict, coord: dict) -> None:
     state = canonical_state(job.model, job.side.seed)
     names = pipeline.canonical_names(model, canonical_name)
     stage = ps.get_pipeline_model_parallel_rank()
-    specs = {n: specs[n] for n in pipeline.owned(list(specs), job.model.num_layers, job.side.pipeline_parallel, stage)}
+    specs = {n: specs[n] for n in pipeline.owned(list(specs), job.model.num_layers, job.side.pipeline_parallel, stage,
+                                                 job.side.virtual_pipeline or 1, vp or 0)}  # fmt: skip
     seen = set()
     for local, p in model.named_parameters():
         name = names[local]
@@ -145,7 +149,7 @@ def _load_canonical(model, job: Job, mesh: dict, coord: dict) -> None:
         raise RuntimeError(f"megatron-core did not build {sorted(missing)}")
 
 
-def _optimizer(job: Job, ddp):
+def _optimizer(job: Job, chunks: list):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -166,7 +170,7 @@ def _optimizer(job: Job, ddp):
             log_num_zeros_in_grad=True,
             use_distributed_optimizer=side.distributed_optimizer,
         ),
-        [ddp],
+        chunks,
     )
     gbs = job.data.global_batch_size
     # Megatron-LM counts scheduler steps in samples.
@@ -207,9 +211,9 @@ def run(job: Job, cap: Capture) -> None:
             from harness.mutation.apply import apply
 
             reach = apply(job.side.mutant, watch=True)
-        config, ddp, mesh, coord = _build(job)
-        opt, scheduler = _optimizer(job, ddp)
-        _train(job, cap, config, ddp, opt, scheduler, mesh, get_forward_backward_func(), finalize_model_grads)
+        config, chunks, mesh, coord = _build(job)
+        opt, scheduler = _optimizer(job, chunks)
+        _train(job, cap, config, chunks, opt, scheduler, mesh, get_forward_backward_func(), finalize_model_grads)
     finally:
         if reach is not None:  # beside the rank's trace files, not in them (see mutation.campaign)
             reach.close(cap.rank_dir / "mutant.json")
@@ -219,27 +223,27 @@ def run(job: Job, cap: Capture) -> None:
         compat.reset_gtp_state()
 
 
-def _train(job, cap, config, ddp, opt, scheduler, mesh, forward_backward, finalize_model_grads):
+def _train(job, cap, config, chunks, opt, scheduler, mesh, forward_backward, finalize_model_grads):
     from megatron.core import parallel_state as ps
 
     side = job.side
     rank = dist.get_rank()
-    names = pipeline.canonical_names(ddp, canonical_name)  # global layer numbers on every stage
-    layouts = {names[n]: from_mcore_param(p, mesh) for n, p in ddp.named_parameters()}
-    named = [(names[n], p) for n, p in ddp.named_parameters()]
-    inner = ddp.module.module if side.precision == "bf16" else ddp.module
-    modules = captured_modules(inner) if side.pipeline_parallel == 1 else pipeline.stage_modules(inner)
-    cap.attach(modules, vocab_parallel=["output_layer"], sequence_parallel=side.sequence_parallel)
+    named = [(pipeline.canonical_names(c, canonical_name)[n], p) for c in chunks for n, p in c.named_parameters()]
+    layouts = {n: from_mcore_param(p, mesh) for n, p in named}  # names: global layer numbers on every stage
+    for ddp in chunks:
+        inner = ddp.module.module if side.precision == "bf16" else ddp.module
+        modules = captured_modules(inner) if side.pipeline_parallel == 1 else pipeline.stage_modules(inner)
+        cap.attach(modules, vocab_parallel=["output_layer"], sequence_parallel=side.sequence_parallel)
     cap.info["gtp_params"] = {n: getattr(p, "chain_id", None) for n, p in named
                               if getattr(p, "is_gtp_weight_remat", False)}  # fmt: skip
     cap.info["data_parallel_rank"] = ps.get_data_parallel_rank()
     cap.info["data_parallel_size"] = ps.get_data_parallel_world_size()
-    ctx = faults.Context(backend="megatron", side=side, model=ddp, optimizer=opt, rank=rank,
+    ctx = faults.Context(backend="megatron", side=side, model=chunks, optimizer=opt, rank=rank,
                          coord=data_mod.coord(rank, side), named_params=named)  # fmt: skip
     ctx.saved["data"] = job.data
     faults.install(side.inject, ctx)
     rec = Recording(cap, named, layouts)
-    fns = _MegatronStep(job, rec, ctx, config, ddp, opt, scheduler, forward_backward)
+    fns = _MegatronStep(job, rec, ctx, config, chunks, opt, scheduler, forward_backward)
 
     def finalize(model_chunks, num_tokens=None, **kw):
         finalize_model_grads(model_chunks, num_tokens, **kw)
@@ -254,10 +258,10 @@ def _train(job, cap, config, ddp, opt, scheduler, mesh, forward_backward, finali
 class _MegatronStep:
     """One step as Megatron-LM's ``train_step`` runs it: MCore's schedule, optimizer, scheduler."""
 
-    def __init__(self, job, rec: Recording, ctx, config, ddp, opt, scheduler, forward_backward):
+    def __init__(self, job, rec: Recording, ctx, config, chunks, opt, scheduler, forward_backward):
         from megatron.core import parallel_state as ps
 
-        self.job, self.rec, self.ctx, self.ddp, self.opt, self.scheduler = job, rec, ctx, ddp, opt, scheduler
+        self.job, self.rec, self.ctx, self.chunks, self.opt, self.scheduler = job, rec, ctx, chunks, opt, scheduler
         self.forward_backward_func = forward_backward
         m = job.model
         self.mask = torch.triu(torch.ones(1, 1, m.seq_length, m.seq_length, dtype=torch.bool), 1)
@@ -280,11 +284,11 @@ class _MegatronStep:
         ids = faults.route_samples(self.ctx, step, data_mod.rank_sample_ids(step, self.ctx.rank, side, d))
         mb_state = {"mb": None, "ids": None}
 
-        def batches():
+        def batches(chunk: int = 0):  # each model chunk reads every micro-batch; the first records it
             for mb, mb_ids in enumerate(ids):
                 faults.before_micro_batch(self.ctx, mb)
                 mb_state.update(mb=mb, ids=mb_ids)
-                cap.micro_batch(mb, mb_ids)
+                cap.micro_batch(mb, mb_ids, record=chunk == 0)
                 yield data_mod.batch(d.seed, mb_ids, m)
 
         def forward_step(data_iterator, model):
@@ -292,10 +296,12 @@ class _MegatronStep:
             out = model(tokens, self.positions.expand(tokens.shape[0], -1), self.mask, labels=labels)
             return out, partial(_loss_func, self.rec, mb_state, torch.ones_like(labels, dtype=torch.float32))
 
-        self.ddp.zero_grad_buffer()
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
         self.opt.zero_grad()
+        iterators = [batches(c) for c in range(len(self.chunks))]
         self.losses = self.forward_backward_func(
-            forward_step_func=forward_step, data_iterator=batches(), model=[self.ddp],
+            forward_step_func=forward_step, data_iterator=pipeline.one_or_list(iterators), model=self.chunks,
             num_microbatches=side.num_microbatches(d), seq_length=m.seq_length,
             micro_batch_size=d.micro_batch_size, forward_only=False,
         )  # fmt: skip
