@@ -1,6 +1,7 @@
-"""Pipeline parallelism on megatron-core's real schedule: PP 2 (1F1B over 4 micro-batches)
-against PP 1 and the golden, each stage recording what it computes under global layer names,
-and a micro-batch gradient paired with the wrong micro-batch localized to its stage.
+"""Pipeline parallelism on megatron-core's real schedules: PP 2 (1F1B over 4 micro-batches) and
+PP 2 x VPP 2 (interleaved) against PP 1 and the golden, each stage recording what it computes
+under global layer names, and a micro-batch gradient paired with the wrong micro-batch
+localized to its stage.
 
 The 4-rank pairs (PP 2 x GTP 2 against PP 1 x GTP off, bf16, Adam, PP 2 x TP 2) are in the
 nightly matrix ``scenarios/pipeline.toml``."""
@@ -33,8 +34,17 @@ def pp_run(tmp_path_factory):
     (clean,) = scenario.load(TINY)
     (faulty,) = plant([clean], [FAULT])
     faulty = dataclasses.replace(faulty, name=f"{clean.name}-{FAULT}")
-    code = run_scenarios([clean, faulty], out, parallel=2)
+    code = run_scenarios([clean, faulty, _interleaved()], out, parallel=2)
     return code, out, clean, faulty
+
+
+def _interleaved() -> scenario.Scenario:
+    """The fast pair interleaved: 4 layers, 2 model chunks per stage (layers 0, 2 | 1, 3)."""
+    raw = read_toml(TINY)
+    raw["name"] = "vpp2-pp2-vs-pp1-tiny"
+    raw["model"]["num_layers"] = 4
+    raw["candidate"]["virtual_pipeline"] = 2
+    return scenario.parse_scenario(raw, str(TINY))
 
 
 def _index(path, rank: int) -> dict:
@@ -75,14 +85,17 @@ def test_each_stage_records_what_it_computes_under_global_names(pp_run):
 
 
 @pytest.mark.multirank
-def test_forward_bitwise_and_grads_within_the_reordering_bound(pp_run):
-    # Stage 1 reads the bytes stage 0 sent: each micro-batch's forward is the same kernels on the
-    # same operands as PP 1's. The gradients sum the same 4 partials in another order.
+@pytest.mark.parametrize("interleaved", [False, True], ids=["1f1b", "interleaved"])
+def test_forward_bitwise_and_grads_within_the_reordering_bound(pp_run, interleaved):
+    # A stage reads the bytes the previous one sent: each micro-batch's forward is the same
+    # kernels on the same operands as PP 1's. The gradients sum the same 4 partials in another order.
     _, out, clean, _ = pp_run
-    df = results(out, clean.name)
+    sc = _interleaved() if interleaved else clean
+    assert summary(out, sc.name)["verdict"] == "pass"
+    df = results(out, sc.name)
     fwd = df[(df["step"] == 1) & df["kind"].isin(["activation", "logits", "loss"])]
     assert len(fwd) and fwd["bitwise_equal"].all(), fwd[~fwd["bitwise_equal"]]["tensor"].tolist()
-    assert assert_grads_differ_by_order_only(out, clean) == len(param_specs(clean.model))
+    assert assert_grads_differ_by_order_only(out, sc) == len(param_specs(sc.model))
 
 
 @pytest.mark.multirank
@@ -104,6 +117,7 @@ def test_swapped_microbatch_grads_are_localized_to_the_first_stage(pp_run):
 
 def test_stages_split_layers_evenly_and_names_are_global():
     assert list(stage_layers(4, 2, 1)) == [2, 3]
+    assert [list(stage_layers(4, 2, s, 2, c)) for s in (0, 1) for c in (0, 1)] == [[0], [2], [1], [3]]
     assert global_name("decoder.layers.0.mlp.linear_fc1.weight", {0: 2, 1: 3}) == "decoder.layers.2.mlp.linear_fc1.weight"
     assert global_name("output_layer.weight", {}) == "output_layer.weight"
     names = ["embedding.word_embeddings.weight", "decoder.layers.0.x", "decoder.layers.3.x",
@@ -118,6 +132,7 @@ def test_stages_split_layers_evenly_and_names_are_global():
     ({"model": {"untie_embeddings": False}}, "[model].untie_embeddings", "untied embeddings"),
     ({"candidate": {"pipeline_parallel": 0}}, "[candidate].pipeline_parallel", ">= 1"),
     ({"candidate": {"virtual_pipeline": 1}}, "[candidate].virtual_pipeline", ">= 2 chunks"),
+    ({"candidate": {"virtual_pipeline": 2}}, "[candidate].pipeline_parallel", "4 model chunks must divide"),
     ({"candidate": {"backend": "torch"}}, "[candidate].pipeline_parallel", "only the megatron backend"),
 ])  # fmt: skip
 def test_bad_pipeline_settings_name_key_and_rule(edit, where, rule):
@@ -135,3 +150,4 @@ def test_the_fault_is_refused_where_it_cannot_fire():
     assert "never fires" in check_reach(FAULT, s.reference, s.data)
     with pytest.raises(BadInput, match="never fires"):
         plant([s], [FAULT], "reference")
+    assert "1F1B schedule only" in check_reach(FAULT, _interleaved().candidate, s.data)
