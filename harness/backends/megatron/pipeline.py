@@ -40,14 +40,16 @@ def parallel_state_kwargs(side) -> dict:
 
 
 def config_kwargs(side) -> dict:
-    """TransformerConfig's pipeline fields. The unbatched p2p path (``_p2p_ops``: isend/irecv,
-    even and odd stages in opposite order) is megatron-core's own; the batched one ends with
-    ``torch.cuda.synchronize`` around ``batch_isend_irecv``, a GPU stream guard."""
+    """TransformerConfig's pipeline fields, with Megatron-LM's p2p defaults: 1F1B batches its
+    sends and receives (``batch_isend_irecv``, megatron-core's default); interleaved overlaps
+    them with compute (``--overlap-p2p-communication``, on by default, which turns batching
+    off: ``argument_utils.py``). Both run on gloo as they are."""
     if side.pipeline_parallel == 1:
         return {}
+    interleaved = side.virtual_pipeline is not None
     return {"pipeline_model_parallel_size": side.pipeline_parallel,
             "virtual_pipeline_model_parallel_size": side.virtual_pipeline,
-            "batch_p2p_comm": False}  # fmt: skip
+            "overlap_p2p_comm": interleaved, "batch_p2p_comm": not interleaved}  # fmt: skip
 
 
 def chunk_ids(side) -> list[int | None]:
