@@ -293,7 +293,8 @@ def _validate_pipeline(s: Scenario, side: Side, where: str) -> None:
         raise BadInput(f"{where}.world_size", f"world_size {side.world_size} must be a multiple of "
                                               f"TP x G x PP = {side.tp} x {side.gtp} x {pp}")  # fmt: skip
     if vpp is not None and (vpp < 2 or pp < 2):
-        raise BadInput(f"{where}.virtual_pipeline", f"needs pipeline_parallel >= 2 and >= 2 chunks per stage, got {vpp}")
+        raise BadInput(f"{where}.virtual_pipeline",
+                       f"needs pipeline_parallel >= 2 and >= 2 chunks per stage, got {vpp}")  # fmt: skip
     chunks = pp * (vpp or 1)
     if s.model.num_layers % chunks:
         raise BadInput(f"{where}.pipeline_parallel", f"{chunks} model chunks must divide [model].num_layers = "

@@ -80,7 +80,8 @@ def test_each_stage_records_what_it_computes_under_global_names(pp_run):
     losses = [s for s in last["scalars"] if s["name"] == "loss" and s["step"] == 1]
     assert len(losses) == clean.candidate.num_microbatches(clean.data) == 4
     assert not [s for s in first["scalars"] if s["name"] == "loss"]
-    reduced = [{s["step"]: s["value"] for s in ix["scalars"] if s["name"] == "reduced_loss"} for ix in (first, last)]
+    reduced = [{s["step"]: s["value"] for s in ix["scalars"] if s["name"] == "reduced_loss"}
+               for ix in (first, last)]  # fmt: skip
     assert reduced[0] == reduced[1]
 
 
@@ -118,7 +119,7 @@ def test_swapped_microbatch_grads_are_localized_to_the_first_stage(pp_run):
 def test_stages_split_layers_evenly_and_names_are_global():
     assert list(stage_layers(4, 2, 1)) == [2, 3]
     assert [list(stage_layers(4, 2, s, 2, c)) for s in (0, 1) for c in (0, 1)] == [[0], [2], [1], [3]]
-    assert global_name("decoder.layers.0.mlp.linear_fc1.weight", {0: 2, 1: 3}) == "decoder.layers.2.mlp.linear_fc1.weight"
+    assert global_name("decoder.layers.0.mlp.fc1.weight", {0: 2, 1: 3}) == "decoder.layers.2.mlp.fc1.weight"
     assert global_name("output_layer.weight", {}) == "output_layer.weight"
     names = ["embedding.word_embeddings.weight", "decoder.layers.0.x", "decoder.layers.3.x",
              "decoder.final_layernorm.weight", "output_layer.weight"]  # fmt: skip

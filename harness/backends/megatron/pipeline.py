@@ -70,7 +70,8 @@ def stage_flags(vp: int | None = None) -> dict:
     if vp is None:
         return {"pre_process": ps.is_pipeline_first_stage(), "post_process": ps.is_pipeline_last_stage()}
     return {"pre_process": ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
-            "post_process": ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp), "vp_stage": vp}  # fmt: skip
+            "post_process": ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            "vp_stage": vp}  # fmt: skip
 
 
 def stage_layers(num_layers: int, stages: int, stage: int, chunks: int = 1, chunk: int = 0) -> range:
@@ -81,7 +82,8 @@ def stage_layers(num_layers: int, stages: int, stage: int, chunks: int = 1, chun
     return range(first, first + per)
 
 
-def owned(names: list[str], num_layers: int, stages: int, stage: int, chunks: int = 1, chunk: int = 0) -> set[str]:
+def owned(names: list[str], num_layers: int, stages: int, stage: int,
+          chunks: int = 1, chunk: int = 0) -> set[str]:  # fmt: skip
     """The canonical parameters of ``names`` that model chunk ``chunk`` of stage ``stage`` holds."""
     layers = stage_layers(num_layers, stages, stage, chunks, chunk)
     out = set()

@@ -130,8 +130,11 @@ def _load_canonical(model, job: Job, mesh: dict, coord: dict, vp: int | None = N
     state = canonical_state(job.model, job.side.seed)
     names = pipeline.canonical_names(model, canonical_name)
     stage = ps.get_pipeline_model_parallel_rank()
-    specs = {n: specs[n] for n in pipeline.owned(list(specs), job.model.num_layers, job.side.pipeline_parallel, stage,
-                                                 job.side.virtual_pipeline or 1, vp or 0)}  # fmt: skip
+    side = job.side
+    # The parameters this stage (this model chunk) holds: megatron-core must build exactly these.
+    mine = pipeline.owned(list(specs), job.model.num_layers, side.pipeline_parallel, stage,
+                          side.virtual_pipeline or 1, vp or 0)  # fmt: skip
+    specs = {n: specs[n] for n in mine}
     seen = set()
     for local, p in model.named_parameters():
         name = names[local]
@@ -228,7 +231,8 @@ def _train(job, cap, config, chunks, opt, scheduler, mesh, forward_backward, fin
 
     side = job.side
     rank = dist.get_rank()
-    named = [(pipeline.canonical_names(c, canonical_name)[n], p) for c in chunks for n, p in c.named_parameters()]
+    named = [(pipeline.canonical_names(c, canonical_name)[n], p)
+             for c in chunks for n, p in c.named_parameters()]  # fmt: skip
     layouts = {n: from_mcore_param(p, mesh) for n, p in named}  # names: global layer numbers on every stage
     for ddp in chunks:
         inner = ddp.module.module if side.precision == "bf16" else ddp.module
