@@ -43,10 +43,10 @@ class Logical:
     fingerprints: dict[tuple[int, str, str], dict[int, dict]] = field(default_factory=dict)
 
 
-def _rank_of(trace: Trace) -> dict[tuple[int, int, int], int]:
+def _rank_of(trace: Trace) -> dict[tuple[int, int, int, int], int]:
     out = {}
     for rank, c in trace.coords().items():
-        out[(c["tp"], c["gtp"], c["dp"])] = rank
+        out[(c["tp"], c["gtp"], c["dp"], c.get("pp", 0))] = rank
     return out
 
 
@@ -62,16 +62,18 @@ def assemble_trace(trace: Trace) -> Logical:
             tp_reads[(e.step, e.rank, 0)].extend(e.sample_ids or ())
         else:
             grouped[(e.step, e.kind, e.name)].append(e)
-    # A data rank's samples are read by all its TP ranks: keep TP rank 0's, check the others.
+    # A data rank's samples are read by all its TP ranks and pipeline stages: keep TP rank 0's
+    # of the first stage, check the others.
     for (step, rank, _), ids in sorted(tp_reads.items()):
         c = coords.get(rank, {"tp": 0, "gtp": 0, "dp": 0})
-        if c["tp"] == 0:
+        if c["tp"] == 0 and c.get("pp", 0) == 0:
             out.inputs.setdefault(step, {})[rank] = ids
             continue
-        peer = rank_of.get((0, c["gtp"], c["dp"]))
+        peer = rank_of.get((0, c["gtp"], c["dp"], 0))
         if peer is not None and tp_reads.get((step, peer, 0)) != ids:
+            axis = "tp" if c["tp"] else "pp"
             out.replica_violations.append({"step": step, "kind": "input", "tensor": "sample_ids",
-                                           "axis": "tp", "ranks": [peer, rank], "max_abs": None})  # fmt: skip
+                                           "axis": axis, "ranks": [peer, rank], "max_abs": None})  # fmt: skip
     for key, entries in grouped.items():
         if entries[0].fingerprint is not None:
             out.fingerprints[key] = {e.rank: e.fingerprint for e in entries}
@@ -86,6 +88,8 @@ def assemble_trace(trace: Trace) -> Logical:
 def _assemble_placed(trace, key, entries, coords, rank_of, out: Logical) -> None:
     by_rank = {e.rank: e for e in entries}
     layout = entries[0].layout
+    # A tensor lives on one pipeline stage: its shards are the ranks that recorded it.
+    rank_of = {k[:3]: r for k, r in rank_of.items() if r in by_rank}
     if layout is None:
         raise BadInput(str(trace.path), f"{key[2]} ({key[1]}, step {key[0]}) has no layout")
     if layout.grid != "dense":  # a routed expert's weight: the ranks of its EP coordinate, on the expert grid
@@ -113,7 +117,7 @@ def _check_replicas(trace, key, by_rank, layout, coords, out: Logical) -> None:
         groups = defaultdict(list)
         for rank, e in by_rank.items():
             c = coords[rank]
-            groups[tuple(c[a] for a in MESH_AXES if a != axis)].append(rank)
+            groups[tuple(c.get(a, 0) for a in MESH_AXES if a != axis)].append(rank)
         for ranks in groups.values():
             ranks = sorted(ranks)
             first = trace.tensor(by_rank[ranks[0]])

@@ -184,10 +184,12 @@ class Capture:
         """The global sample ids of the micro-batch being recorded (None outside one)."""
         return self._ids
 
-    def micro_batch(self, index: int, sample_ids: Iterable[int]) -> None:
-        """Tag what is captured next with this micro-batch and its global sample ids."""
+    def micro_batch(self, index: int, sample_ids: Iterable[int], record: bool = True) -> None:
+        """Tag what is captured next with this micro-batch and its global sample ids (and record
+        them as ``input`` unless ``record`` is False: a micro-batch read again, by another model
+        chunk of an interleaved pipeline)."""
         self._mb, self._ids = index, tuple(int(i) for i in sample_ids)
-        if self.wants("input"):
+        if record and self.wants("input"):
             self.tensor("input", "sample_ids", torch.tensor(self._ids, dtype=torch.int64),
                         layout=None, micro_batch=index, sample_ids=self._ids)  # fmt: skip
 

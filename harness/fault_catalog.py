@@ -129,6 +129,12 @@ CATALOG: dict[str, Fault] = {
             {"step": 1, "kind": "activation", "tensor": "decoder.layers.0.self_attention",
              "signature": "precision-loss"},
         ),
+        Fault(
+            "pp-swap-microbatch-grads", "micro-batch ordering",
+            "the first pipeline stage backpropagates micro-batches 0 and 1 each with the other's "
+            "output gradient received from the next stage (pipeline_parallel > 1)",
+            {"step": 1, "kind": "main_grad", "tensor": "decoder.layers.0.*", "signature": "mismatch"},
+        ),
     ]
 }
 
@@ -163,7 +169,7 @@ TORCH_FAULTS = frozenset({"fp8-unreduced-amax", "gtp-peers-same-sample", "gtp-pa
 MLM_FAULTS = frozenset(CATALOG) - {"gtp-peers-same-sample", "fp8-unreduced-amax", "microbatch-grad-overwrite",
                                     "gtp-prescale-under-per-token-loss", "token-count-without-gtp-peers",
                                     "gtp-prefetch-missing-wait", "gtp-wgrad-rs-finalized-twice",
-                                    "distopt-offsets-ignore-gtp-pad"}  # fmt: skip
+                                    "distopt-offsets-ignore-gtp-pad", "pp-swap-microbatch-grads"}  # fmt: skip
 
 
 def check_reach(name: str, side, data=None) -> str | None:
@@ -200,6 +206,13 @@ def check_reach(name: str, side, data=None) -> str | None:
         return f"{name!r} needs the distributed optimizer (distributed_optimizer) in bf16"
     if name == "microbatch-grad-overwrite" and data is not None and side.num_microbatches(data) < 2:
         return f"{name!r} never fires with one micro-batch per step"
+    if name == "pp-swap-microbatch-grads" and (getattr(side, "pipeline_parallel", 1) == 1 or (
+            data is not None and side.num_microbatches(data) < 2)):  # fmt: skip
+        return f"{name!r} never fires without pipeline stages and two micro-batches per step"
+    if name == "pp-swap-microbatch-grads" and getattr(side, "virtual_pipeline", None):
+        # Interleaved, the first stage's later model chunks send input gradients back: holding a
+        # backward would hold the schedule's p2p.
+        return f"{name!r} is planted on the 1F1B schedule only (virtual_pipeline unset)"
     if side.backend == "torch" and name not in TORCH_FAULTS:
         return f"{name!r} is not implemented by the torch backend; it implements {sorted(TORCH_FAULTS)}"
     if side.backend == "mlm" and name not in MLM_FAULTS:

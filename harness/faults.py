@@ -154,9 +154,33 @@ def _pad_rows_here(ctx: Context, param) -> int:
     pad, rows = getattr(param, "pad_length", 0), param.shape[0]
     g = ctx.coord["gtp"]
     return max(0, min(rows, pad - (ctx.side.gtp - 1 - g) * rows))
+def _swap_microbatch_grads(ctx: Context) -> None:
+    # On the first stage a backward sends nothing on (no input gradient), so micro-batch 0's
+    # backward can wait for micro-batch 1's output gradient: each then runs with the other's.
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import schedules
+
+    if not ps.is_pipeline_first_stage():
+        return
+    original, per_step = schedules.backward_step, ctx.side.num_microbatches(_data(ctx))
+    calls, held = [0], []
+
+    def backward_step(input_tensor, output_tensor, output_tensor_grad, config):
+        index, calls[0] = calls[0] % per_step, calls[0] + 1
+        if index == 0:
+            held.append((input_tensor, output_tensor, output_tensor_grad))
+            return None
+        if index == 1:
+            first = held.pop()
+            original(first[0], first[1], output_tensor_grad, config)
+            return original(input_tensor, output_tensor, first[2], config)
+        return original(input_tensor, output_tensor, output_tensor_grad, config)
+
+    patch(schedules, "backward_step", backward_step)
 
 
 INSTALLERS: dict[str, Callable[[Context], None]] = {
+    "pp-swap-microbatch-grads": _swap_microbatch_grads,
     "gtp-prescale-under-per-token-loss": _prescale_under_per_token_loss,
     "gtp-rs-no-prescale": _no_prescale,
     "gtp-ag-swap-shards": _swap_gather,

@@ -99,7 +99,8 @@ def canonical_state(m: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
 
 
 def mesh_of(side: Side) -> dict[str, int]:
-    return Mesh.of_side(side).sizes()
+    """The mesh ``side``'s tensors are laid out on: one pipeline stage's (tp, gtp, dp)."""
+    return Mesh.of_side(side).stage_sizes()
 
 
 def layout_of(spec: ParamSpec, side: Side, num_experts: int = 0) -> Layout:

@@ -19,9 +19,10 @@ from typing import Callable, Mapping
 import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
-from harness.mesh import AXES
+from harness.mesh import AXES, Axis
 
-MESH_AXES = tuple(a.value for a in AXES)
+# A tensor lives on one pipeline stage: layouts place it on that stage's (tp, gtp, dp) mesh.
+MESH_AXES = tuple(a.value for a in AXES if a is not Axis.PP)
 
 
 @dataclass(frozen=True, slots=True)

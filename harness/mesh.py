@@ -1,8 +1,11 @@
-"""The device mesh: which rank sits where on the TP x GTP x DP axes, and the groups they form.
+"""The device mesh: which rank sits where on the TP x GTP x DP x PP axes, and the groups they form.
 
 Ranks are ordered as megatron-core orders them for the dense decoder: TP fastest, then GTP,
-then DP (``parallel_state._inject_gtp_remat_axis`` turns the default ``tp-cp-ep-dp-pp`` into
-``tp-gtp_remat-cp-ep-dp-pp``; CP = EP = PP = 1 here), so ``rank = tp + TP * (gtp + G * dp)``.
+then DP, then the pipeline stage (``parallel_state._inject_gtp_remat_axis`` turns the default
+``tp-cp-ep-dp-pp`` into ``tp-gtp_remat-cp-ep-dp-pp``; CP = EP = 1 here), so
+``rank = tp + TP * (gtp + G * (dp + DP * pp))``. The ``pp`` axis is named only in a pipelined
+mesh (PP > 1): an unpipelined side's coordinates and traces read as they always have. A
+stage's tensors are laid out on the stage's own (tp, gtp, dp) mesh (:meth:`Mesh.stage_sizes`).
 New axes (expert parallel, expert GTP, pipeline stage) belong here and nowhere else.
 Torch-free: traces, scenarios and process groups all read it.
 """
@@ -20,7 +23,9 @@ class Axis(StrEnum):
     GTP = "gtp"
     """GTP weight rematerialization (megatron-core's ``gtp_remat``): the group of size G."""
     DP = "dp"
-    """Replicate data parallel: world / (TP * G)."""
+    """Replicate data parallel: world / (TP * G * PP)."""
+    PP = "pp"
+    """Pipeline stage."""
 
 
 AXES = tuple(Axis)
@@ -32,37 +37,50 @@ class Mesh:
     tp: int = 1
     gtp: int = 1
     dp: int = 1
+    pp: int = 1
 
     @classmethod
-    def of_world(cls, world_size: int, tp: int = 1, gtp: int = 1) -> Mesh:
-        """The mesh of ``world_size`` ranks with TP and G given (DP is what remains)."""
-        if world_size % (tp * gtp):
-            raise ValueError(f"world size {world_size} is not a multiple of TP x G = {tp * gtp}")
-        return cls(tp, gtp, world_size // (tp * gtp))
+    def of_world(cls, world_size: int, tp: int = 1, gtp: int = 1, pp: int = 1) -> Mesh:
+        """The mesh of ``world_size`` ranks with TP, G and PP given (DP is what remains)."""
+        if world_size % (tp * gtp * pp):
+            what = "TP x G" if pp == 1 else "TP x G x PP"
+            raise ValueError(f"world size {world_size} is not a multiple of {what} = {tp * gtp * pp}")
+        return cls(tp, gtp, world_size // (tp * gtp * pp), pp)
 
     @classmethod
     def of_side(cls, side) -> Mesh:
-        """The mesh of a scenario side (anything with ``world_size``, ``tp`` and ``gtp``)."""
-        return cls.of_world(side.world_size, side.tp, side.gtp)
+        """The mesh of a scenario side (anything with ``world_size``, ``tp``, ``gtp`` and,
+        optionally, ``pipeline_parallel``)."""
+        return cls.of_world(side.world_size, side.tp, side.gtp, getattr(side, "pipeline_parallel", 1))
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.gtp * self.dp
+        return self.tp * self.gtp * self.dp * self.pp
 
     def size(self, axis: str) -> int:
         return getattr(self, Axis(axis).value)
 
+    def _named(self) -> tuple[Axis, ...]:
+        return AXES if self.pp > 1 else AXES[:-1]
+
     def sizes(self) -> dict[str, int]:
-        """``{"tp": TP, "gtp": G, "dp": DP}``: the mesh as traces and layouts record it."""
-        return {a.value: self.size(a) for a in AXES}
+        """``{"tp": TP, "gtp": G, "dp": DP}`` (and ``"pp"`` when pipelined): the mesh as traces
+        record it."""
+        return {a.value: self.size(a) for a in self._named()}
+
+    def stage_sizes(self) -> dict[str, int]:
+        """The (tp, gtp, dp) mesh of one pipeline stage: where a stage's tensors are laid out."""
+        return {a.value: self.size(a) for a in AXES if a is not Axis.PP}
 
     def coord(self, rank: int) -> dict[str, int]:
-        """``rank``'s coordinate on every axis."""
+        """``rank``'s coordinate on every axis (``pp`` only when pipelined)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside a mesh of {self.world_size} ranks")
         out = {}
         for axis in AXES:
             rank, out[axis.value] = divmod(rank, self.size(axis))
+        if self.pp == 1:
+            del out[Axis.PP.value]
         return out
 
     def rank(self, coord: Mapping[str, int]) -> int:
@@ -78,8 +96,8 @@ class Mesh:
 
     def data_rank(self, rank: int) -> int:
         """``rank``'s index among the ranks that read distinct samples (GTP x DP: GTP peers are
-        data ranks, TP peers read the same samples)."""
-        return rank // self.tp
+        data ranks, TP peers and pipeline stages read the same samples)."""
+        return rank % (self.tp * self.gtp * self.dp) // self.tp
 
     def group(self, rank: int, *axes: str) -> list[int]:
         """The ranks that differ from ``rank`` only on ``axes``, in rank order."""
@@ -93,7 +111,7 @@ class Mesh:
         out: dict[tuple, list[int]] = {}
         for rank in range(self.world_size):
             c = self.coord(rank)
-            out.setdefault(tuple(c[a.value] for a in fixed), []).append(rank)
+            out.setdefault(tuple(c.get(a.value, 0) for a in fixed), []).append(rank)
         return list(out.values())
 
 

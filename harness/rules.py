@@ -35,6 +35,7 @@ def validate(s: Scenario, limits: bool = True) -> None:
         _validate_paths(s, side, where)
         _validate_mlm(s, side, where)
         validate_moe_side(s, name, side, where)
+        _validate_pipeline(s, side, where)
         steps[name] = side.steps
     if len(set(steps.values())) != 1:
         raise BadInput(f"{s.source}: steps", f"every side must run the same number of steps, got {steps}")
@@ -107,7 +108,7 @@ def _validate_training(side: Side, where: str) -> None:
 
 def _validate_topology(s: Scenario, name: str, side: Side, where: str) -> None:
     m, d = s.model, s.data
-    for key in ("world_size", "tp", "gtp"):
+    for key in ("world_size", "tp", "gtp", "pipeline_parallel"):
         if getattr(side, key) < 1:
             raise BadInput(f"{where}.{key}", f"must be >= 1, got {getattr(side, key)}")
     if side.world_size % (side.tp * side.gtp):
@@ -319,3 +320,22 @@ def _validate_mlm(s: Scenario, side: Side, where: str) -> None:
     bad = [a for a in side.args if not isinstance(a, str) or not a]
     if bad:
         raise BadInput(f"{where}.args", f"every flag must be a non-empty string, got {bad[0]!r}")
+
+
+def _validate_pipeline(s: Scenario, side: Side, where: str) -> None:
+    """Pipeline stages: the world splits into whole stages, the layers evenly over them."""
+    pp, vpp = side.pipeline_parallel, side.virtual_pipeline  # pp >= 1: _validate_topology
+    if side.world_size % (side.tp * side.gtp * pp):
+        raise BadInput(f"{where}.world_size", f"world_size {side.world_size} must be a multiple of "
+                                              f"TP x G x PP = {side.tp} x {side.gtp} x {pp}")  # fmt: skip
+    if vpp is not None and (vpp < 2 or pp < 2):
+        raise BadInput(f"{where}.virtual_pipeline",
+                       f"needs pipeline_parallel >= 2 and >= 2 chunks per stage, got {vpp}")  # fmt: skip
+    chunks = pp * (vpp or 1)
+    if s.model.num_layers % chunks:
+        raise BadInput(f"{where}.pipeline_parallel", f"{chunks} model chunks must divide [model].num_layers = "
+                                                     f"{s.model.num_layers}")  # fmt: skip
+    if pp > 1 and not s.model.untie_embeddings:
+        # The last stage would hold a second copy of the embedding as its output layer
+        # (finalize_model_grads._allreduce_word_embedding_grads): not recorded by this harness.
+        raise BadInput(f"{s.source}: [model].untie_embeddings", "pipeline_parallel > 1 needs untied embeddings")

@@ -219,15 +219,20 @@ class Side:
     """Expert-parallel size (``expert_model_parallel_size``): the experts are split over EP ranks."""
     expert_gtp: int = 1
     """Expert GTP degree EG = ``expert_tensor_parallel_num_weight_shards`` / expert TP (1 = off)."""
+    pipeline_parallel: int = 1
+    """Pipeline stages (megatron backend): layers split evenly, embedding on the first stage,
+    output layer and loss on the last; megatron-core's 1F1B schedule over the micro-batches."""
+    virtual_pipeline: int | None = None
+    """Model chunks per stage (megatron-core's interleaved schedule); None: not interleaved."""
 
     @property
     def data_ranks(self) -> int:
-        """Ranks that read distinct samples: GTP peers are data ranks (world / TP)."""
-        return self.world_size // self.tp
+        """Ranks that read distinct samples: GTP peers are data ranks (world / (TP x PP))."""
+        return self.world_size // (self.tp * self.pipeline_parallel)
 
     @property
     def replicate_dp(self) -> int:
-        return self.world_size // (self.tp * self.gtp)
+        return self.world_size // (self.tp * self.gtp * self.pipeline_parallel)
 
     def num_microbatches(self, data: DataConfig) -> int:
         return data.global_batch_size // (data.micro_batch_size * self.data_ranks)
@@ -245,6 +250,9 @@ class Side:
         data_keys = dataclasses.asdict(data)
         if data_keys["loss_mask"] == "none":
             del data_keys["loss_mask"]  # likewise for sides without a loss mask
+        for key, default in (("pipeline_parallel", 1), ("virtual_pipeline", None)):
+            if side[key] == default:
+                del side[key]  # unpipelined sides keep the keys they had before pipelining
         blob = json.dumps(
             [side, model_doc, data_keys],
             sort_keys=True,
@@ -255,7 +263,9 @@ class Side:
         gtp = f"gtp{self.gtp}" if self.gtp > 1 else "gtpoff"
         recipe = "" if self.recipe == "none" else f"-{self.recipe}"
         experts = f"-ep{self.ep}-egtp{self.expert_gtp}" if self.ep * self.expert_gtp > 1 else ""
-        return f"{self.backend}-w{self.world_size}-tp{self.tp}-{gtp}{experts}-{self.precision}{recipe}"
+        pp = "" if self.pipeline_parallel == 1 else f"-pp{self.pipeline_parallel}"
+        pp += f"v{self.virtual_pipeline}" if self.virtual_pipeline else ""
+        return f"{self.backend}-w{self.world_size}-tp{self.tp}{pp}-{gtp}{experts}-{self.precision}{recipe}"
 
 
 _MOE_SIDE_DEFAULTS = {"ep": 1, "expert_gtp": 1}
@@ -300,7 +310,7 @@ class ComparePolicy:
 # Keys of a side that only the megatron backend reads; the golden side does not inherit them.
 MEGATRON_PATH_OPTIONS = ("gtp_weight_prefetch", "gtp_collectives", "recompute", "per_token_loss",
                          "sequence_parallel", "overlap_grad_reduce", "bucket_size", "distributed_optimizer",
-                         "overlap_param_gather")  # fmt: skip
+                         "overlap_param_gather", "pipeline_parallel", "virtual_pipeline")  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

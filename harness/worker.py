@@ -22,7 +22,7 @@ import torch.distributed as dist
 from harness import backends, data as data_mod
 from harness.backends import Job
 from harness.capture import Capture
-from harness.gpt import mesh_of
+from harness.mesh import Mesh
 from harness.scenario import CapturePolicy, DataConfig, ModelConfig, Side
 from harness.trace import is_complete, write_json
 
@@ -50,7 +50,7 @@ def run_job(job: Job, rank: int, world: int) -> None:
     trace_dir = Path(job.trace_dir)
     side = job.side
     coord = data_mod.coord(rank, side)
-    mesh = mesh_of(side)
+    mesh = Mesh.of_side(side).sizes()  # with the pipeline axis where there is one
     cap = Capture(trace_dir, rank=rank, world_size=world, coord=coord, mesh=mesh, policy=job.capture)
     try:
         backends.run(job, cap)

@@ -8,16 +8,17 @@ from megatron.core.parallel_state import RankGenerator, _inject_gtp_remat_axis
 from harness.mesh import AXES, Mesh
 
 # megatron-core's names of our axes, for RankGenerator.get_ranks.
-MCORE_AXIS = {"tp": "tp", "gtp": "gtp_remat", "dp": "dp"}
+MCORE_AXIS = {"tp": "tp", "gtp": "gtp_remat", "dp": "dp", "pp": "pp"}
 # The groups the backends build: process-group name -> axes it spans.
-SPANS = [("tp",), ("gtp",), ("dp",), ("gtp", "dp"), ("tp", "gtp"), ("tp", "gtp", "dp")]
-MESHES = [Mesh(1, 1, 1), Mesh(2, 2, 2), Mesh(2, 4, 1), Mesh(1, 2, 3), Mesh(4, 2, 2), Mesh(3, 1, 2)]
+SPANS = [("tp",), ("gtp",), ("dp",), ("gtp", "dp"), ("tp", "gtp"), ("tp", "gtp", "dp"), ("pp",)]
+MESHES = [Mesh(1, 1, 1), Mesh(2, 2, 2), Mesh(2, 4, 1), Mesh(1, 2, 3), Mesh(4, 2, 2), Mesh(3, 1, 2),
+          Mesh(1, 2, 1, 2), Mesh(2, 2, 1, 2), Mesh(1, 1, 2, 2), Mesh(1, 2, 2, 3)]
 
 
 def mcore_generator(mesh: Mesh) -> RankGenerator:
-    # The dense decoder's generator as initialize_model_parallel builds it (CP = EP = PP = 1).
+    # The dense decoder's generator as initialize_model_parallel builds it (CP = EP = 1).
     order = _inject_gtp_remat_axis("tp-cp-ep-dp-pp", after="tp")
-    return RankGenerator(tp=mesh.tp, ep=1, dp=mesh.dp, pp=1, cp=1, order=order, gtp_remat=mesh.gtp)
+    return RankGenerator(tp=mesh.tp, ep=1, dp=mesh.dp, pp=mesh.pp, cp=1, order=order, gtp_remat=mesh.gtp)
 
 
 @pytest.mark.parametrize("mesh", MESHES, ids=str)
@@ -32,7 +33,7 @@ def test_coord_and_rank_are_inverse_and_match_the_groups(mesh):
     coords = [mesh.coord(r) for r in range(mesh.world_size)]
     assert [mesh.rank(c) for c in coords] == list(range(mesh.world_size))
     assert len({tuple(c.values()) for c in coords}) == mesh.world_size
-    for axis in AXES:
+    for axis in mesh.sizes():  # pp is named only in a pipelined mesh
         for group in mesh.groups(axis):
             # Along one axis's group only that coordinate moves, through 0..size-1 in order.
             assert [coords[r][axis] for r in group] == list(range(mesh.size(axis)))
@@ -49,6 +50,16 @@ def test_data_rank_counts_gtp_peers_and_not_tp_peers():
         assert len({data[r] for r in group}) == 1
     for group in mesh.groups("gtp", "dp"):
         assert sorted(data[r] for r in group) == list(range(mesh.gtp * mesh.dp))
+
+
+def test_pipeline_stages_read_the_same_samples_and_are_named_only_when_pipelined():
+    mesh = Mesh(tp=2, gtp=2, dp=1, pp=2)
+    for group in mesh.groups("pp"):
+        assert len({mesh.data_rank(r) for r in group}) == 1
+    assert sorted({mesh.data_rank(r) for r in range(mesh.world_size)}) == [0, 1]
+    assert "pp" in mesh.sizes() and "pp" in mesh.coord(7) and mesh.coord(7)["pp"] == 1
+    assert "pp" not in Mesh(2, 2, 2).sizes() and "pp" not in Mesh(2, 2, 2).coord(0)
+    assert mesh.stage_sizes() == {"tp": 2, "gtp": 2, "dp": 1}
 
 
 def test_bad_shapes_and_coordinates_say_what():

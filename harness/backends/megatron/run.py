@@ -17,7 +17,7 @@ import torch.distributed as dist
 from harness import data as data_mod
 from harness import faults
 from harness.backends import Job
-from harness.backends.megatron import compat, moe
+from harness.backends.megatron import compat, moe, pipeline
 from harness.backends.megatron.gathers import record_gathers
 from harness.backends.megatron.optimizer_ranges import optimizer_state, reduced_grad, updated_param
 from harness.backends.recording import Materialized, Recording, StepScalars, gathered, train
@@ -49,7 +49,7 @@ def _build(job: Job):
     if side.recipe != "none":
         raise NotImplementedError(f"recipe {side.recipe!r} needs the Transformer Engine path of this backend")
     ps.initialize_model_parallel(tensor_model_parallel_size=side.tp, gtp_remat_size=side.gtp,
-                                 **moe.parallel_kwargs(side))  # fmt: skip
+                                 **moe.parallel_kwargs(side), **pipeline.parallel_state_kwargs(side))  # fmt: skip
     model_parallel_cuda_manual_seed(side.seed)
     torch.manual_seed(side.seed)
     if moe.uses_gtp(side):
@@ -85,33 +85,39 @@ def _build(job: Job):
         sequence_parallel=side.sequence_parallel,
         **_RECOMPUTE[side.recompute],
         **moe.config_kwargs(job),
-    )
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=moe.layer_spec(job),
-        vocab_size=m.vocab_size,
-        max_sequence_length=m.seq_length,
-        share_embeddings_and_output_weights=not m.untie_embeddings,
-        position_embedding_type="learned_absolute",
+        **pipeline.config_kwargs(side),
     )
     mesh = mesh_of(side)
     coord = data_mod.coord(dist.get_rank(), side)
-    _load_canonical(model, job, mesh, coord)
-    if bf16:
-        model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=side.overlap_grad_reduce,
                                                bucket_size=side.bucket_size,
                                                use_distributed_optimizer=side.distributed_optimizer,
                                                overlap_param_gather=side.overlap_param_gather)  # fmt: skip
-    ddp = DistributedDataParallel(config, ddp_config, model)
+    chunks = []  # one model chunk per virtual pipeline stage (one when not interleaved)
+    for vp in pipeline.chunk_ids(side):
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=moe.layer_spec(job),
+            vocab_size=m.vocab_size,
+            max_sequence_length=m.seq_length,
+            share_embeddings_and_output_weights=not m.untie_embeddings,
+            position_embedding_type="learned_absolute",
+            **pipeline.stage_flags(vp),
+        )
+        _load_canonical(model, job, mesh, coord, vp)
+        if bf16:
+            model = Float16Module(config, model)
+        # As Megatron-LM's get_model: only the first chunk buckets its grads.
+        chunks.append(DistributedDataParallel(config, ddp_config, model, disable_bucketing=bool(chunks)))
     if side.overlap_param_gather:  # Megatron-LM's train(): no pre-hooks until the first step is done
-        ddp.disable_forward_pre_hook(param_sync=False)
+        for chunk in chunks:
+            chunk.disable_forward_pre_hook(param_sync=False)
     if side.overlap_grad_reduce:  # as Megatron-LM's train() wires an overlapping DDP
-        config.no_sync_func = ddp.no_sync
-        config.grad_sync_func = ddp.start_grad_sync
+        config.no_sync_func = pipeline.one_or_list([c.no_sync for c in chunks])
+        config.grad_sync_func = pipeline.one_or_list([c.start_grad_sync for c in chunks])
     if moe.uses_gtp(side):
-        gtp_api.classify_gtp_remat_chains(ddp)
-    return config, ddp, mesh, coord
+        gtp_api.classify_gtp_remat_chains(chunks)
+    return config, chunks, mesh, coord
 
 
 # TransformerConfig's recompute settings per scenario choice (full: one layer per checkpoint).
@@ -122,13 +128,22 @@ _RECOMPUTE = {
 }
 
 
-def _load_canonical(model, job: Job, mesh: dict, coord: dict) -> None:
+def _load_canonical(model, job: Job, mesh: dict, coord: dict, vp: int | None = None) -> None:
     """Cut the canonical weights into this rank's shards, after checking MCore's layout is ours."""
+    from megatron.core import parallel_state as ps
+
     specs = {s.name: s for s in param_specs(job.model)}
     state = canonical_state(job.model, job.side.seed)
+    names = pipeline.canonical_names(model, canonical_name)
+    stage = ps.get_pipeline_model_parallel_rank()
+    side = job.side
+    # The parameters this stage (this model chunk) holds: megatron-core must build exactly these.
+    mine = pipeline.owned(list(specs), job.model.num_layers, side.pipeline_parallel, stage,
+                          side.virtual_pipeline or 1, vp or 0)  # fmt: skip
+    specs = {n: specs[n] for n in mine}
     seen = set()
-    for name, p in model.named_parameters():
-        spec = specs.get(name := moe.global_name(name, job))
+    for local, p in model.named_parameters():
+        spec = specs.get(name := moe.global_name(names[local], job))
         if spec is None:
             raise RuntimeError(f"megatron-core built a parameter the harness does not know: {name}")
         ours = layout_of(spec, job.side, job.model.num_experts)
@@ -144,7 +159,7 @@ def _load_canonical(model, job: Job, mesh: dict, coord: dict) -> None:
         raise RuntimeError(f"megatron-core did not build {sorted(missing)}")
 
 
-def _optimizer(job: Job, ddp):
+def _optimizer(job: Job, chunks: list):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -166,7 +181,7 @@ def _optimizer(job: Job, ddp):
             use_distributed_optimizer=side.distributed_optimizer,
             overlap_param_gather=side.overlap_param_gather,
         ),
-        [ddp],
+        chunks,
     )
     gbs = job.data.global_batch_size
     # Megatron-LM counts scheduler steps in samples.
@@ -207,14 +222,16 @@ def run(job: Job, cap: Capture) -> None:
             from harness.mutation.apply import apply
 
             reach = apply(job.side.mutant, watch=True)
-        config, ddp, mesh, coord = _build(job)
-        named = [(moe.global_name(canonical_name(n), job), p) for n, p in ddp.named_parameters()]
-        ctx = faults.Context(backend="megatron", side=job.side, model=ddp, optimizer=None, rank=dist.get_rank(),
+        config, chunks, mesh, coord = _build(job)
+        # Names: global layer numbers on every stage, global expert indices on every EP rank.
+        named = [(moe.global_name(pipeline.canonical_names(c, canonical_name)[n], job), p)
+                 for c in chunks for n, p in c.named_parameters()]  # fmt: skip
+        ctx = faults.Context(backend="megatron", side=job.side, model=chunks, optimizer=None, rank=dist.get_rank(),
                              coord=coord, named_params=named)  # fmt: skip
         ctx.saved["data"] = job.data
         faults.install(job.side.inject, ctx)  # before the optimizer: a fault may act on how it is built
-        ctx.optimizer, scheduler = _optimizer(job, ddp)
-        _train(job, cap, ctx, config, ddp, scheduler, mesh, get_forward_backward_func(), finalize_model_grads)
+        ctx.optimizer, scheduler = _optimizer(job, chunks)
+        _train(job, cap, ctx, config, chunks, scheduler, mesh, get_forward_backward_func(), finalize_model_grads)
     finally:
         if reach is not None:  # beside the rank's trace files, not in them (see mutation.campaign)
             reach.close(cap.rank_dir / "mutant.json")
@@ -224,15 +241,17 @@ def run(job: Job, cap: Capture) -> None:
         compat.reset_gtp_state()
 
 
-def _train(job, cap, ctx, config, ddp, scheduler, mesh, forward_backward, finalize_model_grads):
+def _train(job, cap, ctx, config, chunks, scheduler, mesh, forward_backward, finalize_model_grads):
     from megatron.core import parallel_state as ps
 
     side, opt, named = job.side, ctx.optimizer, ctx.named_params
     layouts = {n: from_mcore_param(p, mesh) for n, p in named}
     layouts.update(moe.expert_layouts(job, named))
-    inner = ddp.module.module if side.precision == "bf16" else ddp.module
-    cap.attach(captured_modules(inner), vocab_parallel=["output_layer"], sequence_parallel=side.sequence_parallel)
-    moe.attach_router_capture(inner, cap, job.model.seq_length)
+    for ddp in chunks:
+        inner = ddp.module.module if side.precision == "bf16" else ddp.module
+        modules = captured_modules(inner) if side.pipeline_parallel == 1 else pipeline.stage_modules(inner)
+        cap.attach(modules, vocab_parallel=["output_layer"], sequence_parallel=side.sequence_parallel)
+        moe.attach_router_capture(inner, cap, job.model.seq_length)
     cap.info["gtp_params"] = {n: getattr(p, "chain_id", None) for n, p in named
                               if getattr(p, "is_gtp_weight_remat", False)}  # fmt: skip
     cap.info["data_parallel_rank"] = ps.get_data_parallel_rank()
@@ -240,7 +259,7 @@ def _train(job, cap, ctx, config, ddp, scheduler, mesh, forward_backward, finali
     # With the param gather overlapped, the updated params reach every rank in the next forward:
     # the step's new weights are the ranges each rank's optimizer wrote, put together.
     rec = Recording(cap, named, layouts, param_value=updated_param(opt) if side.overlap_param_gather else None)
-    fns = _MegatronStep(job, rec, ctx, config, ddp, opt, scheduler, forward_backward)
+    fns = _MegatronStep(job, rec, ctx, config, chunks, opt, scheduler, forward_backward)
 
     def finalize(model_chunks, num_tokens=None, **kw):
         finalize_model_grads(model_chunks, num_tokens, **faults.finalize_kwargs(ctx, kw))
@@ -255,10 +274,10 @@ def _train(job, cap, ctx, config, ddp, scheduler, mesh, forward_backward, finali
 class _MegatronStep:
     """One step as Megatron-LM's ``train_step`` runs it: MCore's schedule, optimizer, scheduler."""
 
-    def __init__(self, job, rec: Recording, ctx, config, ddp, opt, scheduler, forward_backward):
+    def __init__(self, job, rec: Recording, ctx, config, chunks, opt, scheduler, forward_backward):
         from megatron.core import parallel_state as ps
 
-        self.job, self.rec, self.ctx, self.ddp, self.opt, self.scheduler = job, rec, ctx, ddp, opt, scheduler
+        self.job, self.rec, self.ctx, self.chunks, self.opt, self.scheduler = job, rec, ctx, chunks, opt, scheduler
         self.forward_backward_func = forward_backward
         m = job.model
         self.mask = torch.triu(torch.ones(1, 1, m.seq_length, m.seq_length, dtype=torch.bool), 1)
@@ -282,11 +301,11 @@ class _MegatronStep:
         ids = faults.route_samples(self.ctx, step, data_mod.rank_sample_ids(step, self.ctx.rank, side, d))
         mb_state = {"mb": None, "ids": None}
 
-        def batches():
+        def batches(chunk: int = 0):  # each model chunk reads every micro-batch; the first records it
             for mb, mb_ids in enumerate(ids):
                 faults.before_micro_batch(self.ctx, mb)
                 mb_state.update(mb=mb, ids=mb_ids)
-                cap.micro_batch(mb, mb_ids)
+                cap.micro_batch(mb, mb_ids, record=chunk == 0)
                 yield (*data_mod.batch(d.seed, mb_ids, m), data_mod.loss_mask(d, mb_ids, m.seq_length))
 
         def forward_step(data_iterator, model):
@@ -294,10 +313,12 @@ class _MegatronStep:
             out = model(tokens, self.positions.expand(tokens.shape[0], -1), self.mask, labels=labels)
             return out, partial(_loss_func, self.rec, mb_state, loss_mask)
 
-        self.ddp.zero_grad_buffer()
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
         self.opt.zero_grad()
+        iterators = [batches(c) for c in range(len(self.chunks))]
         self.losses = self.forward_backward_func(
-            forward_step_func=forward_step, data_iterator=batches(), model=[self.ddp],
+            forward_step_func=forward_step, data_iterator=pipeline.one_or_list(iterators), model=self.chunks,
             num_microbatches=side.num_microbatches(d), seq_length=m.seq_length,
             micro_batch_size=d.micro_batch_size, forward_only=False,
         )  # fmt: skip
@@ -309,7 +330,8 @@ class _MegatronStep:
         faults.before_step(self.ctx)
         ok, self.grad_norm, self.num_zeros = self.opt.step()
         if self.job.side.overlap_param_gather and step == 1:  # as Megatron-LM's train() does
-            self.ddp.enable_forward_pre_hook()
+            for chunk in self.chunks:
+                chunk.enable_forward_pre_hook()
         self.skipped += 0 if ok else 1
         self.scheduler.step(increment=self.job.data.global_batch_size)
         faults.after_step(self.ctx)
@@ -318,8 +340,9 @@ class _MegatronStep:
         return optimizer_state(self.opt, self.rec.named)
 
     def scalars(self, step: int) -> StepScalars:
-        totals = torch.stack([x["lm loss"] for x in self.losses]).sum(0)
+        totals = pipeline.loss_totals(self.losses)  # zeros before the last pipeline stage
         dist.all_reduce(totals, group=faults.loss_report_group(self.ctx, self.data_group))
+        pipeline.from_last_stage(totals)
         nan = float("nan")
         return StepScalars(
             reduced_loss=(totals[0] / totals[1]).item(),
