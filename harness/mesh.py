@@ -130,4 +130,4 @@ def on_grid(coord: Mapping[str, int], grid: str) -> dict[str, int]:
     (``expert_coord``) expert TP, expert GTP and expert DP in those places."""
     if grid == "expert":
         return {"tp": coord["etp"], "gtp": coord["egtp"], "dp": coord["edp"]}
-    return {a.value: coord[a.value] for a in AXES}
+    return {a.value: coord[a.value] for a in AXES if a.value in coord}  # pp only when pipelined
