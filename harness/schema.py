@@ -52,7 +52,7 @@ COLLECTIVES = frozenset(get_args(Collectives))
 # The top-level keys of a scenario file (a matrix file adds [matrix]).
 TOP_KEYS = frozenset({
     "name", "description", "timeout_s", "model", "data", "train", "reference", "candidate",
-    "golden", "capture", "compare", "axes", "expect",
+    "golden", "capture", "compare", "axes", "expect", "checkpoint",
 })  # fmt: skip
 # Any integer beyond this is a typo or an attack whatever the machine (sizes, seeds, steps).
 HARD_INT_LIMIT = 2**31
@@ -196,6 +196,13 @@ class Side:
     mutant: str = ""
     """A mutant of megatron-core's GTP code (an id from ``gtp-parity mutate``) this side runs
     with (megatron backend; the mutation campaign sets it)."""
+    # --- checkpoint topology (megatron backend; set by a scenario's [checkpoint] table) ---
+    save_step: int = 0
+    """Train to this step, save a ``torch_dist`` checkpoint, stop (0: no checkpoint)."""
+    load_step: int = 0
+    """Load the checkpoint of this step (saved by ``resume_from``) and train on from it (0: none)."""
+    resume_from: str = ""
+    """The key of the side whose checkpoint this side loads (part of this side's key)."""
 
     @property
     def data_ranks(self) -> int:
@@ -212,8 +219,9 @@ class Side:
     def key(self, model: ModelConfig, data: DataConfig) -> str:
         """A short hash identifying what this side computes; equal sides share one run."""
         side = dataclasses.asdict(self)
-        if not side["mutant"]:
-            del side["mutant"]  # clean sides keep the keys they had before mutants existed
+        for optional in ("mutant", "save_step", "load_step", "resume_from"):
+            if not side[optional]:
+                del side[optional]  # other sides keep the keys they had before these existed
         blob = json.dumps(
             [side, dataclasses.asdict(model), dataclasses.asdict(data)],
             sort_keys=True,
@@ -253,6 +261,8 @@ class ComparePolicy:
     k_first_step: float | None = None
     """noise-floor: k at step 1, the one step at which both sides read the same weights and
     inputs in every precision; later steps use ``k``. None: ``k`` throughout."""
+    exact_steps: tuple[int, ...] = ()
+    """Steps whose tensors are judged bitwise whatever the policy (a checkpoint's load step)."""
 
     def k_at(self, step: int) -> float:
         return self.k_first_step if step == 1 and self.k_first_step is not None else self.k
@@ -260,7 +270,8 @@ class ComparePolicy:
 
 # Keys of a side that only the megatron backend reads; the golden side does not inherit them.
 MEGATRON_PATH_OPTIONS = ("gtp_weight_prefetch", "gtp_collectives", "recompute", "per_token_loss",
-                         "sequence_parallel", "overlap_grad_reduce", "bucket_size", "distributed_optimizer")  # fmt: skip
+                         "sequence_parallel", "overlap_grad_reduce", "bucket_size", "distributed_optimizer",
+                         "save_step", "load_step", "resume_from")  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -299,6 +310,9 @@ class Scenario:
     """Matrix axis -> value label this scenario was expanded with (empty outside a matrix)."""
     expect: Expectation | None = None
     """A known divergence (``[expect]``), or None: parity is expected."""
+    saver: Side | None = None
+    """A checkpoint scenario's saving side (``[checkpoint]``): it trains to the candidate's
+    ``load_step`` and saves; None elsewhere."""
 
     @property
     def sides(self) -> dict[str, Side]:

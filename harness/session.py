@@ -82,7 +82,7 @@ def run_scenarios(scenarios: list[Scenario], out: Path, parallel: int = 2, verbo
             worst = max(worst, EXIT_RUN_FAILED)
             results.append(summary)
             continue
-        paths = {r: Path(j.trace_dir) for r, j in jobs.items()}
+        paths = {r: Path(j.trace_dir) for r, j in jobs.items() if r != "source"}  # the saver: not compared
         if reads_mock_data(s):  # the golden reads the synthetic samples: no measure of these
             paths["golden"] = None
         summary = compare_scenario(s, paths, sdir, say)

@@ -17,9 +17,9 @@ import torch.distributed as dist
 from harness import data as data_mod
 from harness import faults
 from harness.backends import Job
-from harness.backends.megatron import compat
+from harness.backends.megatron import checkpoint, compat
 from harness.backends.megatron.gathers import record_gathers
-from harness.backends.recording import Materialized, Recording, StepScalars, gathered, train
+from harness.backends.recording import Materialized, Recording, StepScalars, gathered
 from harness.capture import Capture
 from harness.dtypes import DTYPES
 from harness.gpt import canonical_state, captured_modules, layout_of, mesh_of, param_specs
@@ -237,7 +237,7 @@ def _train(job, cap, config, ddp, opt, scheduler, mesh, forward_backward, finali
 
     config.finalize_model_grads_func = finalize
     config.grad_scale_func = opt.scale_loss
-    train(rec, side.steps, fns)
+    checkpoint.train(job, rec, fns, ddp, opt, scheduler)  # plain training unless it saves or resumes
 
 
 class _MegatronStep:
