@@ -37,8 +37,11 @@ def topology(side: Side) -> str:
     return f"TP{side.tp}x{gtp}{dp}" + (" distopt" if side.distributed_optimizer else "")
 
 
-def expand(raw: dict, source: str, parse: Callable[[dict, str], Scenario]) -> list[Scenario]:
+def expand(raw: dict, source: str, parse: Callable[[dict, str], Scenario], limits: bool = True) -> list[Scenario]:
     """The scenarios of a document with a ``[checkpoint]`` table (``parse`` builds one)."""
+    from harness.rules import validate  # the rules call check() below
+
+
     spec = raw["checkpoint"]
     where = f"{source}: [checkpoint]"
     if not isinstance(spec, dict):
@@ -65,16 +68,24 @@ def expand(raw: dict, source: str, parse: Callable[[dict, str], Scenario]) -> li
         if unknown := sorted(set(target) - _SIDE_KEYS - {"label"}):
             raise BadInput(f"{at}.{unknown[0]}", f"not a side key a topology may change; one of {sorted(_SIDE_KEYS)}")
         reference = raw.get("reference", {}) if isinstance(raw.get("reference", {}), dict) else {}
-        candidate = {**reference, **{key: v for key, v in target.items() if key != "label"}}
+        candidate = {**reference, **{key: v for key, v in target.items() if key not in ("label", "inject")}}
         s = parse({**base, "name": f"{raw.get('name')}-{label}", "candidate": candidate, "compare": compare}, source)
         saver = dataclasses.replace(s.reference, save_step=k)
-        resumed = dataclasses.replace(s.candidate, load_step=k, resume_from=saver.key(s.model, s.data))
+        # Faults are planted once the candidate resumes (a save fault fires only there).
+        inject = _coerce_inject(target.get("inject", list(s.candidate.inject)), f"{at}.inject")
+        resumed = dataclasses.replace(s.candidate, load_step=k, resume_from=saver.key(s.model, s.data), inject=inject)
         row = f"checkpoint: {topology(saver)} -> {topology(resumed)} load at step {k}"
         s = dataclasses.replace(s, candidate=resumed, saver=saver,
                                 description=f"{row}. {s.description}" if s.description else row)  # fmt: skip
-        check(s)
+        validate(s, limits=limits)
         out.append(s)
     return out
+
+
+def _coerce_inject(value, where: str) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise BadInput(where, f"must be a list of fault names, got {shown(value)}")
+    return tuple(value)
 
 
 def saving_side(s: Scenario) -> Side:

@@ -86,6 +86,14 @@ CATALOG: dict[str, Fault] = {
             {"step": 1, "kind": "param", "tensor": "*.weight", "signature": "update-term"},
         ),
         Fault(
+            "ckpt-pad-rows-as-data", "padding",
+            "a checkpoint's GTP shards of embedding.word_embeddings.weight are saved with alignment pad "
+            "rows counted as data (saved shape off by the padding); planted on a [checkpoint] "
+            "scenario's candidate, it acts where the checkpoint is saved",
+            {"step": None, "kind": "param", "tensor": "embedding.word_embeddings.weight",
+             "signature": "pad-rows-as-data"},
+        ),
+        Fault(
             "fp8-unreduced-amax", "precision loss",
             "FP8 quantized all-gather of GTP weights (torch backend): each shard is quantized with "
             "its own per-tensor amax, not the amax reduced over the GTP group, and the gathered "
@@ -142,6 +150,8 @@ def check_reach(name: str, side, data=None) -> str | None:
         return f"{name!r} never fires on a side without GTP (gtp = 1)"
     if name == "gtp-prescale-under-per-token-loss" and side.per_token_loss != "both":
         return f"{name!r} never fires unless GTP is told the loss is per-token (per_token_loss = \"both\")"
+    if name == "ckpt-pad-rows-as-data" and not side.load_step:
+        return f"{name!r} never fires outside a [checkpoint] scenario's candidate (it acts where the checkpoint is saved)"
     if name == "microbatch-grad-overwrite" and data is not None and side.num_microbatches(data) < 2:
         return f"{name!r} never fires with one micro-batch per step"
     if side.backend == "torch" and name not in TORCH_FAULTS:

@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from harness import faults
+
 # Distributed optimizer: the format that reshards across data-parallel sizes and to and from
 # the local optimizer (per-parameter tensors in model space).
 METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "singleton_local_shards": False}
@@ -103,12 +105,14 @@ def _model(ddp):
 
 def sharded_state(ddp, opt, is_loading: bool) -> dict:
     """The model's and the optimizer's sharded state dicts, as Megatron-LM builds them."""
-    model = _model(ddp).sharded_state_dict(metadata=METADATA)
-    return {"model": model, "optimizer": opt.sharded_state_dict(model, is_loading=is_loading, metadata=METADATA)}
+    # A fresh copy each time: megatron-core stores this side's process groups in it (dp_cp_group).
+    model = _model(ddp).sharded_state_dict(metadata=dict(METADATA))
+    return {"model": model, "optimizer": opt.sharded_state_dict(model, is_loading=is_loading, metadata=dict(METADATA))}
 
 
-def save(ddp, opt, scheduler, directory: str | Path) -> None:
-    """Save a ``torch_dist`` checkpoint of the model, the optimizer and the LR scheduler."""
+def save(ddp, opt, scheduler, directory: str | Path, ctx=None) -> None:
+    """Save a ``torch_dist`` checkpoint of the model, the optimizer and the LR scheduler
+    (``ctx``: the side's planted faults, which may alter what is saved)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
@@ -121,6 +125,8 @@ def save(ddp, opt, scheduler, directory: str | Path) -> None:
     dist.barrier()
     state = sharded_state(ddp, opt, is_loading=False)
     state["opt_param_scheduler"] = scheduler.state_dict()
+    if ctx is not None:
+        faults.checkpoint_state(ctx, state)
     dist_checkpointing.save(state, str(directory), sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1))
     dist.barrier()
 
@@ -157,7 +163,7 @@ def load(ddp, opt, scheduler, directory: str | Path) -> None:
     scheduler.load_state_dict(loaded["opt_param_scheduler"])
 
 
-def train(job, rec, fns, ddp, opt, scheduler) -> None:
+def train(job, rec, fns, ddp, opt, scheduler, ctx=None) -> None:
     """The side's steps around its checkpoint: resume from one, save one, or neither."""
     from harness.backends.recording import train as run_steps
 
@@ -169,6 +175,6 @@ def train(job, rec, fns, ddp, opt, scheduler) -> None:
     elif side.save_step:
         run_steps(rec, side.steps, fns, last=side.save_step)
         rec.cap.progress("save")
-        save(ddp, opt, scheduler, job.checkpoint_dir)
+        save(ddp, opt, scheduler, job.checkpoint_dir, ctx)
     else:
         run_steps(rec, side.steps, fns)

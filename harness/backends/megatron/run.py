@@ -237,7 +237,7 @@ def _train(job, cap, config, ddp, opt, scheduler, mesh, forward_backward, finali
 
     config.finalize_model_grads_func = finalize
     config.grad_scale_func = opt.scale_loss
-    checkpoint.train(job, rec, fns, ddp, opt, scheduler)  # plain training unless it saves or resumes
+    checkpoint.train(job, rec, fns, ddp, opt, scheduler, ctx)  # plain training unless it saves or resumes
 
 
 class _MegatronStep:
