@@ -24,7 +24,7 @@ from harness.scenario import parse_scenario
 from helpers import ASSETS, results, run, summary
 
 FAST = ASSETS / "checkpoint_fast.toml"
-CLEAN = ("ckpt-tp1-gtpoff", "ckpt-tp2-gtp2", "ckpt-tp1-gtp2-dp2", "ckpt-tp1-gtp2-dp2-distopt")
+CLEAN = ("ckpt-tp1-gtpoff", "ckpt-tp2-gtpoff")
 
 
 # --- the scenario kind ---------------------------------------------------------------------
@@ -39,8 +39,8 @@ def test_each_topology_loaded_into_is_a_scenario_resuming_from_the_saved_run():
         assert s.compare.exact_steps == (1,)  # the load step is judged bitwise
         assert s.reference == scenario.load(FAST)[0].reference  # one uninterrupted run for all
     tp2 = scenarios[1]
-    assert tp2.description == "checkpoint: TP1xGTP2 -> TP2xGTP2 load at step 1"
-    assert (tp2.candidate.tp, tp2.candidate.gtp, tp2.candidate.world_size) == (2, 2, 4)
+    assert tp2.description == "checkpoint: TP1xGTP2 -> TP2xGTP-off load at step 1"
+    assert (tp2.candidate.tp, tp2.candidate.gtp, tp2.candidate.world_size) == (2, 1, 2)
     # The save fault rides on the candidate and is planted where the checkpoint is saved.
     fault = scenarios[-1]
     assert fault.candidate.inject == ("ckpt-pad-rows-as-data",) and scenarios[0].candidate.inject == ()
@@ -169,7 +169,7 @@ def test_pad_rows_saved_as_data_are_localized_at_load(fast):
 def test_the_checkpoint_is_megatron_cores_torch_dist_format(fast):
     _, _, out = fast
     saved = list(out.glob("traces/*/checkpoint"))
-    assert len(saved) == 2  # the clean saver, shared by three scenarios, and the faulty one
+    assert len(saved) == 2  # the clean saver, shared by two scenarios, and the faulty one
     for ckpt in saved:
         assert (ckpt / ".metadata").is_file() and list(ckpt.glob("*.distcp"))
         assert not (ckpt / "common.pt").exists()  # common state is inside the distcp files

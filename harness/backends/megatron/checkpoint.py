@@ -29,8 +29,9 @@ import torch.distributed as dist
 
 from harness import faults
 
-# Distributed optimizer: the format that reshards across data-parallel sizes and to and from
-# the local optimizer (per-parameter tensors in model space).
+# What Megatron-LM passes to sharded_state_dict: the distributed optimizer's format that
+# reshards across data-parallel sizes (per-parameter tensors in model space), and layer-stacked
+# (not per-layer singleton) shards.
 METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "singleton_local_shards": False}
 
 # The only globals a torch_dist ``.metadata`` pickle may name: torch's checkpoint-metadata
