@@ -37,10 +37,10 @@ def topology(side: Side) -> str:
     return f"TP{side.tp}x{gtp}{dp}" + (" distopt" if side.distributed_optimizer else "")
 
 
-def expand(raw: dict, source: str, parse: Callable[[dict, str], Scenario], limits: bool = True) -> list[Scenario]:
-    """The scenarios of a document with a ``[checkpoint]`` table (``parse`` builds one)."""
-    from harness.rules import validate  # the rules call check() below
-
+def expand(raw: dict, source: str, parse: Callable[[dict, str], Scenario],
+           validate: Callable[[Scenario], None]) -> list[Scenario]:  # fmt: skip
+    """The scenarios of a document with a ``[checkpoint]`` table: ``parse`` builds one from a
+    document, ``validate`` checks it once it resumes (the scenario rules, which call :func:`check`)."""
 
     spec = raw["checkpoint"]
     where = f"{source}: [checkpoint]"
@@ -77,7 +77,7 @@ def expand(raw: dict, source: str, parse: Callable[[dict, str], Scenario], limit
         row = f"checkpoint: {topology(saver)} -> {topology(resumed)} load at step {k}"
         s = dataclasses.replace(s, candidate=resumed, saver=saver,
                                 description=f"{row}. {s.description}" if s.description else row)  # fmt: skip
-        validate(s, limits=limits)
+        validate(s)
         out.append(s)
     return out
 

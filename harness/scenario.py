@@ -156,7 +156,8 @@ def load(path: str | Path, limits: bool = True) -> list[Scenario]:
     out = []
     for doc, source in docs:
         if "checkpoint" in doc:  # one scenario per topology the checkpoint is loaded into
-            out += checkpointing.expand(doc, source, lambda d, src: parse_scenario(d, src, limits=limits), limits)
+            out += checkpointing.expand(doc, source, lambda d, src: parse_scenario(d, src, limits=limits),
+                                        lambda s: validate(s, limits=limits))
         else:
             out.append(parse_scenario(doc, source, limits=limits))
     return out

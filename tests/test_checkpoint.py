@@ -20,6 +20,7 @@ from harness.fault_catalog import CATALOG
 from harness.gpt import param_specs
 from harness.localize import _inserted_zero_rows
 from harness.matrix import read_toml
+from harness.rules import validate
 from harness.scenario import parse_scenario
 from helpers import ASSETS, results, run, summary
 
@@ -62,7 +63,7 @@ def _doc(**checkpoint) -> dict:
 ])  # fmt: skip
 def test_bad_checkpoint_tables_are_refused(edit, where):
     with pytest.raises(BadInput) as e:
-        checkpointing.expand(_doc(**edit), "bad.toml", parse_scenario)
+        checkpointing.expand(_doc(**edit), "bad.toml", parse_scenario, validate)
     assert where in str(e.value)
 
 
