@@ -344,19 +344,14 @@ def _update_signature(kind: str, name: str, step: int, ref, cand, ctx: "_StepCon
 
 
 def _inserted_zero_rows(ref: torch.Tensor, cand: torch.Tensor) -> dict | None:
-    """{"row": i, "count": p} when ``cand`` is ``ref`` with p zero rows inserted at row i (the
-    rows after them shifted down by p, the last p cut off), else None."""
-    if ref.dim() < 1 or ref.shape != cand.shape:
+    """{"row": i, "count": p}: ``cand`` is ``ref`` with p zero rows inserted at row i (the rows
+    behind shifted down, the last p cut off); else None."""
+    if ref.dim() < 1 or ref.shape != cand.shape or torch.equal(ref, cand):
         return None
-    same = (ref == cand).reshape(ref.shape[0], -1).all(1)
-    if bool(same.all()):
-        return None
-    i = int((~same).nonzero()[0])
-    zero = (cand[i:] == 0).reshape(cand.shape[0] - i, -1).all(1)
-    p = int(zero.long().cumprod(0).sum())  # the run of zero rows starting at i
-    if p == 0 or not torch.equal(cand[i + p:], ref[i:ref.shape[0] - p]) or not bool((ref[i:i + p] != 0).any()):
-        return None
-    return {"row": i, "count": p}
+    i = int((ref != cand).reshape(ref.shape[0], -1).any(1).nonzero()[0])
+    p = int((cand[i:] == 0).reshape(cand.shape[0] - i, -1).all(1).long().cumprod(0).sum())  # zero run at i
+    ok = p and torch.equal(cand[i + p:], ref[i:ref.shape[0] - p]) and bool((ref[i:i + p] != 0).any())
+    return {"row": i, "count": p} if ok else None
 
 
 def _signature(first: dict, df: pd.DataFrame, logical: dict, mesh: dict, key,
