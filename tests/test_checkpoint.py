@@ -118,6 +118,13 @@ def test_byte_items_are_loaded_weights_only():
     assert default_planner.DefaultLoadPlanner.load_bytes.__module__ == default_planner.__name__
 
 
+def test_a_legacy_common_pt_is_refused(tmp_path):
+    checkpoint.refuse_legacy_common(tmp_path)  # the torch_dist format has none
+    (tmp_path / "common.pt").write_bytes(b"")
+    with pytest.raises(checkpoint.UnsafePickle, match="common.pt"):
+        checkpoint.refuse_legacy_common(tmp_path)
+
+
 def test_inserted_zero_rows_signature():
     ref = torch.arange(1.0, 25.0).view(8, 3)
     cand = torch.cat([ref[:3], torch.zeros(2, 3), ref[3:6]])

@@ -14,7 +14,8 @@ default_planner.py), which carries the common state (param groups, the scheduler
 megatron-core's ``common_state`` object. While this module loads, both read through
 allow-lists instead (:func:`allow_listed_reads`): the metadata's classes are torch's
 checkpoint-metadata dataclasses, and byte items are ``torch.load(weights_only=True)``. A
-pickle naming anything else is refused before any of it runs.
+pickle naming anything else is refused before any of it runs. A legacy ``common.pt`` (plain
+``torch.load`` in megatron-core) is refused outright.
 """
 
 from __future__ import annotations
@@ -150,10 +151,19 @@ def _states_to_load_into(opt) -> None:
             part._init_optimizer_states_with_dummy_values()
 
 
+def refuse_legacy_common(directory: str | Path) -> None:
+    """A legacy checkpoint keeps its common state in ``common.pt``, which megatron-core reads
+    with a plain ``torch.load`` (dist_checkpointing/strategies/common.py l.48, no
+    ``weights_only``): such a checkpoint is refused rather than unpickled."""
+    if (Path(directory) / "common.pt").exists():
+        raise UnsafePickle(f"{directory}/common.pt: a legacy common state megatron-core would unpickle unchecked")
+
+
 def load(ddp, opt, scheduler, directory: str | Path) -> None:
     """Load a ``torch_dist`` checkpoint into this side's model, optimizer and LR scheduler."""
     from megatron.core import dist_checkpointing
 
+    refuse_legacy_common(directory)
     _states_to_load_into(opt)
     state = sharded_state(ddp, opt, is_loading=True)
     state["opt_param_scheduler"] = scheduler.state_dict()
