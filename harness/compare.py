@@ -25,7 +25,8 @@ Policies:
   ``dtype``. Losses are judged against the step's worst per-sample reference error.
 - ``consistency``: the grad norm, when not bitwise equal, must be explained by the compared
   gradients (reverse triangle inequality); see :func:`_grad_norm_consistency`.
-Initial weights (step 0) are always judged ``exact``: every side starts from the same ones.
+Initial weights (step 0) are always judged ``exact``: every side starts from the same ones;
+so are the steps of ``exact_steps`` (a checkpoint's load step: the loaded state is a copy).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def judge(policy: ComparePolicy, step: int, ref, cand, golden, m: dict,
     """
     if m["nonfinite_mismatch"]:
         return Judgement(False, "nonfinite", 0.0)
-    if step == 0 or policy.policy == "exact":
+    if step == 0 or policy.policy == "exact" or step in policy.exact_steps:
         return Judgement(m["bitwise_equal"], "exact", 0.0)
     if m["bitwise_equal"]:
         return Judgement(True, policy.policy, 0.0)
@@ -88,7 +89,8 @@ def judge(policy: ComparePolicy, step: int, ref, cand, golden, m: dict,
 
 def _needs(policy: ComparePolicy, step: int, golden, recipe: str, dtype: torch.dtype):
     """(golden, tolerances) that one pass should measure for the judgement and the row."""
-    if step == 0 or policy.policy == "exact" or (policy.policy == "noise-floor" and golden is not None):
+    if step == 0 or policy.policy == "exact" or step in policy.exact_steps or (
+            policy.policy == "noise-floor" and golden is not None):
         return golden, None
     return golden, tolerances(recipe, dtype if dtype in DTYPE_TOLS else torch.float32)
 

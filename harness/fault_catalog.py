@@ -122,6 +122,14 @@ CATALOG: dict[str, Fault] = {
              "signature": "mismatch"},
         ),
         Fault(
+            "ckpt-pad-rows-as-data", "padding",
+            "a checkpoint's GTP shards of embedding.word_embeddings.weight are saved with alignment pad "
+            "rows counted as data (saved shape off by the padding); planted on a [checkpoint] "
+            "scenario's candidate, it acts where the checkpoint is saved",
+            {"step": None, "kind": "param", "tensor": "embedding.word_embeddings.weight",
+             "signature": "pad-rows-as-data"},
+        ),
+        Fault(
             "fp8-unreduced-amax", "precision loss",
             "FP8 quantized all-gather of GTP weights (torch backend): each shard is quantized with "
             "its own per-tensor amax, not the amax reduced over the GTP group, and the gathered "
@@ -169,7 +177,8 @@ TORCH_FAULTS = frozenset({"fp8-unreduced-amax", "gtp-peers-same-sample", "gtp-pa
 MLM_FAULTS = frozenset(CATALOG) - {"gtp-peers-same-sample", "fp8-unreduced-amax", "microbatch-grad-overwrite",
                                     "gtp-prescale-under-per-token-loss", "token-count-without-gtp-peers",
                                     "gtp-prefetch-missing-wait", "gtp-wgrad-rs-finalized-twice",
-                                    "distopt-offsets-ignore-gtp-pad", "pp-swap-microbatch-grads"}  # fmt: skip
+                                    "distopt-offsets-ignore-gtp-pad", "pp-swap-microbatch-grads",
+                                    "ckpt-pad-rows-as-data"}  # fmt: skip
 
 
 def check_reach(name: str, side, data=None) -> str | None:
@@ -204,6 +213,8 @@ def check_reach(name: str, side, data=None) -> str | None:
         # In fp32 the optimizer steps views of the params themselves: the misplaced copy then
         # overlaps its own source and torch raises instead of diverging.
         return f"{name!r} needs the distributed optimizer (distributed_optimizer) in bf16"
+    if name == "ckpt-pad-rows-as-data" and not side.load_step:
+        return f"{name!r} never fires outside a [checkpoint] scenario's candidate (it acts where the checkpoint is saved)"
     if name == "microbatch-grad-overwrite" and data is not None and side.num_microbatches(data) < 2:
         return f"{name!r} never fires with one micro-batch per step"
     if name == "pp-swap-microbatch-grads" and (getattr(side, "pipeline_parallel", 1) == 1 or (

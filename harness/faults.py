@@ -334,3 +334,20 @@ def at_step(ctx: Context, step: int) -> None:
                 raise RuntimeError(f"planted failure on rank {ctx.rank} at step {step}")
             while True:
                 time.sleep(3600)
+
+
+def checkpoint_state(ctx: Context, state: dict) -> None:
+    """``ckpt-pad-rows-as-data``: the GTP shards of the word embedding are saved with
+    ``gtp_pad_alignment`` zero pad rows each, counted as data (the saved global shape is G x
+    that many rows too long, ``allow_shape_mismatch`` as megatron-core sets it for padded GTP
+    weights); a loader reads the zero rows and the data shifted behind them."""
+    if "ckpt-pad-rows-as-data" not in ctx.active or ctx.side.gtp == 1:
+        return
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    key = "embedding.word_embeddings.weight"
+    clean = state["model"][key]
+    pad = clean.data.new_zeros(max(ctx.side.gtp_pad_alignment, 1), *clean.data.shape[1:])
+    slot, slots = ctx.coord["tp"] * ctx.side.gtp + ctx.coord["gtp"], ctx.side.tp * ctx.side.gtp
+    state["model"][key] = ShardedTensor.from_rank_offsets(key, torch.cat([clean.data, pad]), (0, slot, slots),
+                                                          replica_id=clean.replica_id, allow_shape_mismatch=True)

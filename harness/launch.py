@@ -42,6 +42,7 @@ def job_to_json(job: Job) -> dict:
         "capture": asdict(job.capture),
         "trace_dir": job.trace_dir,
         "provenance": job.provenance,
+        "checkpoint_dir": job.checkpoint_dir,
     }
 
 

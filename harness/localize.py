@@ -50,6 +50,8 @@ SIGNATURES = {
     "mismatch": "values differ beyond the policy with no recognised pattern",
     "gemm-consumed-foreign-weight": "a GEMM consumed another parameter's weight: a GTP gather buffer "
                                     "was reused before the GEMM read it",
+    "pad-rows-as-data": "the candidate is the reference with zero rows inserted and the rows behind "
+                        "them shifted down: pad rows were counted as data (a saved GTP shard's padding)",
 }
 
 _PHASE_OF_KIND = {
@@ -341,6 +343,17 @@ def _update_signature(kind: str, name: str, step: int, ref, cand, ctx: "_StepCon
     return update_term(rb, ra, cb, ca, ctx.lr, ctx.wd, param=weight if kind != "param" else None)
 
 
+def _inserted_zero_rows(ref: torch.Tensor, cand: torch.Tensor) -> dict | None:
+    """{"row": i, "count": p}: ``cand`` is ``ref`` with p zero rows inserted at row i (the rows
+    behind shifted down, the last p cut off); else None."""
+    if ref.dim() < 1 or ref.shape != cand.shape or torch.equal(ref, cand):
+        return None
+    i = int((ref != cand).reshape(ref.shape[0], -1).any(1).nonzero()[0])
+    p = int((cand[i:] == 0).reshape(cand.shape[0] - i, -1).all(1).long().cumprod(0).sum())  # zero run at i
+    ok = p and torch.equal(cand[i + p:], ref[i:ref.shape[0] - p]) and bool((ref[i:i + p] != 0).any())
+    return {"row": i, "count": p} if ok else None
+
+
 def _signature(first: dict, df: pd.DataFrame, logical: dict, mesh: dict, key,
                recipe: str = "none", ctx: _StepContext | None = None) -> tuple[str, dict]:
     ctx = ctx or _StepContext()
@@ -381,6 +394,8 @@ def _signature(first: dict, df: pd.DataFrame, logical: dict, mesh: dict, key,
     ratio = _ratio_signature(r, c, mesh)
     if ratio:
         return ratio, {}
+    if shifted := _inserted_zero_rows(r, c):
+        return "pad-rows-as-data", {"inserted_rows": shifted}
     tol = max(float(first.get("bound") or 0.0), 1e-6 * float(r.double().abs().max()))
     owner = cand.shard_owner.get((0, "param", name)) or cand.shard_owner.get(key)
     perm = _permutation_signature(r, c, mesh, tol, owner["layout"] if owner else None)

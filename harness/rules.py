@@ -6,6 +6,7 @@ the rule.
 
 from __future__ import annotations
 
+from harness import checkpointing
 from harness.errors import BadInput
 from harness.fault_catalog import check_name, check_reach
 from harness.moe_rules import moe_parameter_count, validate_moe_model, validate_moe_side
@@ -41,6 +42,7 @@ def validate(s: Scenario, limits: bool = True) -> None:
         raise BadInput(f"{s.source}: steps", f"every side must run the same number of steps, got {steps}")
     _validate_capture_compare(s)
     _validate_expect(s)
+    checkpointing.check(s)
 
 
 def _validate_model(s: Scenario) -> None:
@@ -256,6 +258,8 @@ def _validate_capture_compare(s: Scenario) -> None:
         value = getattr(s.compare, key)
         if value is not None and not value >= 0:
             raise BadInput(f"{src}: [compare].{key}", f"must be >= 0, got {value}")
+    if bad := [k for k in s.compare.exact_steps if not 1 <= k <= steps]:
+        raise BadInput(f"{src}: [compare].exact_steps", f"step {bad[0]} is not in 1..{steps}")
 
 
 def _validate_limits(s: Scenario) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from harness import trace
 from harness.backends import Job
+from harness.checkpointing import saving_side
 from harness.errors import RunFailed
 from harness.launch import Interrupted, launch, worker_env
 from harness.provenance import code_identity
@@ -30,8 +31,8 @@ from harness.scenario import Scenario
 MAX_JOBS_PER_LAUNCH = 12
 
 
-def job_for(s: Scenario, role: str, traces: Path, provenance: dict) -> Job:
-    side = s.sides[role]
+def job_for(s: Scenario, role: str, traces: Path, provenance: dict, checkpoint_dir: str = "") -> Job:
+    side = s.sides[role] if role in s.sides else saving_side(s)  # "source": a checkpoint's saver
     key = side.key(s.model, s.data)
     policy = hashlib.sha256(json.dumps(dataclasses.asdict(s.capture), sort_keys=True).encode()).hexdigest()[:6]
     code = provenance["digest"][:6]
@@ -43,6 +44,7 @@ def job_for(s: Scenario, role: str, traces: Path, provenance: dict) -> Job:
         capture=s.capture,
         trace_dir=str(traces / f"{side.label()}-{key}-{policy}-{code}"),
         provenance=provenance,
+        checkpoint_dir=checkpoint_dir,
     )
 
 
@@ -53,9 +55,13 @@ def plan(scenarios: list[Scenario], out: Path, provenance: dict | None = None) -
     jobs: dict[str, Job] = {}
     by_scenario = {}
     for s in scenarios:
-        roles = {}
+        roles, ckpt = {}, ""
+        if s.saver is not None:  # the checkpoint lives beside the saving side's trace
+            job = job_for(s, "source", traces, provenance)
+            ckpt = str(Path(job.trace_dir) / "checkpoint")
+            roles["source"] = jobs.setdefault(job.key, dataclasses.replace(job, checkpoint_dir=ckpt))
         for role in ("reference", "candidate", "golden"):
-            job = job_for(s, role, traces, provenance)
+            job = job_for(s, role, traces, provenance, ckpt if role == "candidate" else "")
             roles[role] = jobs.setdefault(job.key, job)
         by_scenario[s.name] = roles
     return by_scenario
@@ -87,12 +93,13 @@ def execute(
             shutil.rmtree(job.trace_dir, ignore_errors=True)
             pending[job.key] = job
     groups = defaultdict(list)
-    for job in pending.values():
-        groups[job.side.world_size].append(job)
-    batches = []
-    for world, jobs in sorted(groups.items()):
+    for job in pending.values():  # checkpoints are saved (phase 0) before sides load them
+        groups[(0 if job.side.save_step else 1, job.side.world_size)].append(job)
+    phases = defaultdict(list)
+    for (phase, world), jobs in sorted(groups.items()):
         for i in range(0, len(jobs), MAX_JOBS_PER_LAUNCH):
-            batches.append((world, jobs[i : i + MAX_JOBS_PER_LAUNCH], f"w{world}-{i // MAX_JOBS_PER_LAUNCH}"))
+            tag = f"w{world}-{i // MAX_JOBS_PER_LAUNCH}" + ("-save" if phase == 0 else "")
+            phases[phase].append((world, jobs[i : i + MAX_JOBS_PER_LAUNCH], tag))
     failures: dict[str, str] = {}
 
     stop = threading.Event()
@@ -115,8 +122,9 @@ def execute(
 
     pool = ThreadPoolExecutor(max_workers=max(1, parallel))
     try:
-        for f in [pool.submit(one, b) for b in batches]:
-            f.result()
+        for phase in sorted(phases):
+            for f in [pool.submit(one, b) for b in phases[phase]]:
+                f.result()
     except BaseException:
         # Ctrl-C reaches this (main) thread only: tell every launch to end its ranks now.
         stop.set()

@@ -18,7 +18,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
-from harness import schema
+from harness import checkpointing, schema
 from harness.errors import BadInput, shown
 from harness.matrix import expand_matrix, read_toml
 from harness.rules import parameter_count, validate
@@ -101,6 +101,8 @@ def parse_scenario(raw: dict, source: str, limits: bool = True) -> Scenario:
             )
     if "name" not in raw:
         raise BadInput(f"{source}: name", "every scenario needs a name")
+    if "checkpoint" in raw:
+        raise BadInput(f"{source}: [checkpoint]", "a checkpoint scenario is expanded by load(), one per load_into entry")
     if (problem := check_scenario_name(raw["name"])) is not None:
         raise BadInput(f"{source}: name", problem)
     for key in ("description",):
@@ -151,4 +153,11 @@ def load(path: str | Path, limits: bool = True) -> list[Scenario]:
     path = Path(path)
     raw = read_toml(path)
     docs = expand_matrix(raw, path) if "matrix" in raw else [(raw, str(path))]
-    return [parse_scenario(doc, source, limits=limits) for doc, source in docs]
+    out = []
+    for doc, source in docs:
+        if "checkpoint" in doc:  # one scenario per topology the checkpoint is loaded into
+            out += checkpointing.expand(doc, source, lambda d, src: parse_scenario(d, src, limits=limits),
+                                        lambda s: validate(s, limits=limits))
+        else:
+            out.append(parse_scenario(doc, source, limits=limits))
+    return out

@@ -54,7 +54,7 @@ LOSS_MASKS = frozenset(get_args(LossMask))
 # The top-level keys of a scenario file (a matrix file adds [matrix]).
 TOP_KEYS = frozenset({
     "name", "description", "timeout_s", "model", "data", "train", "reference", "candidate",
-    "golden", "capture", "compare", "axes", "expect",
+    "golden", "capture", "compare", "axes", "expect", "checkpoint",
 })  # fmt: skip
 # Any integer beyond this is a typo or an attack whatever the machine (sizes, seeds, steps).
 HARD_INT_LIMIT = 2**31
@@ -224,6 +224,13 @@ class Side:
     output layer and loss on the last; megatron-core's 1F1B schedule over the micro-batches."""
     virtual_pipeline: int | None = None
     """Model chunks per stage (megatron-core's interleaved schedule); None: not interleaved."""
+    # --- checkpoint topology (megatron backend; set by a scenario's [checkpoint] table) ---
+    save_step: int = 0
+    """Train to this step, save a ``torch_dist`` checkpoint, stop (0: no checkpoint)."""
+    load_step: int = 0
+    """Load the checkpoint of this step (saved by ``resume_from``) and train on from it (0: none)."""
+    resume_from: str = ""
+    """The key of the side whose checkpoint this side loads (part of this side's key)."""
 
     @property
     def data_ranks(self) -> int:
@@ -240,8 +247,9 @@ class Side:
     def key(self, model: ModelConfig, data: DataConfig) -> str:
         """A short hash identifying what this side computes; equal sides share one run."""
         side = dataclasses.asdict(self)
-        if not side["mutant"]:
-            del side["mutant"]  # clean sides keep the keys they had before mutants existed
+        for optional in ("mutant", "save_step", "load_step", "resume_from"):
+            if not side[optional]:
+                del side[optional]  # other sides keep the keys they had before these existed
         model_doc = dataclasses.asdict(model)
         for doc, defaults in ((side, _MOE_SIDE_DEFAULTS), (model_doc, _MOE_MODEL_DEFAULTS)):
             for k, v in defaults.items():  # so do dense sides, before experts existed
@@ -302,6 +310,8 @@ class ComparePolicy:
     k_first_step: float | None = None
     """noise-floor: k at step 1, the one step at which both sides read the same weights and
     inputs in every precision; later steps use ``k``. None: ``k`` throughout."""
+    exact_steps: tuple[int, ...] = ()
+    """Steps whose tensors are judged bitwise whatever the policy (a checkpoint's load step)."""
 
     def k_at(self, step: int) -> float:
         return self.k_first_step if step == 1 and self.k_first_step is not None else self.k
@@ -310,7 +320,8 @@ class ComparePolicy:
 # Keys of a side that only the megatron backend reads; the golden side does not inherit them.
 MEGATRON_PATH_OPTIONS = ("gtp_weight_prefetch", "gtp_collectives", "recompute", "per_token_loss",
                          "sequence_parallel", "overlap_grad_reduce", "bucket_size", "distributed_optimizer",
-                         "overlap_param_gather", "pipeline_parallel", "virtual_pipeline")  # fmt: skip
+                         "overlap_param_gather", "pipeline_parallel", "virtual_pipeline",
+                         "save_step", "load_step", "resume_from")  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -349,6 +360,9 @@ class Scenario:
     """Matrix axis -> value label this scenario was expanded with (empty outside a matrix)."""
     expect: Expectation | None = None
     """A known divergence (``[expect]``), or None: parity is expected."""
+    saver: Side | None = None
+    """A checkpoint scenario's saving side (``[checkpoint]``): it trains to the candidate's
+    ``load_step`` and saves; None elsewhere."""
 
     @property
     def sides(self) -> dict[str, Side]:

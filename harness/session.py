@@ -82,7 +82,7 @@ def run_scenarios(scenarios: list[Scenario], out: Path, parallel: int = 2, verbo
             worst = max(worst, EXIT_RUN_FAILED)
             results.append(summary)
             continue
-        paths = {r: Path(j.trace_dir) for r, j in jobs.items()}
+        paths = {r: Path(j.trace_dir) for r, j in jobs.items() if r != "source"}  # the saver: not compared
         if reads_mock_data(s):  # the golden reads the synthetic samples: no measure of these
             paths["golden"] = None
         summary = compare_scenario(s, paths, sdir, say)
@@ -153,6 +153,8 @@ def compare_scenario(s: Scenario | None, paths: dict[str, Path], sdir: Path, say
         doc["axes"] = dict(s.axes)
         doc["config"] = _config(s)
         judge_expectation(doc, s.expect)
+        if s.saver is not None:
+            _checkpoint_summary(doc, s, summary["results"])
     write_json(sdir / "summary.json", doc)
     fd = doc.get("first_divergence")
     if doc.get("expectation"):
@@ -161,6 +163,21 @@ def compare_scenario(s: Scenario | None, paths: dict[str, Path], sdir: Path, say
         f"  first divergence: step {fd['step']} {fd['phase']} {fd['kind']} {fd['tensor']} "
         f"ranks {fd.get('ranks')} signature {fd['signature']}" if fd else ""))  # fmt: skip
     return doc
+
+
+def _checkpoint_summary(doc: dict, s: Scenario, results) -> None:
+    """A checkpoint scenario's own row: what was saved and loaded, and whether the load was
+    bitwise (every tensor recorded at the load step); a divergence there is named a load."""
+    k = s.candidate.load_step
+    at_load = results[(results["step"] == k) & (results["kind"] != "scalar")]
+    from harness.checkpointing import topology
+
+    doc["checkpoint"] = {"save_step": k, "from": topology(s.saver), "to": topology(s.candidate),
+                         "tensors_at_load": int(len(at_load)),
+                         "bitwise_at_load": bool(len(at_load) and at_load["bitwise_equal"].astype(bool).all())}  # fmt: skip
+    fd = doc.get("first_divergence")
+    if fd and fd.get("step") == k:
+        fd["phase"] = "load"
 
 
 def provenance_warnings(traces: dict[str, trace.Trace]) -> list[str]:

@@ -43,6 +43,7 @@ def job_from_json(doc: dict) -> Job:
         capture=CapturePolicy(**capture),
         trace_dir=doc["trace_dir"],
         provenance=doc.get("provenance", {}),
+        checkpoint_dir=doc.get("checkpoint_dir", ""),
     )
 
 

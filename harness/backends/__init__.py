@@ -25,6 +25,8 @@ class Job:
     trace_dir: str
     provenance: dict = field(default_factory=dict)
     """What computes this side (:func:`harness.provenance.code_identity`), part of its key."""
+    checkpoint_dir: str = ""
+    """Where a saving side writes its checkpoint, or a resuming side reads it ("": neither)."""
 
 
 def run(job: Job, capture: Capture) -> None:

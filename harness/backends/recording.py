@@ -93,11 +93,16 @@ class Recording:
         self.cap.scalar("loss", value, micro_batch=index, sample_ids=list(sample_ids))
 
 
-def train(rec: Recording, steps: int, fns: StepFunctions) -> None:
-    """Run ``steps`` optimizer steps of ``fns``, recording each in the trace's order."""
+def train(rec: Recording, steps: int, fns: StepFunctions, start: int = 0, last: int | None = None) -> None:
+    """Run optimizer steps ``start + 1 .. last`` (default: ``steps``) of ``fns``, recording each
+    in the trace's order. ``start`` > 0 resumes from a loaded checkpoint of that step, whose
+    weights and optimizer state are recorded as that step's."""
     cap = rec.cap
-    record_initial(rec)
-    for step in range(1, steps + 1):
+    if start:
+        record_loaded(rec, start, fns.optimizer_state)
+    else:
+        record_initial(rec)
+    for step in range(start + 1, (last or steps) + 1):
         cap.begin_step(step)
         fns.begin(step)
         cap.progress("forward_backward")
@@ -115,6 +120,15 @@ def record_initial(rec: Recording) -> None:
     """Step 0: the initial weights."""
     rec.cap.begin_step(0)
     rec.weights("param")
+    rec.cap.end_step()
+
+
+def record_loaded(rec: Recording, step: int, optimizer_state: Callable[[], tuple]) -> None:
+    """A resumed run's first record: the weights and optimizer state it loaded, as ``step``'s."""
+    rec.cap.begin_step(step)
+    rec.weights("param")
+    if rec.cap.wants("optimizer"):
+        rec.cap.optimizer_state(rec.named, rec.layout_of, *optimizer_state())
     rec.cap.end_step()
 
 

@@ -411,3 +411,25 @@ def layer_norm_for_sequence_parallel() -> None:
         return norm
 
     patch(torch_norm.WrappedTorchNorm, "__new__", staticmethod(new))
+
+
+def in_process_checkpoint_writes() -> None:
+    """Let ``dist_checkpointing.save`` write in this process without a manager process.
+
+    megatron-core's synchronous ``torch_dist`` save still runs its async writer
+    (``FileSystemWriterAsync``), whose results queue is a ``multiprocessing`` manager queue
+    created with the ``spawn`` context (``filesystem_async.get_write_results_queue``): a new
+    Python process per rank, re-importing the caller's main module. A synchronous save
+    writes and reads that queue in this process only, so a thread-safe in-process queue
+    carries the same results. Its writer also logs the process's memory through psutil
+    (``_process_memory``, debug log only), which this environment does not ship: the
+    standard library's peak RSS stands in."""
+    import queue
+    import resource
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+    if not filesystem_async.HAVE_PSUTIL:
+        filesystem_async._process_memory = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

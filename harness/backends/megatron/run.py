@@ -17,10 +17,10 @@ import torch.distributed as dist
 from harness import data as data_mod
 from harness import faults
 from harness.backends import Job
-from harness.backends.megatron import compat, moe, pipeline
+from harness.backends.megatron import checkpoint, compat, moe, pipeline
 from harness.backends.megatron.gathers import record_gathers
 from harness.backends.megatron.optimizer_ranges import optimizer_state, reduced_grad, updated_param
-from harness.backends.recording import Materialized, Recording, StepScalars, gathered, train
+from harness.backends.recording import Materialized, Recording, StepScalars, gathered
 from harness.capture import Capture
 from harness.dtypes import DTYPES
 from harness.gpt import canonical_state, captured_modules, layout_of, mesh_of, param_specs
@@ -268,7 +268,8 @@ def _train(job, cap, ctx, config, chunks, scheduler, mesh, forward_backward, fin
 
     config.finalize_model_grads_func = finalize
     config.grad_scale_func = opt.scale_loss
-    train(rec, side.steps, fns)
+    # plain training unless it saves or resumes (a checkpoint side has one model chunk: harness.rules)
+    checkpoint.train(job, rec, fns, chunks[0], opt, scheduler, ctx)
 
 
 class _MegatronStep:
