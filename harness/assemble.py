@@ -4,6 +4,9 @@ Weights, gradients and optimizer state are rebuilt from their layouts (the rank 
 shard found through the trace's mesh coordinates). Activations, logits and per-sample losses
 are keyed by global sample id, so traces of different topologies line up sample by sample.
 
+:class:`LazyLogical` assembles each logical tensor when it is asked for and keeps none (a
+compare streams them); :func:`assemble_trace` builds them all at once.
+
 While assembling, two invariants of the trace itself are checked (each trace on its own):
 ``replica`` - a tensor declared Replicate on a mesh axis is bitwise equal on every rank of
 that axis; ``padding`` - GTP pad rows of weights and gradients are zero.

@@ -2,8 +2,12 @@
 
 Two phases, as ``torch.testing`` does: pair up what to compare (same step, kind and name;
 activations by global sample id), then measure every pair and judge it under the policy.
-Results are data: one row per (step, kind, tensor) in a pandas DataFrame; text and HTML are
-views of it. The first divergence and its signature come from :mod:`harness.localize`.
+Pairs are streamed (:mod:`harness.pairs`): one logical tensor of each trace is assembled,
+measured and dropped at a time, in one process, ``jobs`` worker processes or torchrun's
+ranks (:mod:`harness.parallel`), with the same rows. Results are data: one row per
+(step, kind, tensor) in a pandas DataFrame; text and HTML are views of it. The first
+divergence and its signature come from :mod:`harness.localize`, which re-reads the few
+tensors its signatures need.
 
 Metrics per pair (:mod:`harness.metrics`, one streaming pass that also measures what the
 judgement needs): bitwise equality, max abs and max rel difference (with the index of the

@@ -113,7 +113,6 @@ class Trace:
     """rank -> the free-form facts the rank recorded."""
     verify: bool = True
     """Check each tensor against its recorded content hash when it is first read."""
-    _files: dict = field(default_factory=dict, repr=False)
     _verified: set = field(default_factory=set, repr=False)
 
     @property
@@ -129,19 +128,16 @@ class Trace:
 
     def tensor(self, entry: Entry) -> torch.Tensor:
         path = self.path / f"rank{entry.rank}" / f"step{entry.step}.safetensors"
-        # Files are memory-mapped and each tensor read when asked for: a compare holds the
-        # tensors it is working on, not whole traces.
-        if path not in self._files:
-            try:
-                self._files[path] = safe_open(str(path), framework="pt")
-            except FileNotFoundError:
-                raise BadInput(str(path), "missing tensor file listed in the rank index") from None
-            except (SafetensorError, OSError, ValueError) as e:
-                raise BadInput(str(path), f"corrupt or truncated safetensors file ({e})") from None
-        if entry.key not in self._files[path].keys():
-            raise BadInput(str(path), f"tensor {entry.key!r} listed in the index is missing")
+        # Each read maps the file anew and the tensor owns that mapping: its pages leave the
+        # process's resident set with the tensor. A handle kept open would keep every page
+        # read through it resident (a streaming compare would grow to the traces' size).
         try:
-            t = self._files[path].get_tensor(entry.key)
+            with safe_open(str(path), framework="pt") as f:
+                if entry.key not in f.keys():
+                    raise BadInput(str(path), f"tensor {entry.key!r} listed in the index is missing")
+                t = f.get_tensor(entry.key)
+        except FileNotFoundError:
+            raise BadInput(str(path), "missing tensor file listed in the rank index") from None
         except (SafetensorError, OSError, ValueError) as e:
             raise BadInput(str(path), f"corrupt or truncated safetensors file ({e})") from None
         if tuple(t.shape) != tuple(entry.local_shape):

@@ -1,12 +1,16 @@
 """Planted faults: the localizer names the right step, phase, tensor, ranks and signature."""
 
 import fnmatch
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 
-from harness import scenario
+from harness import cli, scenario
 from harness.faults import CATALOG
-from tests.helpers import ASSETS, run, summary
+from tests.helpers import ASSETS, ROOT, run, summary
 
 # The faults the megatron fault matrix plants (the FP8 one is planted in tests/test_fp8.py).
 PLANTED = sorted({f for s in scenario.load(ASSETS / "faults.toml") for f in s.candidate.inject})
@@ -65,3 +69,25 @@ def test_planted_faults_leave_installed_code_untouched(fault_run):
     # Each fault patches in the worker and undoes it; a clean side in the same launch passed.
     s = summary(fault_run, "fault-gtp-rs-no-prescale")
     assert s["checked"]["param"] > 0 and s["invariants"]["replica"] == []
+
+
+@pytest.mark.parametrize("fault", ["gtp-ag-swap-shards", "gtp-pad-leak"])
+def test_compare_split_over_jobs_and_ranks_gives_one_process_summary(fault_run, fault, tmp_path):
+    """``--jobs 2`` (worker processes) and ``torchrun --nproc-per-node 2`` (ranks, rows
+    gathered as JSON over gloo) write the same summary.json and results.csv as one process:
+    permuted blocks are localized by re-reading tensors after the split, pad rows from the
+    invariant violations the workers found."""
+    paths = summary(fault_run, f"fault-{fault}")["traces"]
+    args = ["compare", paths["reference"], paths["candidate"], "--golden", paths["golden"]]
+    assert cli.main([*args, "--out", str(tmp_path / "one")]) == 1
+    assert cli.main([*args, "--out", str(tmp_path / "jobs"), "--jobs", "2"]) == 1
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "harness"]
+    done = subprocess.run([*torchrun, *args, "--out", str(tmp_path / "ranks")], env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 1, done.stderr[-2000:]
+    one = json.loads((tmp_path / "one" / "summary.json").read_text())
+    assert one["first_divergence"] == summary(fault_run, f"fault-{fault}")["first_divergence"]
+    for split in ("jobs", "ranks"):
+        for name in ("summary.json", "results.csv"):
+            assert (tmp_path / split / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), (split, name)

@@ -186,6 +186,11 @@ def test_tensors_swapped_inside_a_file_are_refused(tmp_path, capsys):
     assert torch.equal(trace.read(tmp_path / "t", verify=False).tensor(entry), tensors[a])  # opt-out
     code = cli.main(["compare", str(tmp_path / "t"), str(tmp_path / "t"), "--out", str(tmp_path / "cmp")])
     assert code == 2 and "content hash" in capsys.readouterr().err
+    # Found by a worker process of --jobs 2: the same one-line bad input, nothing written.
+    code = cli.main(["compare", str(tmp_path / "t"), str(tmp_path / "t"), "--out", str(tmp_path / "jobs"), "--jobs", "2"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "|0.bias" in err and "content hash" in err
+    assert not (tmp_path / "jobs" / "summary.json").exists()
 
 
 def test_comparing_two_models_is_a_bad_input(tmp_path, capsys):
