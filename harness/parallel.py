@@ -65,8 +65,12 @@ def over_processes(traces: dict, policy, jobs: int) -> list[Part]:
             "policy": dataclasses.asdict(policy), "parts": jobs,
         }))  # fmt: skip
         results = [Path(tmp) / f"part{i}.json" for i in range(jobs)]
+        # Each worker in its own session, as torchrun starts its ranks: under Linux's autogroup
+        # scheduling a session's processes share one session's CPU time, so on a busy machine
+        # workers left in the caller's session would split one share instead of adding theirs.
         procs = [subprocess.Popen([sys.executable, "-m", WORKER, str(spec), str(i), str(results[i])], env=env,
-                                  stderr=subprocess.PIPE, text=True) for i in range(jobs)]  # fmt: skip
+                                  stderr=subprocess.PIPE, text=True, start_new_session=True)
+                 for i in range(jobs)]  # fmt: skip
         try:
             errors = [p.communicate()[1] for p in procs]
         finally:
