@@ -114,13 +114,15 @@ def launched_by_torchrun() -> bool:
 
 @contextmanager
 def rank_group():
-    """A gloo process group over torchrun's ranks for the duration (none outside torchrun)."""
+    """A gloo process group over torchrun's ranks for the duration; yields whether it opened
+    one (not outside torchrun, nor inside a program that has its own group: the pytest
+    plugin under torchrun runs a compare on one rank only)."""
     if not launched_by_torchrun() or dist.is_initialized():
-        yield
+        yield False
         return
     dist.init_process_group("gloo")
     try:
-        yield
+        yield True
     finally:
         dist.destroy_process_group()
 

@@ -190,9 +190,8 @@ def compare_traces(ref: Path, cand: Path, golden: Path | None, out: Path,
                    policy: ComparePolicy | None = None, verify: bool = True, jobs: int = 1) -> int:
     """Compare three traces into ``out``; under torchrun, split over the ranks (every rank
     returns rank 0's exit code)."""
-    with parallel.rank_group():
-        ranks = parallel.world() > 1
+    with parallel.rank_group() as ranks:
         doc = compare_scenario(None, {"reference": ref, "candidate": cand, "golden": golden}, out,
                                policy=policy, verify=verify, jobs=jobs, ranks=ranks)
         code = EXIT_PASS if doc is None or doc["verdict"] in GATE_PASSES else EXIT_PARITY_FAIL
-        return parallel.share_exit_code(code)
+        return parallel.share_exit_code(code) if ranks else code
