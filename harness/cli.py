@@ -53,7 +53,8 @@ def _cmd_run(args) -> int:
     scenarios = scenario.load(args.scenario, limits=not args.no_limits)
     if args.inject:
         scenarios = [_with_fault(s, args.inject, args.inject_side) for s in scenarios]
-    return run_scenarios(scenarios, out, parallel=args.jobs, verbose=True, fresh=args.fresh)
+    return run_scenarios(scenarios, out, parallel=args.jobs, verbose=True, fresh=args.fresh,
+                         compare_jobs=args.compare_jobs)
 
 
 def _with_fault(s, names: list[str], role: str):
@@ -82,7 +83,8 @@ def _cmd_matrix(args) -> int:
         raise BadInput("--update-baseline", "needs --baseline DIR to write to")
     out, report_dir = _out_dir(args.out, "--out"), _out_dir(args.report, "--report")
     scenarios = scenario.load(args.matrix, limits=not args.no_limits)
-    code = run_scenarios(scenarios, out, parallel=args.jobs, verbose=True, fresh=args.fresh)
+    code = run_scenarios(scenarios, out, parallel=args.jobs, verbose=True, fresh=args.fresh,
+                         compare_jobs=args.compare_jobs)
     print(f"report: {report.write_index(out, report_dir)}")
     junit = Path(args.junit) if args.junit else report_dir / "junit.xml"
     print(f"junit: {report.write_junit(out, junit)}")
@@ -116,7 +118,8 @@ def _cmd_compare(args) -> int:
     chosen = {k: v for k, v in chosen.items() if v is not None}
     golden = Path(args.golden) if args.golden else None
     return compare_traces(Path(args.reference), Path(args.candidate), golden, _out_dir(args.out, "--out"),
-                          ComparePolicy(**chosen) if chosen else None, verify=not args.no_verify)  # fmt: skip
+                          ComparePolicy(**chosen) if chosen else None, verify=not args.no_verify,
+                          jobs=args.jobs)  # fmt: skip
 
 
 def _non_negative(text: str) -> float:
@@ -151,6 +154,8 @@ def _run_options(p: argparse.ArgumentParser) -> None:
     """Options shared by ``run`` and ``matrix``."""
     p.add_argument("--jobs", type=_positive_int, default=min(2, os.cpu_count() or 1),
                    help="launches run at once (default: 2)")
+    p.add_argument("--compare-jobs", type=_positive_int, default=1,
+                   help="worker processes comparing each scenario's tensors (default 1)")
     p.add_argument("--fresh", action="store_true",
                    help="run every side again, even where a complete trace of the same configuration and code exists")
     _limits_option(p)
@@ -231,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--k", type=_non_negative, help="noise-floor k (default 4)")
     c.add_argument("--k-first-step", type=_non_negative, help="noise-floor k at step 1 (default: k)")
     c.add_argument("--floor", type=_non_negative, help="noise-floor floor in eps x max|golden| (default 8)")
+    c.add_argument("--jobs", type=_positive_int, default=1,
+                   help="worker processes measuring the tensors (default 1); under torchrun the ranks share them")
     c.add_argument("--no-verify", action="store_true",
                    help="skip checking each tensor against the content hash recorded when it was written")
     c.set_defaults(fn=_cmd_compare)

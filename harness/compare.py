@@ -2,8 +2,12 @@
 
 Two phases, as ``torch.testing`` does: pair up what to compare (same step, kind and name;
 activations by global sample id), then measure every pair and judge it under the policy.
-Results are data: one row per (step, kind, tensor) in a pandas DataFrame; text and HTML are
-views of it. The first divergence and its signature come from :mod:`harness.localize`.
+Pairs are streamed (:mod:`harness.pairs`): one logical tensor of each trace is assembled,
+measured and dropped at a time, in one process, ``jobs`` worker processes or torchrun's
+ranks (:mod:`harness.parallel`), with the same rows. Results are data: one row per
+(step, kind, tensor) in a pandas DataFrame; text and HTML are views of it. The first
+divergence and its signature come from :mod:`harness.localize`, which re-reads the few
+tensors its signatures need.
 
 Metrics per pair (:mod:`harness.metrics`, one streaming pass that also measures what the
 judgement needs): bitwise equality, max abs and max rel difference (with the index of the
@@ -31,6 +35,7 @@ so are the steps of ``exact_steps`` (a checkpoint's load step: the loaded state 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from typing import NamedTuple
@@ -38,8 +43,9 @@ from typing import NamedTuple
 import pandas as pd
 import torch
 
-from harness import bounds, localize
-from harness.assemble import Logical, assemble_trace
+from harness import bounds, localize, pairs, parallel
+from harness.fingerprint import BLOCK_DIGESTS, DIGESTS
+from harness.assemble import LazyLogical, Logical
 from harness.metrics import PairStats, measure, metrics, ulp_distance  # noqa: F401 (re-exported)
 from harness.scenario import ComparePolicy
 from harness.steps import per_sample_losses, step_table
@@ -95,50 +101,71 @@ def _needs(policy: ComparePolicy, step: int, golden, recipe: str, dtype: torch.d
     return golden, tolerances(recipe, dtype if dtype in DTYPE_TOLS else torch.float32)
 
 
-def _pairs(ref: Logical, cand: Logical, golden: Logical | None):
-    """Yield (step, kind, name, sample_id or None, ref, cand, golden) for every common tensor."""
-    for key, r in ref.tensors.items():
-        if key in cand.tensors:
-            g = golden.tensors.get(key) if golden else None
-            if g is None and golden and key[1] == "master":  # the golden's weights are its masters
-                g = golden.tensors.get((key[0], "param", key[2]))
-            yield (*key, None, r, cand.tensors[key], g)
-    for key, rs in ref.samples.items():
-        cs = cand.samples.get(key)
-        if cs is None:
-            continue
-        gs = golden.samples.get(key, {}) if golden else {}
-        ids = sorted(set(rs) & set(cs))
-        if ids:
-            yield (*key, ids, torch.stack([rs[i] for i in ids]), torch.stack([cs[i] for i in ids]),
-                   torch.stack([gs[i] for i in ids]) if all(i in gs for i in ids) else None)  # fmt: skip
-
-
-def compare(traces: dict[str, Trace], policy: ComparePolicy | None = None) -> dict:
-    """Compare the candidate with the reference (and golden); see the module docstring."""
-    policy = policy or ComparePolicy()
-    logical = {role: assemble_trace(t) for role, t in traces.items()}
+def pair_row(task: pairs.Task, logical: dict, policy: ComparePolicy, recipe: str = "none"):
+    """Assemble, measure and judge one pair task: (its row or None, the sum of squared
+    differences of a main_grad or None). The tensors are dropped on return."""
     ref, cand, golden = logical["reference"], logical["candidate"], logical.get("golden")
+    step, kind, name = key = task.key
+    if key in ref.samples:
+        rs, cs = ref.samples[key], cand.samples[key]
+        gs = golden.samples[key] if golden is not None and key in golden.samples else {}
+        ids = sorted(set(rs) & set(cs))
+        if not ids:
+            return None, None
+        r, c = torch.stack([rs[i] for i in ids]), torch.stack([cs[i] for i in ids])
+        g = torch.stack([gs[i] for i in ids]) if all(i in gs for i in ids) else None
+        del rs, cs, gs
+    else:
+        ids, r, c = None, ref.tensors[key], cand.tensors[key]
+        g = golden.tensors[task.golden_key] if task.golden_key is not None else None
+    if r.shape != c.shape:
+        return {"step": step, "kind": kind, "tensor": name, "passed": False, "policy": "shape",
+                "detail": f"shape {tuple(r.shape)} vs {tuple(c.shape)}"}, None  # fmt: skip
+    if g is not None and step == 0:
+        g = g.to(c.dtype)  # initial weights: the golden's, cast as every side casts them
+    m, stats = measure(r, c, *_needs(policy, step, g, recipe, c.dtype))
+    j = judge(policy, step, r, c, g, m, recipe, stats)
+    # The grad-norm consistency reuses a main_grad's squared differences.
+    sq_diff = stats.sq_diff if kind == "main_grad" and not m["nonfinite_mismatch"] else None
+    if j.ref_err_golden is not None:
+        m.update(ref_err_golden=j.ref_err_golden, cand_err_golden=j.cand_err_golden)
+    elif g is not None:
+        m.update(ref_err_golden=stats.rms("ref"), cand_err_golden=stats.rms("cand"))
+    return {"step": step, "kind": kind, "tensor": name, "passed": j.passed, "policy": j.policy,
+            "bound": j.bound, "dtype": str(c.dtype).replace("torch.", ""),
+            "shape": list(r.shape), "sample_ids": ids, **m}, sq_diff  # fmt: skip
+
+
+def part_of(traces: dict[str, Trace], policy: ComparePolicy, part: int, parts: int) -> pairs.Part:
+    """Measure this process's share (``part`` of ``parts``) of a compare's tasks."""
+    logical = {role: LazyLogical(t) for role, t in traces.items()}
+    share = pairs.partition(pairs.plan(logical), logical, parts)[part]
+    return pairs.run(share, logical, functools.partial(pair_row, policy=policy, recipe=recipe_of(traces)))
+
+
+def compare(traces: dict[str, Trace], policy: ComparePolicy | None = None, jobs: int = 1,
+            ranks: bool = False) -> dict | None:
+    """Compare the candidate with the reference (and golden); see the module docstring.
+
+    Streams: each logical tensor is assembled, measured and dropped (:mod:`harness.pairs`).
+    ``jobs`` > 1 splits the tensors over that many worker processes; ``ranks``, under
+    torchrun with a process group, over the ranks, rank 0 returning the summary and the
+    others None. The summary is the same however the work is split.
+    """
+    policy = policy or ComparePolicy()
+    logical = {role: LazyLogical(t) for role, t in traces.items()}
     recipe = recipe_of(traces)
-    rows, sq_diff = [], {}
-    for step, kind, name, ids, r, c, g in _pairs(ref, cand, golden):
-        if r.shape != c.shape:
-            rows.append({"step": step, "kind": kind, "tensor": name, "passed": False, "policy": "shape",
-                         "detail": f"shape {tuple(r.shape)} vs {tuple(c.shape)}"})  # fmt: skip
-            continue
-        if g is not None and step == 0:
-            g = g.to(c.dtype)  # initial weights: the golden's, cast as every side casts them
-        m, stats = measure(r, c, *_needs(policy, step, g, recipe, c.dtype))
-        j = judge(policy, step, r, c, g, m, recipe, stats)
-        if kind == "main_grad" and not m["nonfinite_mismatch"]:
-            sq_diff[(step, kind, name)] = stats.sq_diff  # the grad-norm consistency reuses it
-        if j.ref_err_golden is not None:
-            m.update(ref_err_golden=j.ref_err_golden, cand_err_golden=j.cand_err_golden)
-        elif g is not None:
-            m.update(ref_err_golden=stats.rms("ref"), cand_err_golden=stats.rms("cand"))
-        rows.append({"step": step, "kind": kind, "tensor": name, "passed": j.passed, "policy": j.policy,
-                     "bound": j.bound, "dtype": str(c.dtype).replace("torch.", ""),
-                     "shape": list(r.shape), "sample_ids": ids, **m})  # fmt: skip
+    if ranks and parallel.world() > 1:
+        parts = parallel.over_ranks(lambda: part_of(traces, policy, parallel.rank(), parallel.world()))
+        if parts is None:
+            return None
+    elif jobs > 1:
+        parts = parallel.over_processes(traces, policy, jobs)
+    else:
+        parts = [pairs.run(list(enumerate(pairs.plan(logical))), logical,
+                           functools.partial(pair_row, policy=policy, recipe=recipe))]  # fmt: skip
+    rows, sq_diff = pairs.merge(parts, logical["candidate"])
+    ref, cand = logical["reference"], logical["candidate"]
     rows += compare_fingerprints(ref, cand, traces)
     scalars = _pool_loss_noise(_compare_scalars(traces, policy, recipe), policy)
     worlds = (traces["reference"].world_size, traces["candidate"].world_size)
@@ -181,7 +208,7 @@ def compare_fingerprints(ref: Logical, cand: Logical, traces: dict[str, Trace]) 
         if same_mesh:
             differing = {r: [i for i, (a, b) in enumerate(zip(rf[r]["blocks"], cf[r]["blocks"]))
                              if _block_digest(a) != _block_digest(b)]
-                         for r in sorted(set(rf) & set(cf)) if rf[r]["sha256"] != cf[r]["sha256"]}  # fmt: skip
+                         for r in sorted(set(rf) & set(cf)) if _whole_digest(rf[r]) != _whole_digest(cf[r])}  # fmt: skip
             row.update(passed=not differing, bitwise_equal=not differing, ranks=sorted(differing),
                        differing_blocks={str(r): b for r, b in differing.items()})  # fmt: skip
         else:
@@ -192,9 +219,17 @@ def compare_fingerprints(ref: Logical, cand: Logical, traces: dict[str, Trace]) 
     return rows
 
 
-def _block_digest(block: dict) -> str | None:
-    """A block's checksum: CRC-32 since fingerprints became cheap, a sha256 prefix before."""
-    return block.get("crc32", block.get("sha256"))
+def _whole_digest(fp: dict) -> tuple[str, str]:
+    """A fingerprint's whole-tensor digest with its algorithm (a digest of another algorithm
+    never equals it): the fingerprint records it under the algorithm's name."""
+    alg = next((a for a in DIGESTS if a in fp), "sha256")
+    return alg, fp.get(alg)
+
+
+def _block_digest(block: dict) -> tuple[str, str | None]:
+    """A block's checksum with its algorithm: xxh3_64 or CRC-32, a sha256 prefix in older traces."""
+    alg = next((a for a in BLOCK_DIGESTS if a in block), "sha256")
+    return alg, block.get(alg)
 
 
 def _fingerprint_norm(fps: dict[int, dict], trace: Trace) -> float:
@@ -303,7 +338,7 @@ def _grad_norm_consistency(rows: list[dict], ref: Logical, cand: Logical, policy
                              for k in keys))  # fmt: skip
         largest = max(_padded_numel(side, k) for side in (ref, cand) for k in keys)
         rel = bounds.norm_rel_error(largest, len(keys), max(world_sizes))
-        diff_rel = bounds.gamma(sum(ref.tensors[k].numel() for k in keys) + 2, torch.float64)
+        diff_rel = bounds.gamma(sum(math.prod(ref.shape(k)) for k in keys) + 2, torch.float64)
         r["grad_diff_norm"] = diff
         r["bound"] = diff * (1 + diff_rel) + rel / (1 - rel) * (abs(r["ref_value"]) + abs(r["cand_value"]))
         r["passed"] = abs(r["cand_value"] - r["ref_value"]) <= r["bound"]
@@ -313,10 +348,10 @@ def _grad_norm_consistency(rows: list[dict], ref: Logical, cand: Logical, policy
 
 def _padded_numel(logical: Logical, key: tuple) -> int:
     """Elements of a logical tensor plus its GTP pad rows: no rank's shard holds more."""
-    t = logical.tensors[key]
+    shape = logical.shape(key)  # from the layout: nothing is read
     layout = logical.shard_owner.get(key, {}).get("layout")
-    pad = sum(layout.pads.values()) if layout is not None and t.dim() else 0
-    return t.numel() + pad * (t[0].numel() if t.dim() else 0)
+    pad = sum(layout.pads.values()) if layout is not None and shape else 0
+    return math.prod(shape) + pad * (math.prod(shape[1:]) if shape else 0)
 
 
 def _scalar_row(step, name, r, c, g, policy, recipe: str = "none") -> dict:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from harness import steps, trace
+from harness import parallel, steps, trace
 from harness.errors import EXIT_PARITY_FAIL, EXIT_PASS, EXIT_RUN_FAILED
 from harness.provenance import differences
 from harness.runner import execute, plan
@@ -49,7 +49,7 @@ def check_mlm_flags(scenarios: list[Scenario]) -> None:
 
 
 def run_scenarios(scenarios: list[Scenario], out: Path, parallel: int = 2, verbose: bool = False,
-                  fresh: bool = False) -> int:
+                  fresh: bool = False, compare_jobs: int = 1) -> int:
     """Run, compare and summarize every scenario; return the exit code of the worst."""
     say = print if verbose else (lambda *a, **k: None)
     out.mkdir(parents=True, exist_ok=True)
@@ -85,7 +85,7 @@ def run_scenarios(scenarios: list[Scenario], out: Path, parallel: int = 2, verbo
         paths = {r: Path(j.trace_dir) for r, j in jobs.items() if r != "source"}  # the saver: not compared
         if reads_mock_data(s):  # the golden reads the synthetic samples: no measure of these
             paths["golden"] = None
-        summary = compare_scenario(s, paths, sdir, say)
+        summary = compare_scenario(s, paths, sdir, say, jobs=compare_jobs)
         results.append(summary)
         if summary["verdict"] not in GATE_PASSES:
             worst = max(worst, EXIT_PARITY_FAIL)
@@ -126,13 +126,19 @@ def judge_expectation(doc: dict, expect: Expectation | None) -> None:
 
 
 def compare_scenario(s: Scenario | None, paths: dict[str, Path], sdir: Path, say=print,
-                     policy: ComparePolicy | None = None, verify: bool = True) -> dict:
+                     policy: ComparePolicy | None = None, verify: bool = True, jobs: int = 1,
+                     ranks: bool = False) -> dict | None:
     """Compare the traces of one scenario; write steps.csv/json, results.csv, summary.json.
-    ``policy`` overrides the scenario's (offline re-judging of existing traces)."""
+    ``policy`` overrides the scenario's (offline re-judging of existing traces). ``jobs``:
+    worker processes; ``ranks``: split over torchrun's ranks, rank 0 writing everything and
+    returning the summary, the other ranks measuring their share and returning None."""
     from harness.compare import compare
 
     traces = {role: trace.read(p, verify=verify) for role, p in paths.items() if p is not None}
     trace.check_same_model(traces)
+    policy = policy or (s.compare if s else None)
+    if ranks and parallel.rank() != 0:
+        return compare(traces, policy=policy, ranks=True)
     sdir.mkdir(parents=True, exist_ok=True)
     table = steps.step_table(traces)
     table.to_csv(sdir / "steps.csv", index=False)
@@ -141,7 +147,7 @@ def compare_scenario(s: Scenario | None, paths: dict[str, Path], sdir: Path, say
     name = s.name if s else sdir.name
     say(f"\n== {name}")
     say(steps.format_steps(table))
-    summary = compare(traces, policy=policy or (s.compare if s else None))
+    summary = compare(traces, policy=policy, jobs=jobs, ranks=ranks)
     summary["results"].to_csv(sdir / "results.csv", index=False)
     doc = {k: v for k, v in summary.items() if k != "results"}
     if warnings := provenance_warnings(traces):
@@ -198,7 +204,11 @@ def _config(s: Scenario) -> dict:
 
 
 def compare_traces(ref: Path, cand: Path, golden: Path | None, out: Path,
-                   policy: ComparePolicy | None = None, verify: bool = True) -> int:
-    doc = compare_scenario(None, {"reference": ref, "candidate": cand, "golden": golden}, out,
-                           policy=policy, verify=verify)
-    return EXIT_PASS if doc["verdict"] in GATE_PASSES else EXIT_PARITY_FAIL
+                   policy: ComparePolicy | None = None, verify: bool = True, jobs: int = 1) -> int:
+    """Compare three traces into ``out``; under torchrun, split over the ranks (every rank
+    returns rank 0's exit code)."""
+    with parallel.rank_group() as ranks:
+        doc = compare_scenario(None, {"reference": ref, "candidate": cand, "golden": golden}, out,
+                               policy=policy, verify=verify, jobs=jobs, ranks=ranks)
+        code = EXIT_PASS if doc is None or doc["verdict"] in GATE_PASSES else EXIT_PARITY_FAIL
+        return parallel.share_exit_code(code) if ranks else code

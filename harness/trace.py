@@ -37,6 +37,8 @@ from harness.layout import Layout
 
 FORMAT = "gtp-parity-trace"
 FORMAT_VERSION = 1
+READ_BUDGET = 64 << 20
+"""Bytes read through a trace's open file handles before they are closed (see Trace.tensor)."""
 
 
 def write_json(path: Path, doc: Any) -> None:
@@ -131,8 +133,9 @@ class Trace:
     """rank -> the free-form facts the rank recorded."""
     verify: bool = True
     """Check each tensor against its recorded content hash when it is first read."""
-    _files: dict = field(default_factory=dict, repr=False)
     _verified: set = field(default_factory=set, repr=False)
+    _files: dict = field(default_factory=dict, repr=False)
+    _read: int = field(default=0, repr=False)
 
     @property
     def complete(self) -> bool:
@@ -147,8 +150,13 @@ class Trace:
 
     def tensor(self, entry: Entry) -> torch.Tensor:
         path = self.path / f"rank{entry.rank}" / f"step{entry.step}.safetensors"
-        # Files are memory-mapped and each tensor read when asked for: a compare holds the
-        # tensors it is working on, not whole traces.
+        # Files are memory-mapped and each tensor read when asked for. An open handle keeps
+        # every page read through it resident, after the tensors are gone: the handles are
+        # dropped once READ_BUDGET bytes have been read through them, so a streaming compare
+        # holds its live tensors plus at most that much per trace, whatever the traces' size.
+        if self._read > READ_BUDGET:
+            self._files.clear()
+            self._read = 0
         if path not in self._files:
             try:
                 self._files[path] = safe_open(str(path), framework="pt")
@@ -162,6 +170,7 @@ class Trace:
             t = self._files[path].get_tensor(entry.key)
         except (SafetensorError, OSError, ValueError) as e:
             raise BadInput(str(path), f"corrupt or truncated safetensors file ({e})") from None
+        self._read += t.numel() * t.element_size()
         if tuple(t.shape) != tuple(entry.local_shape):
             raise BadInput(
                 str(path), f"tensor {entry.key!r} has shape {tuple(t.shape)}, index says {entry.local_shape}"

@@ -300,6 +300,8 @@ ARGUMENTS = [
     ("compare-k-negative", ["compare", "{t}", "{t}", "--k", "-1"], "--k", ">= 0"),
     ("compare-floor-inf", ["compare", "{t}", "{t}", "--floor", "inf"], "--floor", "finite"),
     ("compare-policy-unknown", ["compare", "{t}", "{t}", "--policy", "fuzzy"], "--policy", "invalid choice"),
+    ("compare-jobs-zero", ["compare", "{t}", "{t}", "--jobs", "0"], "--jobs", ">= 1"),
+    ("run-compare-jobs-zero", ["run", "{s}", "--compare-jobs", "0"], "--compare-jobs", ">= 1"),
     ("compare-not-a-trace", ["compare", "{dir}", "{dir}", "--out", "{out}"], "{dir}", "not a trace"),
     ("compare-a-file", ["compare", "{file}", "{file}", "--out", "{out}"], "{file}", "not a trace folder"),
     ("compare-out-is-file", ["compare", "{dir}", "{dir}", "--out", "{file}"], "--out", "not a folder"),

@@ -1,13 +1,17 @@
 """Planted faults: the localizer names the right step, phase, tensor, ranks and signature."""
 
 import fnmatch
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 
-from harness import scenario
+from harness import cli, scenario
 from harness.fault_catalog import MOE_FAULTS
 from harness.faults import CATALOG
-from tests.helpers import ASSETS, run, summary
+from tests.helpers import ASSETS, ROOT, run, summary
 
 # The faults the megatron fault matrix plants (the FP8 one is planted in tests/test_fp8.py).
 PLANTED = sorted({f for s in scenario.load(ASSETS / "faults.toml") for f in s.candidate.inject})
@@ -78,3 +82,27 @@ def test_planted_faults_leave_installed_code_untouched(fault_run):
     # Each fault patches in the worker and undoes it; a clean side in the same launch passed.
     s = summary(fault_run, "fault-gtp-rs-no-prescale")
     assert s["checked"]["param"] > 0 and s["invariants"]["replica"] == []
+
+
+# Permuted blocks are localized by re-reading tensors after the split; pad rows come from the
+# invariant violations the workers found (the ranks' gather is the same JSON: one case).
+@pytest.mark.parametrize(("fault", "splits"), [("gtp-ag-swap-shards", ("jobs", "ranks")), ("gtp-pad-leak", ("jobs",))])
+def test_compare_split_over_jobs_and_ranks_gives_one_process_summary(fault_run, fault, splits, tmp_path):
+    """``--jobs 2`` (worker processes) and ``torchrun --nproc-per-node 2`` (ranks, rows
+    gathered as JSON over gloo) write the same summary.json and results.csv as one process."""
+    paths = summary(fault_run, f"fault-{fault}")["traces"]
+    args = ["compare", paths["reference"], paths["candidate"], "--golden", paths["golden"]]
+    out = {split: tmp_path / split / "cmp" for split in ("one", "jobs", "ranks")}  # same name: same summary
+    assert cli.main([*args, "--out", str(out["one"])]) == 1
+    assert cli.main([*args, "--out", str(out["jobs"]), "--jobs", "2"]) == 1
+    if "ranks" in splits:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "harness"]
+        done = subprocess.run([*torchrun, *args, "--out", str(out["ranks"])], env=env, capture_output=True,
+                              text=True, timeout=300)  # fmt: skip
+        assert done.returncode == 1, done.stderr[-2000:]
+    one = json.loads((out["one"] / "summary.json").read_text())
+    assert one["first_divergence"] == summary(fault_run, f"fault-{fault}")["first_divergence"]
+    for split in splits:
+        for name in ("summary.json", "results.csv"):
+            assert (out[split] / name).read_bytes() == (out["one"] / name).read_bytes(), (split, name)

@@ -56,7 +56,7 @@ def test_fingerprint_mode_stores_no_tensors(tmp_path):
     plain_loop_trace(tmp_path / "t", CapturePolicy(mode="fingerprint"))
     t = trace.read(tmp_path / "t")
     fps = [e.fingerprint for e in t.entries if e.kind == "param"]
-    assert fps and all(len(fp["sha256"]) == 64 and fp["blocks"] and "crc32" in fp["blocks"][0] for fp in fps)
+    assert fps and all(len(fp["xxh3_128"]) == 32 and fp["blocks"] and "xxh3_64" in fp["blocks"][0] for fp in fps)
     assert not list((tmp_path / "t" / "rank0").glob("step1.safetensors")) or all(
         e.kind == "input" for e in t.entries if e.fingerprint is None)
 
@@ -146,15 +146,22 @@ def test_layout_of_activation_is_per_sample(good):
     assert isinstance(entry.layout, Layout) and entry.sample_ids == (2, 3)
 
 
-def test_fingerprint_traces_compare_by_hash_and_name_the_block(tmp_path):
+@pytest.mark.parametrize("whole,block", [("xxh3_128", "xxh3_64"), ("sha256", "crc32")])
+def test_fingerprint_traces_compare_by_hash_and_name_the_block(tmp_path, monkeypatch, whole, block):
+    """Today's digests, and those of traces fingerprinted before xxh3 (sha256 and CRC-32)."""
+    from harness import fingerprint as fingerprint_mod
+
+    monkeypatch.setattr(fingerprint_mod, "WHOLE_DIGEST", whole)
+    monkeypatch.setattr(fingerprint_mod, "BLOCK_DIGEST", block)
     plain_loop_trace(tmp_path / "a", CapturePolicy(mode="fingerprint"))
     plain_loop_trace(tmp_path / "b", CapturePolicy(mode="fingerprint"))
     idx_path = tmp_path / "b" / "rank0" / "index.json"
     idx = json.loads(idx_path.read_text())
     for e in idx["tensors"]:
         if e["kind"] == "param" and e["name"] == "0.weight" and e["step"] == 2:
-            e["fingerprint"]["sha256"] = "0" * 64
-            e["fingerprint"]["blocks"][1]["crc32"] = "f" * 8
+            assert whole in e["fingerprint"] and block in e["fingerprint"]["blocks"][1]
+            e["fingerprint"][whole] = "0" * 32
+            e["fingerprint"]["blocks"][1][block] = "f" * 8
     idx_path.write_text(json.dumps(idx))
     from harness.compare import compare
 
@@ -186,6 +193,11 @@ def test_tensors_swapped_inside_a_file_are_refused(tmp_path, capsys):
     assert torch.equal(trace.read(tmp_path / "t", verify=False).tensor(entry), tensors[a])  # opt-out
     code = cli.main(["compare", str(tmp_path / "t"), str(tmp_path / "t"), "--out", str(tmp_path / "cmp")])
     assert code == 2 and "content hash" in capsys.readouterr().err
+    # Found by a worker process of --jobs 2: the same one-line bad input, nothing written.
+    code = cli.main(["compare", str(tmp_path / "t"), str(tmp_path / "t"), "--out", str(tmp_path / "jobs"), "--jobs", "2"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "|0.bias" in err and "content hash" in err
+    assert not (tmp_path / "jobs" / "summary.json").exists()
 
 
 def test_traces_recorded_with_sha256_still_verify(tmp_path):
@@ -243,7 +255,7 @@ def test_fingerprint_statistics_within_the_rounding_of_their_sums(dtype):
     assert [i for i, (a, b) in enumerate(zip(fast["blocks"], fast_moved["blocks"])) if a != b] == [10]
     x[3, 7], x[9, 1] = float("nan"), float("inf")
     bad = fingerprint(x)
-    assert (bad["nan"], bad["inf"]) == (1, 1) and bad["max"] == fp["max"] and bad["sha256"] != fp["sha256"]
+    assert (bad["nan"], bad["inf"]) == (1, 1) and bad["max"] == fp["max"] and bad["xxh3_128"] != fp["xxh3_128"]
 
 
 def test_comparing_two_models_is_a_bad_input(tmp_path, capsys):
