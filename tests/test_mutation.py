@@ -176,7 +176,8 @@ def test_a_detected_mutant_does_not_run_the_later_scenarios(tmp_path, monkeypatc
                                 say=lambda *a: None)  # fmt: skip
     assert launched == [["x-crashed", "x-killed", "x-survives"], ["x-survives"]]
     by_id = {m["id"]: m for m in doc["mutants"]}
-    assert [by_id[i]["status"] for i in ("x-killed", "x-crashed", "x-survives")] == ["killed", "crashed", "survived"]
+    statuses = [by_id[i]["status"] for i in ("x-killed", "x-crashed", "x-survives")]
+    assert statuses == ["killed", "crashed", "survived"]
     assert len(by_id["x-survives"]["verdicts"]) == 2 and len(by_id["x-killed"]["verdicts"]) == 1
 
 
