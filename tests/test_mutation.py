@@ -159,7 +159,7 @@ def test_a_detected_mutant_does_not_run_the_later_scenarios(tmp_path, monkeypatc
     clean = {s.name: {"candidate": SimpleNamespace(provenance={"digest": "0" * 12})} for s in scenarios}
     launched = []
 
-    def run_jobs(jobs, *a):
+    def run_jobs(jobs, *a, **k):
         launched.append(sorted(j.side.mutant for j in jobs))
         return {j.key: "crashed" for j in jobs if j.side.mutant == "x-crashed"}
 

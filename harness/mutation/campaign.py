@@ -118,8 +118,10 @@ def mutant_scenarios(scenarios: list, mutants: list[Mutant], timeout_s: float) -
                    for s in scenarios] for m in mutants}  # fmt: skip
 
 
-def run_mutant_jobs(jobs: list, out: Path, per_launch: int, timeout_s: float, say) -> dict[str, str]:
-    """Run mutant sides, ``per_launch`` per launch; return job key -> crashed|timeout."""
+def run_mutant_jobs(jobs: list, out: Path, per_launch: int, timeout_s: float, say,
+                    prefix: str = "m") -> dict[str, str]:
+    """Run mutant sides, ``per_launch`` per launch (named ``prefix`` + a count, so that the
+    launches of each stage keep their own plan and log); return job key -> crashed|timeout."""
     failed: dict[str, str] = {}
     by_world = defaultdict(list)
     for j in jobs:
@@ -132,14 +134,14 @@ def run_mutant_jobs(jobs: list, out: Path, per_launch: int, timeout_s: float, sa
             n += 1
             try:
                 wall = launch(chunk, world=world, timeout_s={j.key: timeout_s for j in chunk},
-                              workdir=out / "launches", name=f"m{n}")  # fmt: skip
-                say(f"  launch m{n}: {len(chunk)} mutant side(s) in {wall:.1f} s")
+                              workdir=out / "launches", name=f"{prefix}{n}")  # fmt: skip
+                say(f"  launch {prefix}{n}: {len(chunk)} mutant side(s) in {wall:.1f} s")
             except RunFailed as e:
                 done = [j for j in chunk if trace.is_complete(j.trace_dir)]
                 rest = [j for j in chunk if j not in done]
                 culprit = rest[0]
                 failed[culprit.key] = TIMEOUT if "timed out" in str(e) else CRASHED
-                say(f"  launch m{n}: {culprit.side.mutant} {failed[culprit.key]}")
+                say(f"  launch {prefix}{n}: {culprit.side.mutant} {failed[culprit.key]}")
                 queue = rest[1:] + queue
     return failed
 
@@ -249,7 +251,7 @@ def run_campaign(mutants: list[Mutant], scenarios: list, out: Path, *, timeout_s
                 shutil.rmtree(j.trace_dir, ignore_errors=True)  # a side left incomplete is run again
         say(f"  {scenarios[i].name}: {len(alive)} mutant(s)")
         t = clock()
-        failed |= run_mutant_jobs(jobs, out, per_launch, timeout_s, say)
+        failed |= run_mutant_jobs(jobs, out, per_launch, timeout_s, say, prefix=f"m{i}-" if i else "m")
         t_run += clock() - t
         for m in alive:
             ran[m.id] += 1
