@@ -125,7 +125,7 @@ def test_campaign_end_to_end(tmp_path):
                     and m.operator == "constant" and m.replacement == "1.0")
     other = next(m for m in ms if m.function == "GTPShardedParam._reduce_scatter" and m.operator == "arith"
                  and "_debug_name" in m.original)
-    scenarios = scenario.load(ROOT / "scenarios" / "mutate.toml")
+    scenarios = scenario.load(ROOT / "scenarios" / "mutate.toml")[:1]  # the 2-rank scenario
     doc = campaign.run_campaign([prescale, other], scenarios, tmp_path, timeout_s=90, per_launch=12,
                                 triage={}, say=lambda *a: None)
     by_id = {m["id"]: m for m in doc["mutants"]}
@@ -139,6 +139,60 @@ def test_campaign_end_to_end(tmp_path):
     assert "&quot;" in html or "&#x27;" in html  # quoted source text is escaped
     assert json.loads((tmp_path / "mutants.json").read_text())["score"]["overall"]["total"] == 2
     assert show(tmp_path, prescale.id) == 0
+
+
+def test_a_detected_mutant_does_not_run_the_later_scenarios(tmp_path, monkeypatch):
+    """The matrix runs in stages: a mutant killed (or crashed) by the first scenario is not
+    launched on the second; a survivor runs both and is judged over both."""
+    from types import SimpleNamespace
+
+    from harness import scenario
+
+    scenarios = scenario.load(ROOT / "scenarios" / "mutate.toml")
+    assert len(scenarios) >= 2
+
+    def mutant(mid):
+        return Mutant(id=mid, module="m", file="f", function="f", operator="branch", line=1, end_line=1,
+                      start=0, end=1, original="a", replacement="b")  # fmt: skip
+
+    ms = [mutant("x-killed"), mutant("x-crashed"), mutant("x-survives")]
+    clean = {s.name: {"candidate": SimpleNamespace(provenance={"digest": "0" * 12})} for s in scenarios}
+    launched = []
+
+    def run_jobs(jobs, *a, **k):
+        launched.append(sorted(j.side.mutant for j in jobs))
+        return {j.key: "crashed" for j in jobs if j.side.mutant == "x-crashed"}
+
+    def verdict(s, by_s, failed, out, clean):
+        if by_s[s.name]["candidate"].key in failed:
+            return None
+        return {"scenario": s.name, "verdict": "fail" if s.candidate.mutant == "x-killed" else "pass"}
+
+    monkeypatch.setattr(campaign, "run_clean", lambda *a: clean)
+    monkeypatch.setattr(campaign, "run_mutant_jobs", run_jobs)
+    monkeypatch.setattr(campaign, "_verdict", verdict)
+    monkeypatch.setattr(campaign, "reached", lambda trace_dir: True)
+    doc = campaign.run_campaign(ms, scenarios[:2], tmp_path, timeout_s=90, per_launch=12, triage={},
+                                say=lambda *a: None)  # fmt: skip
+    assert launched == [["x-crashed", "x-killed", "x-survives"], ["x-survives"]]
+    by_id = {m["id"]: m for m in doc["mutants"]}
+    statuses = [by_id[i]["status"] for i in ("x-killed", "x-crashed", "x-survives")]
+    assert statuses == ["killed", "crashed", "survived"]
+    assert len(by_id["x-survives"]["verdicts"]) == 2 and len(by_id["x-killed"]["verdicts"]) == 1
+
+
+def test_the_triage_names_mutants_of_the_installed_source():
+    """Every triaged survivor is a mutant the installed megatron-core still generates (identities
+    survive regeneration), with a status the score knows and a reason naming its function."""
+    from harness.mutation.command import TRIAGE
+
+    triage = campaign.read_triage(TRIAGE)
+    assert triage
+    generated = {m.id: m for module in TARGETS for m in mutants_of(module, validate=False)}
+    for mid, entry in triage.items():
+        assert mid in generated, f"{mid}: no such mutant (megatron-core changed?)"
+        assert entry["status"] in (campaign.EQUIVALENT, campaign.UNREACHABLE)
+        assert generated[mid].function.rsplit(".", 1)[-1] in entry["reason"], (mid, entry["reason"])
 
 
 def test_bad_mutate_arguments_exit_2(tmp_path, capsys):

@@ -118,8 +118,10 @@ def mutant_scenarios(scenarios: list, mutants: list[Mutant], timeout_s: float) -
                    for s in scenarios] for m in mutants}  # fmt: skip
 
 
-def run_mutant_jobs(jobs: list, out: Path, per_launch: int, timeout_s: float, say) -> dict[str, str]:
-    """Run mutant sides, ``per_launch`` per launch; return job key -> crashed|timeout."""
+def run_mutant_jobs(jobs: list, out: Path, per_launch: int, timeout_s: float, say,
+                    prefix: str = "m") -> dict[str, str]:
+    """Run mutant sides, ``per_launch`` per launch (named ``prefix`` + a count, so that the
+    launches of each stage keep their own plan and log); return job key -> crashed|timeout."""
     failed: dict[str, str] = {}
     by_world = defaultdict(list)
     for j in jobs:
@@ -132,14 +134,14 @@ def run_mutant_jobs(jobs: list, out: Path, per_launch: int, timeout_s: float, sa
             n += 1
             try:
                 wall = launch(chunk, world=world, timeout_s={j.key: timeout_s for j in chunk},
-                              workdir=out / "launches", name=f"m{n}")  # fmt: skip
-                say(f"  launch m{n}: {len(chunk)} mutant side(s) in {wall:.1f} s")
+                              workdir=out / "launches", name=f"{prefix}{n}")  # fmt: skip
+                say(f"  launch {prefix}{n}: {len(chunk)} mutant side(s) in {wall:.1f} s")
             except RunFailed as e:
                 done = [j for j in chunk if trace.is_complete(j.trace_dir)]
                 rest = [j for j in chunk if j not in done]
                 culprit = rest[0]
                 failed[culprit.key] = TIMEOUT if "timed out" in str(e) else CRASHED
-                say(f"  launch m{n}: {culprit.side.mutant} {failed[culprit.key]}")
+                say(f"  launch {prefix}{n}: {culprit.side.mutant} {failed[culprit.key]}")
                 queue = rest[1:] + queue
     return failed
 
@@ -220,7 +222,11 @@ def run_clean(scenarios: list, out: Path, say) -> dict:
 def run_campaign(mutants: list[Mutant], scenarios: list, out: Path, *, timeout_s: float, per_launch: int,
                  triage, say=print) -> dict:
     """Run ``mutants`` against ``scenarios``; write and return the campaign's document.
-    ``triage`` is the survivors' triage (a dict, or a callable read once the runs are done)."""
+    ``triage`` is the survivors' triage (a dict, or a callable read once the runs are done).
+
+    The matrix runs in stages, in its order: a mutant detected by one scenario (killed,
+    crashed, timed out) does not run the next ones, which could not change its status; put the
+    cheap scenario first."""
     import shutil
 
     from harness.runner import plan
@@ -232,15 +238,28 @@ def run_campaign(mutants: list[Mutant], scenarios: list, out: Path, *, timeout_s
     provenance = next(iter(clean.values()))["candidate"].provenance
     per = mutant_scenarios(scenarios, mutants, timeout_s)
     by_s = plan([s for ss in per.values() for s in ss], out, provenance)
-    jobs = list({by_s[s.name]["candidate"].key: by_s[s.name]["candidate"] for ss in per.values() for s in ss}.values())
-    for j in jobs:
-        if not trace.is_complete(j.trace_dir):
-            shutil.rmtree(j.trace_dir, ignore_errors=True)  # a side left incomplete is run again
     say(f"gtp-parity mutate: {len(mutants)} mutant(s) x {len(scenarios)} scenario(s) -> {out}")
-    failed = run_mutant_jobs(jobs, out, per_launch, timeout_s, say)
-    t_run = clock() - t0 - t_clean
+    failed: dict[str, str] = {}
+    summaries: dict[str, list] = {m.id: [] for m in mutants}
+    ran: dict[str, int] = {m.id: 0 for m in mutants}  # scenarios each mutant ran
+    alive, t_run = list(mutants), 0.0
+    for i in range(len(scenarios)):
+        jobs = list({by_s[per[m.id][i].name]["candidate"].key: by_s[per[m.id][i].name]["candidate"]
+                     for m in alive}.values())  # fmt: skip
+        for j in jobs:
+            if not trace.is_complete(j.trace_dir):
+                shutil.rmtree(j.trace_dir, ignore_errors=True)  # a side left incomplete is run again
+        say(f"  {scenarios[i].name}: {len(alive)} mutant(s)")
+        t = clock()
+        failed |= run_mutant_jobs(jobs, out, per_launch, timeout_s, say, prefix=f"m{i}-" if i else "m")
+        t_run += clock() - t
+        for m in alive:
+            ran[m.id] += 1
+            if (doc := _verdict(per[m.id][i], by_s, failed, out, clean)) is not None:
+                summaries[m.id].append(doc)
+        alive = [m for m in alive if not _detected(summaries[m.id], per[m.id][: ran[m.id]], by_s, failed)]
     triage = triage() if callable(triage) else triage
-    outcomes = [_judge_one(m, per[m.id], by_s, failed, out, triage, clean) for m in mutants]
+    outcomes = [_judge_one(m, per[m.id][: ran[m.id]], summaries[m.id], by_s, failed, triage) for m in mutants]
     t_all = clock() - t0
     doc = {"score": score(outcomes), "scenarios": [s.name for s in scenarios],
            "timing": {"clean_s": t_clean, "mutant_runs_s": t_run, "compare_s": t_all - t_clean - t_run,
@@ -271,21 +290,26 @@ def reached(trace_dir: Path) -> bool | None:
     return None if not seen or None in seen else any(seen)
 
 
-def _judge_one(m: Mutant, scenarios: list, by_s: dict, failed: dict, out: Path, triage: dict,
-               clean: dict) -> Outcome:
+def _verdict(s, by_s: dict, failed: dict, out: Path, clean: dict) -> dict | None:
+    """One mutant scenario's summary (None: its side crashed, timed out or left no trace)."""
+    roles = by_s[s.name]
+    if roles["candidate"].key in failed or not trace.is_complete(roles["candidate"].trace_dir):
+        return None
+    base = clean[s.name.rsplit("@", 1)[0]]
+    if same_trace(Path(roles["candidate"].trace_dir), Path(base["candidate"].trace_dir)):
+        return {"scenario": s.name, "verdict": "pass", "identical_to_clean": True}
+    return _compare(s, roles, out)
+
+
+def _detected(summaries: list[dict], scenarios: list, by_s: dict, failed: dict) -> bool:
+    return any(d["verdict"] == "fail" for d in summaries) or any(
+        by_s[s.name]["candidate"].key in failed for s in scenarios)  # fmt: skip
+
+
+def _judge_one(m: Mutant, scenarios: list, summaries: list[dict], by_s: dict, failed: dict,
+               triage: dict) -> Outcome:
+    """A mutant's outcome over the scenarios it ran (a prefix of the matrix)."""
     o = Outcome(m)
-    summaries = []
-    for s in scenarios:
-        roles = by_s[s.name]
-        if roles["candidate"].key in failed or not trace.is_complete(roles["candidate"].trace_dir):
-            continue
-        base = clean[s.name.rsplit("@", 1)[0]]
-        if same_trace(Path(roles["candidate"].trace_dir), Path(base["candidate"].trace_dir)):
-            summaries.append({"scenario": s.name, "verdict": "pass", "identical_to_clean": True})
-            continue
-        summaries.append(_compare(s, roles, out))
-        if summaries[-1]["verdict"] == "fail":
-            break  # killed: the remaining scenarios would not change the status
     judge(o, summaries, failed, [by_s[s.name]["candidate"] for s in scenarios])
     reach = [reached(Path(by_s[s.name]["candidate"].trace_dir)) for s in scenarios]
     o.reached = None if None in reach else any(reach)

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from harness.errors import BadInput
-from harness.mutation.generate import TARGETS, Mutant, applicable, diff, mutants_of
+from harness.mutation.generate import TARGETS, Mutant, applicable, diff, find, mutants_of
 
 DEFAULT_MATRIX = "scenarios/mutate.toml"
 TRIAGE = Path(__file__).resolve().parents[2] / "scenarios" / "mutants_triage.toml"
@@ -31,6 +31,11 @@ def show(out: Path, mutant_id: str) -> int:
         raise BadInput("--show", f"{mutant_id!r} is not a mutant of the campaign in {out}")
     fields = Mutant.__dataclass_fields__
     m = Mutant(**{k: entry[k] for k in fields})
+    if not Path(m.file).is_file():  # a campaign run from another checkout: find it by identity here
+        try:
+            m = find(mutant_id)
+        except KeyError as e:
+            raise BadInput("--show", str(e.args[0])) from None
     print(diff(m))
     print(f"status: {entry['status']}" + (f" ({entry['reason']})" if entry.get("reason") else ""))
     for scenario, verdict in entry["verdicts"].items():
