@@ -275,6 +275,12 @@ class Side:
         pp += f"v{self.virtual_pipeline}" if self.virtual_pipeline else ""
         return f"{self.backend}-w{self.world_size}-tp{self.tp}{pp}-{gtp}{experts}-{self.precision}{recipe}"
 
+    def paths(self) -> dict[str, Any]:
+        """The megatron-core code paths this side takes off the plainest one: each of
+        :data:`MEGATRON_PATH_OPTIONS` not at its default (what a report says was exercised)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        return {k: getattr(self, k) for k in MEGATRON_PATH_OPTIONS if getattr(self, k) != defaults[k]}
+
 
 _MOE_SIDE_DEFAULTS = {"ep": 1, "expert_gtp": 1}
 _MOE_MODEL_DEFAULTS = {"num_experts": 0, "moe_topk": 2, "moe_aux_loss_coeff": 0.01}

@@ -200,7 +200,8 @@ def provenance_warnings(traces: dict[str, trace.Trace]) -> list[str]:
 
 
 def _config(s: Scenario) -> dict:
-    return {"source": s.source, "description": s.description, **{r: side.label() for r, side in s.sides.items()}}
+    return {"source": s.source, "description": s.description, **{r: side.label() for r, side in s.sides.items()},
+            "paths": {r: side.paths() for r, side in s.sides.items() if side.paths()}}
 
 
 def compare_traces(ref: Path, cand: Path, golden: Path | None, out: Path,

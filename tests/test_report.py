@@ -264,3 +264,25 @@ def test_a_moved_run_folder_reads_its_own_traces(run, tmp_path):
     data = model.load_scenario(moved / "scenarios" / "tp1-bf16")
     assert data.trace_dirs["candidate"] == moved / "traces" / "candidate-gtp2"
     assert data.manifests["candidate"]["versions"]["megatron-core"] == "9.9.9"
+
+
+def test_index_says_which_paths_each_scenario_exercised():
+    """A side's megatron-core paths off the plainest one reach the summary's config and the
+    index's listing, escaped; a plain side lists none."""
+    import dataclasses
+
+    from harness import scenario
+    from harness.report.index import IndexCell, paths_line, render_index
+    from harness.session import _config
+
+    (plain,) = scenario.load(Path(__file__).parent / "assets" / "tiny.toml")
+    assert plain.candidate.paths() == {} and _config(plain)["paths"] == {}
+    cand = dataclasses.replace(plain.candidate, distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=4000)
+    s = dataclasses.replace(plain, candidate=cand)
+    config = _config(s)
+    assert config["paths"] == {"candidate": {"overlap_grad_reduce": True, "bucket_size": 4000,
+                                             "distributed_optimizer": True}}  # fmt: skip
+    line = paths_line({"config": config})
+    assert line == "candidate: overlap_grad_reduce=True, bucket_size=4000, distributed_optimizer=True"
+    html = render_index("t", [IndexCell("s", "pass", "", "", {}, "", paths="<x>")], "pass")
+    assert "paths exercised" in html and "&lt;x&gt;" in html and "<x>" not in html

@@ -35,6 +35,8 @@ class IndexCell:
     """The first divergence (or run error) in one line."""
     group: str = ""
     """Where the run came from when several are merged (the pytest plugin: the test's id)."""
+    paths: str = ""
+    """The megatron-core code paths the sides took off the plainest one (``Side.paths``)."""
 
     @property
     def label(self) -> str:
@@ -97,7 +99,8 @@ def render_index(title: str, cells: list[IndexCell], verdict: str) -> str:
     summary = ", ".join(f"{n} {v}" for v, n in counts.items() if n)
     listing = "".join(
         f'<tr class="{esc(c.verdict)}"><td class="t"><a href="{esc(c.href)}">{esc(c.label)}</a></td>'
-        f'<td class="t">{esc(c.verdict)}</td><td class="t mono">{esc(c.line)}</td></tr>'
+        f'<td class="t">{esc(c.verdict)}</td><td class="t mono">{esc(c.paths)}</td>'
+        f'<td class="t mono">{esc(c.line)}</td></tr>'
         for c in cells
     )
     html = "".join([
@@ -107,7 +110,7 @@ def render_index(title: str, cells: list[IndexCell], verdict: str) -> str:
         f'<h2>Matrix</h2><table class="grid" id="matrix"><thead><tr>{head}</tr></thead>',
         f'<tbody>{"".join(body)}</tbody></table>',
         '<h2>Scenarios</h2><table class="grid" id="scenarios"><thead><tr><th class="t">scenario</th>',
-        '<th class="t">verdict</th><th class="t">first divergence</th></tr></thead>',
+        '<th class="t">verdict</th><th class="t">paths exercised</th><th class="t">first divergence</th></tr></thead>',
         f"<tbody>{listing}</tbody></table>",
     ])  # fmt: skip
     return document(f"{verdict.upper()} {title} - gtp-parity", html)
@@ -150,7 +153,7 @@ def write_index(run_dir: Path, report_dir: Path) -> Path:
         page.write_text(render_scenario(data), encoding="utf-8")
         cells.append(IndexCell(name=name, verdict=data.verdict, worst=worst_metric(data),
                                href=f"scenarios/{quote(name)}.html", axes=dict(s.get("axes") or {}),
-                               line=divergence_line(data.summary)))  # fmt: skip
+                               line=divergence_line(data.summary), paths=paths_line(data.summary)))  # fmt: skip
     if (report_dir / "summary.json").resolve() != (run_dir / "summary.json").resolve():
         shutil.copyfile(run_dir / "summary.json", report_dir / "summary.json")
     (report_dir / CELLS_FILE).write_text(json.dumps([asdict(c) for c in cells], indent=1))
@@ -158,6 +161,15 @@ def write_index(run_dir: Path, report_dir: Path) -> Path:
     index.write_text(render_index(f"gtp-parity run {run_dir.name}", cells, str(doc.get("verdict", "error"))),
                      encoding="utf-8")  # fmt: skip
     return index
+
+
+def paths_line(summary: dict) -> str:
+    """``candidate: distributed_optimizer=True, ...; reference: ...`` from a scenario summary."""
+    paths = (summary.get("config") or {}).get("paths") or {}
+    if not isinstance(paths, dict):
+        return ""
+    return "; ".join(f"{role}: " + ", ".join(f"{k}={v}" for k, v in opts.items())
+                     for role, opts in paths.items() if isinstance(opts, dict))  # fmt: skip
 
 
 def _read_run_summary(path: Path) -> dict:
