@@ -16,6 +16,7 @@ from urllib.parse import quote
 
 from harness.errors import BadInput
 from harness.report.model import divergence_line, load_scenario, worst_metric
+from harness.report.summary import ScenarioSummary, as_summary
 from harness.report.page import document, render_scenario
 from harness.report.svg import esc
 from harness.scenario import check_scenario_name
@@ -163,9 +164,9 @@ def write_index(run_dir: Path, report_dir: Path) -> Path:
     return index
 
 
-def paths_line(summary: dict) -> str:
+def paths_line(summary: ScenarioSummary | dict) -> str:
     """``candidate: distributed_optimizer=True, ...; reference: ...`` from a scenario summary."""
-    paths = (summary.get("config") or {}).get("paths") or {}
+    paths = (as_summary(summary).config or {}).get("paths") or {}
     if not isinstance(paths, dict):
         return ""
     return "; ".join(f"{role}: " + ", ".join(f"{k}={v}" for k, v in opts.items())
