@@ -17,7 +17,7 @@ from tests.helpers import ASSETS, ROOT, results, run, summary
 
 FAST = ASSETS / "moe_fast.toml"
 # The faults the fast subset plants; the dense-group wgrad fault needs world 4 (EP 2 x EGTP 2):
-# scenarios/moe_faults_nightly.toml plants it, outside the suite.
+# scenarios/moe_faults_nightly.toml plants it (one world-4 launch, its own test below).
 FAST_FAULTS = sorted({f for s in scenario.load(FAST) for f in s.candidate.inject})
 NIGHTLY_FAULTS = ROOT / "scenarios" / "moe_faults_nightly.toml"
 
@@ -63,6 +63,20 @@ def test_moe_fault_is_localized(moe_run, fault):
     assert (fd["step"], fd["kind"]) == (expect["step"], expect["kind"]), fd
     assert fnmatch.fnmatchcase(fd["tensor"], expect["tensor"]), fd
     assert fd["signature"] == expect["signature"], fd
+
+
+@pytest.mark.multirank
+def test_expert_wgrad_over_the_dense_gtp_group_is_localized(tmp_path):
+    """The third MoE fault fires only where the dense and expert GTP groups differ (EP 2 x EGTP 2
+    x GTP 2, world 4), a layout megatron-core itself diverges on against the golden: localized
+    bitwise against the clean run of the same layout."""
+    code, doc = run(NIGHTLY_FAULTS, tmp_path, parallel=1)
+    assert code == 1, doc
+    (s,) = scenario.load(NIGHTLY_FAULTS)
+    (fault,) = s.candidate.inject
+    fd, expect = summary(tmp_path, s.name)["first_divergence"], MOE_FAULTS[fault].expect
+    assert (fd["step"], fd["kind"], fd["signature"]) == (expect["step"], expect["kind"], expect["signature"]), fd
+    assert fnmatch.fnmatchcase(fd["tensor"], expect["tensor"]), fd
 
 
 def test_every_moe_fault_is_planted():
