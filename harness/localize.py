@@ -12,7 +12,6 @@ in the logical tensor it sits and which rank holds that part.
 
 from __future__ import annotations
 
-import itertools
 import math
 import re
 
@@ -20,6 +19,7 @@ import pandas as pd
 import torch
 from torch.distributed.tensor import Shard
 
+from harness import signatures
 from harness.tolerance import tolerances, within_tolerance
 from harness.updates import befores, update_term
 
@@ -115,63 +115,6 @@ def order(df: pd.DataFrame) -> pd.DataFrame:
     df["_order"] = keys
     df = df.sort_values("_order", key=lambda s: s.map(lambda k: k)).drop(columns="_order")
     return df.reset_index(drop=True)
-
-
-def _ratio_signature(ref: torch.Tensor, cand: torch.Tensor, mesh: dict) -> str | None:
-    r, c = ref.double().reshape(-1), cand.double().reshape(-1)
-    denom = float(r @ r)
-    if denom == 0:
-        return "missing-gradient" if float(c.abs().max()) > 0 else None
-    scale = float(r @ c) / denom
-    resid = float((c - scale * r).norm()) / max(float(c.norm()), 1e-300)
-    if float(c.abs().max()) == 0:
-        return "missing-gradient"
-    if resid > 0.05:
-        return None
-    g, tp = mesh.get("gtp", 1), mesh.get("tp", 1)
-    candidates = []
-    if g > 1:
-        candidates += [("ratio-G", g), ("ratio-1/G", 1 / g)]
-    if tp > 1:
-        candidates += [("ratio-TP", tp), ("ratio-1/TP", 1 / tp)]
-    candidates += [("ratio-2", 2.0), ("ratio-1/2", 0.5)]
-    for sig, value in candidates:
-        if abs(scale / value - 1) < 0.03:
-            return sig
-    return None
-
-
-def _permutation_signature(ref: torch.Tensor, cand: torch.Tensor, mesh: dict, tol: float,
-                           layout=None) -> dict | None:
-    """Does cand equal ref with its dim-0 shard blocks permuted?
-
-    Blocks are cut as GTP cuts them: within each TP block of dim 0, after padding to the GTP
-    layout's padded size (the pad rows of a misplaced block land inside the logical rows).
-    Returns the permutation of the first TP block where one is found.
-    """
-    if ref.dim() == 0 or ref.shape != cand.shape:
-        return None
-    g, tp = mesh.get("gtp", 1), mesh.get("tp", 1)
-    pad = layout.pads.get("gtp", 0) if layout is not None else 0
-    tp_dim0 = layout is not None and isinstance(layout.placement("tp"), Shard) and layout.placement("tp").dim == 0
-    tp_blocks = tp if tp_dim0 and tp > 1 else 1
-    for n in sorted({g, tp, g * tp} - {1}):
-        if n > 4:
-            continue  # every permutation of up to 4 blocks is tried
-        outer = tp_blocks if n == g else 1
-        block_pad = pad if n == g else 0
-        for rb, cb in zip(ref.double().chunk(outer), cand.double().chunk(outer)):
-            rows = rb.shape[0]
-            padded = torch.nn.functional.pad(rb, [0, 0] * (rb.dim() - 1) + [0, block_pad])
-            if padded.shape[0] % n:
-                continue
-            blocks = padded.chunk(n)
-            for perm in itertools.permutations(range(n)):
-                if list(perm) == list(range(n)):
-                    continue
-                if float((torch.cat([blocks[i] for i in perm])[:rows] - cb).abs().max()) <= tol:
-                    return {"blocks": n, "permutation": list(perm), "pad_rows": block_pad}
-    return None
 
 
 def region_of(row: dict, owner: dict | None) -> dict:
@@ -343,17 +286,6 @@ def _update_signature(kind: str, name: str, step: int, ref, cand, ctx: "_StepCon
     return update_term(rb, ra, cb, ca, ctx.lr, ctx.wd, param=weight if kind != "param" else None)
 
 
-def _inserted_zero_rows(ref: torch.Tensor, cand: torch.Tensor) -> dict | None:
-    """{"row": i, "count": p}: ``cand`` is ``ref`` with p zero rows inserted at row i (the rows
-    behind shifted down, the last p cut off); else None."""
-    if ref.dim() < 1 or ref.shape != cand.shape or torch.equal(ref, cand):
-        return None
-    i = int((ref != cand).reshape(ref.shape[0], -1).any(1).nonzero()[0])
-    p = int((cand[i:] == 0).reshape(cand.shape[0] - i, -1).all(1).long().cumprod(0).sum())  # zero run at i
-    ok = p and torch.equal(cand[i + p:], ref[i:ref.shape[0] - p]) and bool((ref[i:i + p] != 0).any())
-    return {"row": i, "count": p} if ok else None
-
-
 def _signature(first: dict, df: pd.DataFrame, logical: dict, mesh: dict, key,
                recipe: str = "none", ctx: _StepContext | None = None) -> tuple[str, dict]:
     ctx = ctx or _StepContext()
@@ -391,14 +323,14 @@ def _signature(first: dict, df: pd.DataFrame, logical: dict, mesh: dict, key,
         c = torch.stack([cand.samples[key][i] for i in ids]) if ids else None
     if r is None or c is None:
         return "mismatch", {}
-    ratio = _ratio_signature(r, c, mesh)
+    ratio = signatures.ratio(r, c, mesh)
     if ratio:
         return ratio, {}
-    if shifted := _inserted_zero_rows(r, c):
+    if shifted := signatures.inserted_zero_rows(r, c):
         return "pad-rows-as-data", {"inserted_rows": shifted}
     tol = max(float(first.get("bound") or 0.0), 1e-6 * float(r.double().abs().max()))
     owner = cand.shard_owner.get((0, "param", name)) or cand.shard_owner.get(key)
-    perm = _permutation_signature(r, c, mesh, tol, owner["layout"] if owner else None)
+    perm = signatures.permuted_blocks(r, c, mesh, tol, owner["layout"] if owner else None)
     if perm:
         return "permuted-blocks", {"permutation": perm}
     if first.get("policy") == "noise-floor" and ctx.precision_mechanism:

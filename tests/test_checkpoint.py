@@ -18,7 +18,7 @@ from harness.backends.megatron import checkpoint
 from harness.errors import BadInput
 from harness.fault_catalog import CATALOG
 from harness.gpt import param_specs
-from harness.localize import _inserted_zero_rows
+from harness.signatures import inserted_zero_rows
 from harness.matrix import read_toml
 from harness.rules import validate
 from harness.scenario import parse_scenario
@@ -128,9 +128,9 @@ def test_a_legacy_common_pt_is_refused(tmp_path):
 def test_inserted_zero_rows_signature():
     ref = torch.arange(1.0, 25.0).view(8, 3)
     cand = torch.cat([ref[:3], torch.zeros(2, 3), ref[3:6]])
-    assert _inserted_zero_rows(ref, cand) == {"row": 3, "count": 2}
-    assert _inserted_zero_rows(ref, ref.flip(0)) is None
-    assert _inserted_zero_rows(ref, ref * 2) is None
+    assert inserted_zero_rows(ref, cand) == {"row": 3, "count": 2}
+    assert inserted_zero_rows(ref, ref.flip(0)) is None
+    assert inserted_zero_rows(ref, ref * 2) is None
 
 
 # --- round trips on megatron-core ----------------------------------------------------------
