@@ -246,25 +246,12 @@ class Side:
 
     def key(self, model: ModelConfig, data: DataConfig) -> str:
         """A short hash identifying what this side computes; equal sides share one run."""
-        side = dataclasses.asdict(self)
-        for optional in ("mutant", "save_step", "load_step", "resume_from"):
-            if not side[optional]:
-                del side[optional]  # other sides keep the keys they had before these existed
-        model_doc = dataclasses.asdict(model)
-        for doc, defaults in ((side, _MOE_SIDE_DEFAULTS), (model_doc, _MOE_MODEL_DEFAULTS)):
-            for k, v in defaults.items():  # so do dense sides, before experts existed
-                if doc[k] == v:
+        docs = [dataclasses.asdict(self), dataclasses.asdict(model), dataclasses.asdict(data)]
+        for doc, later in zip(docs, _ADDED_LATER):
+            for k, default in later.items():  # at its default, a key added later leaves the key as it was
+                if doc[k] == default:
                     del doc[k]
-        data_keys = dataclasses.asdict(data)
-        if data_keys["loss_mask"] == "none":
-            del data_keys["loss_mask"]  # likewise for sides without a loss mask
-        for key, default in (("pipeline_parallel", 1), ("virtual_pipeline", None)):
-            if side[key] == default:
-                del side[key]  # unpipelined sides keep the keys they had before pipelining
-        blob = json.dumps(
-            [side, model_doc, data_keys],
-            sort_keys=True,
-        )
+        blob = json.dumps(docs, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
     def label(self) -> str:
@@ -282,8 +269,14 @@ class Side:
         return {k: getattr(self, k) for k in MEGATRON_PATH_OPTIONS if getattr(self, k) != defaults[k]}
 
 
-_MOE_SIDE_DEFAULTS = {"ep": 1, "expert_gtp": 1}
-_MOE_MODEL_DEFAULTS = {"num_experts": 0, "moe_topk": 2, "moe_aux_loss_coeff": 0.01}
+# Keys of (side, model, data) added after traces were first keyed, with their defaults: a side
+# that leaves them at the default keeps the key it had before (its traces stay reusable).
+_ADDED_LATER = (
+    {"mutant": "", "save_step": 0, "load_step": 0, "resume_from": "", "ep": 1, "expert_gtp": 1,
+     "pipeline_parallel": 1, "virtual_pipeline": None},
+    {"num_experts": 0, "moe_topk": 2, "moe_aux_loss_coeff": 0.01},
+    {"loss_mask": "none"},
+)  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
