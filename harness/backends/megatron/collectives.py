@@ -59,6 +59,12 @@ _MODE = "async"
 _UNLANDED: dict[int, list["_Lagging"]] = {}
 
 
+def forget_in_flight() -> None:
+    """Drop every group's unfinished and unlanded handles (a side's groups are gone with it)."""
+    _IN_FLIGHT.clear()
+    _UNLANDED.clear()
+
+
 def set_collectives(mode: str) -> None:
     global _MODE
     if mode not in ("async", "eager", "lagging"):

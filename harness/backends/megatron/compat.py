@@ -20,8 +20,9 @@ from importlib.metadata import version
 import torch
 import torch.distributed as dist
 
+from harness.backends.megatron import collectives
 from harness.backends.megatron.collectives import (  # noqa: F401 (the collectives' names, as compat's)
-    _IN_FLIGHT, _UNLANDED, _Done, gather_along_first_dim, reduce_scatter_along_first_dim, set_collectives,
+    _Done, gather_along_first_dim, reduce_scatter_along_first_dim, set_collectives,
 )
 
 SUPPORTED_MCORE = "0.19.2"
@@ -256,8 +257,7 @@ def reset_gtp_state() -> None:
     gtp._RS_STREAMS.clear()
     gtp._wgrad_buf_pool.clear()
     gtp.GTP_CONFIG.__init__()
-    _IN_FLIGHT.clear()
-    _UNLANDED.clear()
+    collectives.forget_in_flight()
 
 
 def layer_norm_for_sequence_parallel() -> None:
