@@ -1,22 +1,26 @@
 """Metrics of one (reference, candidate) pair in one streaming pass, in bounded memory.
 
-Both tensors are read once, chunk by chunk (:data:`CHUNK` elements, widened into fp64 buffers
-kept between passes: the working set is fixed whatever the tensor's size, and no chunk
-allocates). Every per-element quantity (``|c - r|``, ``|c - r| / |r|``, ``(c - r)^2``) is
-rounded once in fp64, as a whole-tensor fp64 computation rounds it: the same values bit for
-bit (``c - r`` of two fp32 values is exact in fp64 whenever their exponents differ by less
-than 29). Maxima, their index and counts are therefore identical to a whole-tensor pass. The
-fp64 sums (norms, dot products, RMS errors) are added chunk by chunk, so each differs from the
-whole-tensor sum by at most ``gamma_(n/CHUNK + CHUNK) sum|x|`` in fp64 (below 1e-10 relative
-for n < 2^40), far below anything the report prints.
+Both tensors are read once. fp32, bf16 and fp16 pairs go through one compiled loop
+(:mod:`harness.metrics_kernel`: blocks of a few thousand elements widened to fp64 in L1,
+every quantity taken from them in vectorized loops); other dtypes, and pairs of two dtypes,
+through an eager pass over chunks of :data:`CHUNK` elements widened into fp64 buffers kept
+between passes. Either way the working set is fixed whatever the tensor's size, and both
+have the same semantics: every per-element quantity (``|c - r|``, ``|c - r| / |r|``,
+``(c - r)^2``) is rounded once in fp64, as a whole-tensor fp64 computation rounds it: the same
+values bit for bit (``c - r`` of two fp32 values is exact in fp64 whenever their exponents
+differ by less than 29). Maxima, their index and counts are therefore identical to a
+whole-tensor pass. The fp64 sums (norms, dot products, RMS errors) are added block by block
+(in vector lanes in the compiled loop), so each differs from the whole-tensor sum by at most
+``gamma_n sum|x|`` in fp64 (below 1e-10 relative for n < 2^40), far below anything the
+report prints.
 
 The same pass measures what the judgement needs (the RMS errors against the golden, the
-golden's largest magnitude, the excess over a ``dtype`` tolerance), so it never re-reads the
-tensors. Chunks holding NaN/Inf take a masked path with the same semantics.
+golden's largest magnitude, the excess over a ``dtype`` tolerance) and whether the pair is
+bitwise equal, so it never re-reads the tensors. Elements holding NaN/Inf are compared as such
+and left out of the other metrics.
 
-ULP distances are integer differences of the bit patterns in the dtype's own width (fp32 as
-int32, bf16 and fp16 as int16), widened to int64 only in a chunk where some pair of values
-differs in sign. The maximum is exact. The p99 is APPROXIMATE: it is read from a histogram of
+ULP distances are the int64 distances of the order-preserving integers of the bit patterns
+(+0 and -0 both 0). The maximum is exact. The p99 is APPROXIMATE: it is read from a histogram of
 every finite element's distance in buckets of an eighth of an octave (the float32 exponent
 and the top three mantissa bits of the distance, :data:`HIST_SHIFT`), each bucket standing for
 the middle of the integers it holds. Distances below 16 have a bucket each, so a p99 below
@@ -29,22 +33,24 @@ value (plus 2^-24 where float32 rounds a distance beyond 2^24 into the next buck
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 import threading
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from harness.tolerance import DTYPE_TOLS
 
-CHUNK = 1 << 17  # 1 MiB per fp64 buffer: the five buffers stay in the last-level cache
+CHUNK = 1 << 17  # the eager pass: 1 MiB per fp64 buffer, the three stay in the last-level cache
 HIST_SHIFT = 20  # float32 bits >> 20: 8 exponent bits and 3 mantissa bits, 1/8-octave buckets
 HIST_BINS = 1 << (31 - HIST_SHIFT)
 P99_REL_ERROR = 1 / 16 + 2**-23
 _INT_OF = {torch.float64: torch.int64, torch.float32: torch.int32,
            torch.bfloat16: torch.int16, torch.float16: torch.int16}  # fmt: skip
-_FAST = (torch.float32, torch.bfloat16, torch.float16)  # squares cannot overflow in fp64
+_FAST = (torch.float32, torch.bfloat16, torch.float16)  # the compiled loop's dtypes
 
 
 def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -82,28 +88,23 @@ class PairStats:
 
 
 class _Buffers:
-    """The pass's fp64 and integer scratch (chunk-sized), kept per thread between passes: a
-    fixed overhead, and no pass pays for fresh pages."""
+    """The eager pass's fp64 scratch (chunk-sized), kept per thread between passes: a fixed
+    overhead, and no pass pays for fresh pages."""
 
-    def __init__(self, n: int, int_t: torch.dtype | None):
-        self.rd, self.cd, self.d, self.s = (torch.empty(n, dtype=torch.float64) for _ in range(4))
-        self.i, self.x, self.y = (torch.empty(n, dtype=torch.int32) for _ in range(3)) if int_t else (None,) * 3
-        self.f = torch.empty(n, dtype=torch.float32)
+    def __init__(self, n: int):
+        self.rd, self.cd, self.s = (torch.empty(n, dtype=torch.float64) for _ in range(3))
 
 
 _KEPT = threading.local()
 
 
-def _buffers(n: int, int_t: torch.dtype | None) -> _Buffers:
+def _buffers(n: int) -> _Buffers:
     """Scratch for chunks of ``n`` elements: the kept chunk-sized buffers, or small ones."""
     if n < CHUNK:
-        return _Buffers(n, int_t)
-    kept = getattr(_KEPT, "by_dtype", None)
-    if kept is None or kept[0] != CHUNK:
-        kept = _KEPT.by_dtype = (CHUNK, {})
-    if int_t not in kept[1]:
-        kept[1][int_t] = _Buffers(CHUNK, int_t)
-    return kept[1][int_t]
+        return _Buffers(n)
+    if getattr(_KEPT, "buffers", None) is None:
+        _KEPT.buffers = _Buffers(CHUNK)
+    return _KEPT.buffers
 
 
 class _Acc:
@@ -116,25 +117,19 @@ class _Acc:
         self.max_ulp, self.mismatched, self.nonfinite = 0, 0, 0
         self.hist = torch.zeros(HIST_BINS, dtype=torch.int64)  # finite elements' ULP distances
         self.counted = 0
-        self.any_finite = False
 
     def take_max(self, diff: torch.Tensor, start: int) -> None:
         value = float(diff.max())
         if value > self.max_abs:  # strictly: the first worst element, as argmax gives
             self.max_abs, self.worst = value, start + int(diff.argmax())
 
-    def take_ulp(self, u: torch.Tensor, f: torch.Tensor) -> None:
-        """``u``: non-negative integer distances; ``f``: float32 scratch of at least its size."""
+    def take_ulp(self, u: torch.Tensor) -> None:
+        """``u``: non-negative integer distances."""
         if u.numel():
             self.max_ulp = max(self.max_ulp, int(u.max()))
-            bits = f[: u.numel()].copy_(u).view(torch.int32)
-            bits >>= HIST_SHIFT
+            bits = u.to(torch.float32).view(torch.int32) >> HIST_SHIFT
             self.hist += torch.bincount(bits, minlength=HIST_BINS)
             self.counted += u.numel()
-
-    def take_zero_ulps(self, n: int) -> None:
-        self.max_ulp, self.counted = max(self.max_ulp, 0), self.counted + n
-        self.hist[0] += n
 
 
 def measure(ref: torch.Tensor, cand: torch.Tensor, golden: torch.Tensor | None = None,
@@ -142,30 +137,79 @@ def measure(ref: torch.Tensor, cand: torch.Tensor, golden: torch.Tensor | None =
     """The report's metrics of one pair (same shape) and the judgement's inputs, in one pass.
 
     ``golden`` adds the RMS errors against it; ``tols`` = (rtol, atol) the ``dtype`` excess.
+    fp32, bf16 and fp16 pairs take the compiled loop (:mod:`harness.metrics_kernel`); other
+    dtypes, and pairs of two dtypes, the eager chunked pass with the same semantics.
     """
+    if cand.numel() != ref.numel() or (golden is not None and golden.numel() != ref.numel()):
+        raise ValueError(f"measure: sizes differ: {ref.numel()}, {cand.numel()}"
+                         f"{'' if golden is None else f', golden {golden.numel()}'}")
     out: dict = {"numel": ref.numel()}
     same_dtype = ref.dtype == cand.dtype
     r_flat, c_flat = ref.contiguous().reshape(-1), cand.contiguous().reshape(-1)
-    out["bitwise_equal"] = bool(same_dtype and ref.shape == cand.shape and torch.equal(
-        r_flat.view(torch.uint8) if ref.dtype.is_floating_point else r_flat,
-        c_flat.view(torch.uint8) if cand.dtype.is_floating_point else c_flat))  # fmt: skip
     with_ulp = same_dtype and ref.dtype in DTYPE_TOLS and ref.numel() > 0
-    fast = same_dtype and ref.dtype in _FAST
     g_flat = golden.contiguous().reshape(-1) if golden is not None else None
     acc, stats = _Acc(), PairStats(numel=ref.numel(), has_golden=golden is not None, tols=tols)
-    buf = _buffers(min(CHUNK, ref.numel()), _INT_OF[ref.dtype] if fast else None)
-    for start in range(0, ref.numel(), CHUNK):
-        r, c = r_flat[start:start + CHUNK], c_flat[start:start + CHUNK]
-        n = r.numel()
-        rd, cd = buf.rd[:n].copy_(r), buf.cd[:n].copy_(c)
-        if g_flat is not None:
-            _golden_chunk(stats, rd, cd, g_flat[start:start + CHUNK], buf.s[:n])
-        if not (fast and _finite_chunk(acc, stats, buf, r, c, start, with_ulp, out["bitwise_equal"])):
+    if same_dtype and ref.dtype in _FAST:
+        differ = _compiled_pass(acc, stats, r_flat, c_flat, g_flat)
+        out["bitwise_equal"] = ref.shape == cand.shape and differ == 0
+    else:
+        out["bitwise_equal"] = bool(same_dtype and ref.shape == cand.shape and torch.equal(
+            r_flat.view(torch.uint8) if ref.dtype.is_floating_point else r_flat,
+            c_flat.view(torch.uint8) if cand.dtype.is_floating_point else c_flat))  # fmt: skip
+        buf = _buffers(min(CHUNK, ref.numel()))
+        for start in range(0, ref.numel(), CHUNK):
+            r, c = r_flat[start:start + CHUNK], c_flat[start:start + CHUNK]
+            n = r.numel()
+            rd, cd = buf.rd[:n].copy_(r), buf.cd[:n].copy_(c)
+            if g_flat is not None:
+                _golden_chunk(stats, rd, cd, g_flat[start:start + CHUNK], buf.s[:n])
             if tols is not None:
                 _tolerance_chunk(stats, rd, cd, tols)
             _masked_chunk(acc, rd, cd, r, c, start, with_ulp)
     stats.sq_diff = acc.ss_d
     return _finish(out, acc, ref, cand, r_flat, c_flat, with_ulp), stats
+
+
+def _compiled_pass(acc: _Acc, stats: PairStats, r: torch.Tensor, c: torch.Tensor,
+                   g: torch.Tensor | None) -> int:  # fmt: skip
+    """The whole pair in :func:`harness.metrics_kernel.measure_pass`, on zero-copy views;
+    returns how many elements' bit patterns differ."""
+    from harness import metrics_kernel as K  # numba: imported only where a pair is measured
+
+    r, c = r.detach(), c.detach()
+    g = g.detach() if g is not None else None
+    int_t = _INT_OF[r.dtype]
+    mode = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[r.dtype]
+    vals = (r.numpy(), c.numpy()) if mode == 0 else (_NO_VALUES, _NO_VALUES)
+    lut = _fp16_values() if mode == 2 else _NO_LUT
+    golden = g.to(torch.float64).numpy() if g is not None else _NO_LUT
+    tols = np.array(stats.tols or (0.0, 0.0), dtype=np.float64)
+    f, i = K.new_results()
+    hist = np.zeros(K.LANES * HIST_BINS, dtype=np.int64)
+    K.measure_pass(r.view(int_t).numpy(), c.view(int_t).numpy(), *vals, mode, lut, golden, g is not None,
+                   tols, stats.tols is not None, 1 << (torch.iinfo(int_t).bits - 1), HIST_SHIFT, f, i, hist)
+    f = f.tolist()  # Python floats from here on
+    acc.ss_r, acc.ss_c, acc.ss_d, acc.dot = f[K.SS_R], f[K.SS_C], f[K.SS_D], f[K.DOT]
+    acc.max_abs, acc.max_rel, acc.top = f[K.MAX_ABS], f[K.MAX_REL], f[K.TOP]
+    acc.worst, acc.mismatched, acc.nonfinite = int(i[K.WORST]), int(i[K.MISMATCHED]), int(i[K.NONFINITE])
+    acc.max_ulp, acc.counted = int(i[K.MAX_ULP]), int(i[K.COUNTED])
+    acc.hist = torch.from_numpy(hist.reshape(K.LANES, HIST_BINS).sum(0))
+    if stats.tols is not None:
+        stats.dtype_excess, stats.abs_max_ref = float(f[K.EXCESS]), float(f[K.ABS_MAX_REF])
+    if g is not None:
+        stats.sq_ref_golden, stats.sq_cand_golden = float(f[K.SQ_RG]), float(f[K.SQ_CG])
+        stats.abs_max_golden = float(f[K.ABS_MAX_G])
+    return int(i[K.BITS_DIFFER])
+
+
+_NO_VALUES = np.empty(0, dtype=np.float32)
+_NO_LUT = np.empty(0, dtype=np.float64)
+
+
+@functools.cache
+def _fp16_values() -> np.ndarray:
+    """fp64 value of every fp16 bit pattern, indexed by the pattern as unsigned."""
+    return np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float64)
 
 
 def _nan_max(a: float, b: torch.Tensor | float) -> float:
@@ -190,88 +234,6 @@ def _tolerance_chunk(stats: PairStats, rd, cd, tols) -> None:
     stats.abs_max_ref = _nan_max(stats.abs_max_ref, rd.abs().max())
 
 
-def _finite_chunk(acc: _Acc, stats: PairStats, buf: _Buffers, r, c, start: int, with_ulp: bool,
-                  equal: bool) -> bool:  # fmt: skip
-    """A chunk of fp32/bf16/fp16 values; False (nothing taken) if it holds NaN or Inf."""
-    n = r.numel()
-    rd, cd = buf.rd[:n], buf.cd[:n]
-    ss_r = float(torch.dot(rd, rd))
-    ss_c = ss_r if equal else float(torch.dot(cd, cd))
-    if not math.isfinite(ss_r + ss_c):  # fp64 squares of these dtypes cannot overflow
-        return False
-    dot = ss_r if equal else float(torch.dot(rd, cd))
-    acc.ss_r, acc.ss_c, acc.dot = acc.ss_r + ss_r, acc.ss_c + ss_c, acc.dot + dot
-    acc.any_finite = True
-    top = _abs_max(r)
-    acc.top = max(acc.top, top)
-    if tols := stats.tols:
-        stats.abs_max_ref = max(stats.abs_max_ref, top)
-    if equal:
-        if acc.max_abs < 0:
-            acc.max_abs, acc.worst = 0.0, start
-        if tols:  # |c - r| = 0: the excess is largest where |r| is smallest
-            least = float(rd.abs_().min())
-            stats.dtype_excess = max(stats.dtype_excess, -(tols[1] + tols[0] * least))
-        if with_ulp:
-            acc.take_zero_ulps(n)
-        return True
-    diff = torch.sub(cd, rd, out=buf.d[:n])
-    acc.ss_d += float(torch.dot(diff, diff))
-    diff.abs_()  # |c - r|, rounded once in fp64 as the masked path
-    acc.take_max(diff, start)
-    ra = rd.abs_()
-    if tols:
-        rtol, atol = tols
-        bound = torch.mul(ra, rtol, out=buf.s[:n]).add_(atol)  # atol + rtol |r|, rounded as the masked path
-        stats.dtype_excess = max(stats.dtype_excess, float(torch.sub(diff, bound, out=bound).max()))
-    rel = torch.div(diff, ra, out=buf.s[:n])  # fp64: finite wherever r != 0
-    largest = float(rel.max())
-    if not math.isfinite(largest):  # r == 0 somewhere: 0 there, as the masked path
-        largest = float(rel.nan_to_num_(nan=0.0, posinf=0.0).max())
-    acc.max_rel = max(acc.max_rel, largest)
-    # c == r exactly where the ULP distance is 0 (+0 and -0 included): the mismatches are the
-    # chunk's elements outside the histogram's zero bucket (no count over the fp64 differences).
-    zeros = int(acc.hist[0])
-    _ulp_chunk(acc, buf, r, c, r.dtype == torch.float32 and top < 2 and _abs_max(c) < 2)
-    acc.mismatched += n - (int(acc.hist[0]) - zeros)
-    return True
-
-
-def _abs_max(x: torch.Tensor) -> float:
-    lo, hi = torch.aminmax(x)
-    return max(-float(lo), float(hi))
-
-
-def _ulp_chunk(acc: _Acc, buf: _Buffers, r, c, below_two: bool) -> None:
-    """ULP distances of a finite chunk in int32: ``|m_c - m_r|`` of the magnitude bits where the
-    signs agree, ``m_c + m_r`` where they differ (as ``m_c - (m_r ^ s) + s``, ``s`` the smeared
-    sign difference). bf16 and fp16 magnitudes are below 2^15, so the sum never overflows;
-    fp32 magnitudes below 2^30 (``|x| < 2``: ``below_two``) neither. Otherwise the elements
-    whose signs differ are counted apart, by the int64 ordered distance."""
-    n = r.numel()
-    wide = buf.i.dtype != _INT_OF[r.dtype]
-    ri, ci = r.view(_INT_OF[r.dtype]), c.view(_INT_OF[r.dtype])
-    if wide or below_two:
-        low = torch.iinfo(_INT_OF[r.dtype]).max  # the magnitude bits
-        m_r = torch.bitwise_and(ri, low, out=buf.x[:n])
-        m_c = torch.bitwise_and(ci, low, out=buf.i[:n])
-        s = torch.bitwise_xor(ri, ci, out=buf.y[:n])
-        s >>= 31 if not wide else 15  # -1 where the signs differ, else 0
-        m_r ^= s
-        m_r -= s  # -m_r where the signs differ
-        acc.take_ulp(m_c.sub_(m_r).abs_(), buf.f)
-        return
-    u = torch.sub(ci, ri, out=buf.i[:n]).abs_()
-    signs = torch.bitwise_xor(ci, ri, out=buf.x[:n])
-    if int(signs.min()) < 0:
-        apart = (signs < 0).nonzero().squeeze(1)
-        u.index_fill_(0, apart, 0)
-        acc.hist[0] -= apart.numel()  # counted below with their own distance
-        acc.counted -= apart.numel()
-        acc.take_ulp(ulp_distance(r[apart], c[apart]), buf.f)
-    acc.take_ulp(u, buf.f)
-
-
 def _masked_chunk(acc: _Acc, rd, cd, r, c, start: int, with_ulp: bool) -> None:
     """Any chunk: non-finite positions compared as such, excluded from every other metric."""
     r_nan, c_nan, r_inf, c_inf = rd.isnan(), cd.isnan(), rd.isinf(), cd.isinf()
@@ -292,8 +254,7 @@ def _masked_chunk(acc: _Acc, rd, cd, r, c, start: int, with_ulp: bool) -> None:
         acc.ss_d += float(torch.dot(cf - rf, cf - rf))
         acc.dot += float(torch.dot(rf, cf))
     if with_ulp:
-        u = ulp_distance(r, c)[finite]
-        acc.take_ulp(u, torch.empty(u.numel(), dtype=torch.float32))
+        acc.take_ulp(ulp_distance(r, c)[finite])
 
 
 def _finish(out: dict, acc: _Acc, ref, cand, r_flat, c_flat, with_ulp: bool) -> dict:
@@ -334,7 +295,7 @@ def _unravel(flat: int, shape) -> list[int]:
 def ulp_histogram(u: torch.Tensor) -> torch.Tensor:
     """The histogram the pass keeps, of non-negative integer distances ``u``."""
     acc = _Acc()
-    acc.take_ulp(u.reshape(-1), torch.empty(u.numel(), dtype=torch.float32))
+    acc.take_ulp(u.reshape(-1))
     return acc.hist
 
 
