@@ -1,21 +1,23 @@
-"""The metrics pass as one compiled loop (numba): each element of a (reference, candidate) pair
-is read once, and every metric and judgement input is updated from it.
+"""The metrics pass compiled (numba): each element of a (reference, candidate) pair is read
+from memory once, and every metric and judgement input is taken from it.
 
 Why compiled: in eager torch the pass is ~25 kernels per chunk, each a sweep of the chunk plus
 its dispatch; here a block of :data:`BLOCK` elements is widened once into fp64 scratch that
-stays in L1 and every quantity is taken from it in loops the compiler vectorizes. The
+stays in L1, and a few loops over it, which the compiler vectorizes, take every quantity. The
 semantics are the eager pass's (tests/test_metrics.py checks them against whole-tensor fp64
 computations):
 
 - Each element is widened to fp64 (exact for fp32, bf16 and fp16) and every per-element value
   (``|c - r|``, ``|c - r| / |r|``, ``|c - r| - (atol + rtol |r|)``) is rounded once in fp64,
-  with no fused multiply-add and no reassociation: maxima, their first index and counts are a
-  whole-tensor fp64 computation's, bit for bit. Maxima are taken over the values' bit
+  with no fused multiply-add and no reordering of any expression: maxima, their first index
+  and counts are a whole-tensor fp64 computation's, bit for bit. Maxima are taken over the values' bit
   patterns as integers (order-preserving for non-negative floats; other values go through
   :func:`_ordered`), which vectorizes where a float max does not.
-- Sums (norms, dot product, squared differences, the RMS against the golden) are fp64, in
-  :func:`_block_sums`, whose additions may be reassociated (vector lanes): each sum is within
-  ``gamma_n sum |terms|`` in fp64 of any other order, below 1e-10 relative for n < 2^40.
+- Sums (norms, dot product, squared differences, the RMS against the golden) are fp64, their
+  additions reassociated into vector lanes (:func:`_values`, :func:`_golden`: the only
+  functions compiled with that flag, and they hold no other chain it could reorder): each sum
+  is within ``gamma_n sum |terms|`` in fp64 of any other order, below 1e-10 relative for
+  n < 2^40.
 - A block holding NaN or Inf in either side is measured again element by element
   (:func:`_nonfinite_block`): non-finite positions are compared as such and excluded from every
   other metric, except the judgement's ``dtype`` excess and the reference's largest magnitude,
@@ -103,9 +105,13 @@ def _widen(bits, vals, mode, lut, out):
 
 
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc"})
-def _block_sums(rd, cd, g, has_golden):
-    """The block's fp64 sums (reassociated into vector lanes; nothing else in this function)."""
-    rr = cc = rc = dd = rg = cg = 0.0
+def _values(rd, cd):
+    """The block's value metrics: fp64 sums (their additions reassociated into vector lanes:
+    nothing else here is a chain the flag can reorder), the maxima of ``|c - r|``, ``|r|`` and
+    ``|c - r| / |r|`` as bit patterns, the mismatches, and whether a NaN or Inf is present."""
+    rr = cc = rc = dd = 0.0
+    d_top = a_top = q_top = np.int64(0)
+    mismatched = bad = 0
     for j in range(rd.size):
         r, c = rd[j], cd[j]
         delta = c - r
@@ -113,12 +119,56 @@ def _block_sums(rd, cd, g, has_golden):
         cc += c * c
         rc += r * c
         dd += delta * delta
-    if has_golden:
-        for j in range(rd.size):
-            e1, e2 = rd[j] - g[j], cd[j] - g[j]
-            rg += e1 * e1
-            cg += e2 * e2
-    return rr, cc, rc, dd, rg, cg
+        d = abs(delta)
+        a = abs(r)
+        d_top = max(d_top, _f64_bits(d))
+        a_top = max(a_top, _f64_bits(a))  # NaN's bits exceed Inf's: NaN propagates
+        q = d / a if r != 0.0 else 0.0
+        q_top = max(q_top, _f64_bits(q))
+        mismatched += d > 0.0
+        bad += (r - r != 0.0) | (c - c != 0.0)  # NaN or Inf
+    return rr, cc, rc, dd, d_top, a_top, q_top, mismatched, bad
+
+
+@numba.njit(cache=True, nogil=True, fastmath={"reassoc"})
+def _golden(rd, cd, g):
+    """The block's squared errors against the golden and its largest magnitude's bits."""
+    rg = cg = 0.0
+    g_top = np.int64(0)
+    for j in range(rd.size):
+        e1, e2 = rd[j] - g[j], cd[j] - g[j]
+        rg += e1 * e1
+        cg += e2 * e2
+        g_top = max(g_top, _f64_bits(abs(g[j])))  # NaN's bits exceed Inf's
+    return rg, cg, g_top
+
+
+@numba.njit(cache=True, nogil=True)
+def _excess(rd, cd, rtol, atol):
+    """max (|c - r| - (atol + rtol |r|)) as an ordered integer, rounded as the eager pass."""
+    e_top = np.int64(-0x7FFFFFFFFFFFFFFF)
+    for j in range(rd.size):
+        r, c = rd[j], cd[j]
+        bound = rtol * abs(r)
+        e_top = max(e_top, _ordered(abs(c - r) - (bound + atol)))
+    return e_top
+
+
+@numba.njit(cache=True, nogil=True)
+def _ulps(rb, cb, magnitude, shift, bucket):
+    """The block's ULP distances from the bit patterns: their maximum, their histogram
+    buckets into ``bucket``, and how many patterns differ (bitwise equality)."""
+    u_top = np.int64(0)
+    differ = 0
+    for j in range(rb.size):
+        ri, ci = np.int64(rb[j]), np.int64(cb[j])
+        differ += ri != ci  # NaN payloads and -0 included
+        ro = ((ri & magnitude) ^ (ri >> 63)) - (ri >> 63)
+        co = ((ci & magnitude) ^ (ci >> 63)) - (ci >> 63)
+        u = abs(co - ro)
+        u_top = max(u_top, u)
+        bucket[j] = np.uint32(_f32_bits(np.float32(u)) >> shift)
+    return u_top, differ
 
 
 @numba.njit(cache=True, nogil=True)
@@ -160,39 +210,13 @@ def measure_pass(r_bits, c_bits, r_vals, c_vals, mode, lut, golden, has_golden, 
         r_blk, c_blk = rd[:m], cd[:m]
         _widen(rb, r_vals[start:stop] if mode == 0 else r_vals, mode, lut, r_blk)
         _widen(cb, c_vals[start:stop] if mode == 0 else c_vals, mode, lut, c_blk)
-        g_blk = golden[start:stop] if has_golden else golden
-        rr, cc, rc, dd, rg, cg = _block_sums(r_blk, c_blk, g_blk, has_golden)
-        f_out[SQ_RG] += rg
-        f_out[SQ_CG] += cg
         if has_golden:
-            g_top = np.int64(0)
-            for j in range(m):
-                g_top = max(g_top, _f64_bits(abs(g_blk[j])))  # NaN's bits exceed Inf's
+            rg, cg, g_top = _golden(r_blk, c_blk, golden[start:stop])
+            f_out[SQ_RG] += rg
+            f_out[SQ_CG] += cg
             abs_max_g = _nan_max(abs_max_g, _bits_f64(g_top))
-        d_top = a_top = q_top = np.int64(0)
-        e_top = np.int64(-0x7FFFFFFFFFFFFFFF)
-        mismatched = bad = differ = 0
-        u_top = np.int64(0)
-        for j in range(m):
-            r, c = r_blk[j], c_blk[j]
-            d = abs(c - r)
-            a = abs(r)
-            d_top = max(d_top, _f64_bits(d))
-            a_top = max(a_top, _f64_bits(a))  # NaN's bits exceed Inf's: NaN propagates
-            q = d / a if r != 0.0 else 0.0
-            q_top = max(q_top, _f64_bits(q))
-            mismatched += d > 0.0
-            bad += (r - r != 0.0) | (c - c != 0.0)  # NaN or Inf
-            if has_tols:
-                bound = rtol * a
-                e_top = max(e_top, _ordered(d - (bound + atol)))
-            ri, ci = np.int64(rb[j]), np.int64(cb[j])
-            differ += ri != ci  # bitwise equality of the pair, NaN payloads and -0 included
-            ro = ((ri & magnitude) ^ (ri >> 63)) - (ri >> 63)
-            co = ((ci & magnitude) ^ (ci >> 63)) - (ci >> 63)
-            u = abs(co - ro)
-            u_top = max(u_top, u)
-            bucket[j] = np.uint32(_f32_bits(np.float32(u)) >> shift)
+        rr, cc, rc, dd, d_top, a_top, q_top, mismatched, bad = _values(r_blk, c_blk)
+        u_top, differ = _ulps(rb, cb, magnitude, shift, bucket)
         i_out[BITS_DIFFER] += differ
         if bad:
             worst, max_abs_b, max_ulp, excess, abs_max_ref = _nonfinite_block(
@@ -214,6 +238,7 @@ def measure_pass(r_bits, c_bits, r_vals, c_vals, mode, lut, golden, has_golden, 
             max_abs_b = d_top
         top_b, max_rel_b, max_ulp = max(top_b, a_top), max(max_rel_b, q_top), max(max_ulp, u_top)
         if has_tols:
+            e_top = _excess(r_blk, c_blk, rtol, atol)
             excess = _nan_max(excess, _bits_f64(_ordered(_bits_f64(e_top))))
             abs_max_ref = _nan_max(abs_max_ref, _bits_f64(a_top))
         _count(bucket[:m], hist)
