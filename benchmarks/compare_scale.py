@@ -57,10 +57,10 @@ def _tree(root: int) -> list[int]:
     return out
 
 
-def measure(cmd: list[str], env: dict) -> dict:
+def measure(cmd: list[str], env: dict, cwd: Path = ROOT) -> dict:
     """Run ``cmd``; its wall time, exit code, peak summed RSS of its tree and of one process."""
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     total = single = 0
     while proc.poll() is None:
         sizes = [_rss(p) for p in _tree(proc.pid)]
@@ -81,15 +81,17 @@ def main() -> None:
     args = ap.parse_args()
     traces = [args.reference, args.candidate] + ([args.golden] if args.golden else [])
     size = sum(f.stat().st_size for t in traces for f in Path(t).rglob("*.safetensors"))
-    trace_args = [args.reference, args.candidate] + (["--golden", args.golden] if args.golden else [])
+    traces = [str(Path(t).resolve()) for t in traces]  # the runs start in other folders
+    trace_args = traces[:2] + (["--golden", traces[2]] if args.golden else [])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     harness = [sys.executable, "-m", "harness", "compare", *trace_args]
     n = args.jobs
-    configs = {"1 process": (harness, env), f"--jobs {n}": ([*harness, "--jobs", str(n)], env),
+    configs = {"1 process": (harness, env, ROOT), f"--jobs {n}": ([*harness, "--jobs", str(n)], env, ROOT),
                f"torchrun {n}": ([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                  f"--nproc-per-node={n}", "-m", "harness", "compare", *trace_args], env)}  # fmt: skip
-    if args.before:
-        configs["before (1 process)"] = (harness, {**env, "PYTHONPATH": str(Path(args.before).resolve())})
+                                  f"--nproc-per-node={n}", "-m", "harness", "compare", *trace_args], env, ROOT)}  # fmt: skip
+    if args.before:  # run from that checkout: `-m harness` imports the working directory's package first
+        before = Path(args.before).resolve()
+        configs["before (1 process)"] = (harness, {**env, "PYTHONPATH": str(before)}, before)
     load = os.getloadavg()
     print(f"# {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, one torch thread per process,"
           f" traces {size / 2**30:.2f} GiB, load average {load[0]:.1f} at start")  # fmt: skip
@@ -98,8 +100,8 @@ def main() -> None:
     results: dict[str, list[dict]] = {name: [] for name in configs}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            for i, (name, (cmd, run_env)) in enumerate(configs.items()):
-                results[name].append(measure([*cmd, "--out", f"{tmp}/{r}-{i}"], run_env))
+            for i, (name, (cmd, run_env, cwd)) in enumerate(configs.items()):
+                results[name].append(measure([*cmd, "--out", f"{tmp}/{r}-{i}"], run_env, cwd))
     base = min(x["wall"] for x in results["1 process"])
     for name, runs in results.items():
         best = min(runs, key=lambda x: x["wall"])

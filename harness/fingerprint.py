@@ -4,12 +4,10 @@ A whole-tensor digest of the raw bytes, checksums of up to :data:`FINGERPRINT_BL
 along dim 0 (their bytes again; each digest recorded under its algorithm's name), and
 statistics: NaN and Inf counts; min, max, mean and L2 norm of the finite values.
 
-Nothing is copied for a contiguous fp32 or fp64 tensor: the hashes read its buffer in place,
-and each block's sum and norm is one reduction in the tensor's dtype (torch's cascaded sums:
-error of order ``log2(n) u``, far below the 1e-5 the cross-mesh norm check allows), the blocks'
-partials added in Python floats (fp64). A 16-bit block is widened to fp32 one block at a time
-(1/16 of the tensor), integers to fp64. Only a tensor holding NaN or Inf (or whose fp32 partial
-sums overflow) takes the masked path, in fp64, its finite statistics need.
+Nothing is copied: the hashes read the tensor's buffer in place, and each block's statistics
+are one compiled pass over it (:func:`harness.kernels.moments`: values widened to fp64, sums
+added in fp64 vector lanes, the finite values' extremes); integer tensors take an eager fp64
+pass. The blocks' partials are added in Python floats (fp64).
 
 Fingerprints can run on the step (the step pays for them) or in the capture's writer thread
 on a copy (``[capture] fingerprint_async``: the step pays for the copy only).
@@ -21,6 +19,7 @@ import hashlib
 import math
 import zlib
 
+import numpy as np
 import torch
 import xxhash
 
@@ -41,37 +40,43 @@ def fingerprint(t: torch.Tensor, whole: str | None = None, block: str | None = N
     whole, block = whole or WHOLE_DIGEST, block or BLOCK_DIGEST
     flat = t.detach().contiguous().reshape(-1)
     rows = t.shape[0] if t.dim() else 1
-    blocks, total, squares = [], 0.0, 0.0
-    for chunk in (flat.reshape(rows, -1).chunk(min(FINGERPRINT_BLOCKS, rows)) if t.numel() else []):
-        x = _reducible(chunk)
-        block_sum = float(x.sum())
-        total += block_sum
-        squares += float(torch.linalg.vector_norm(x)) ** 2
-        blocks.append({"rows": int(chunk.shape[0]), "sum": block_sum,
-                       block: BLOCK_DIGESTS[block](tensor_bytes(chunk.contiguous()))})  # fmt: skip
-    if math.isfinite(total + squares) and t.numel():
-        lo, hi = torch.aminmax(flat)
-        stats = {"nan": 0, "inf": 0, "min": float(lo), "max": float(hi), "mean": total / t.numel(),
-                 "l2": math.sqrt(squares)}  # fmt: skip
-    else:
-        stats = _finite_stats(flat)
+    moments = _compiled_moments if flat.dtype in _COMPILED else _eager_moments
+    blocks, total, squares, lo, hi, nan, inf = [], 0.0, 0.0, math.inf, -math.inf, 0, 0
+    for rows_chunk in (flat.reshape(rows, -1).chunk(min(FINGERPRINT_BLOCKS, rows)) if t.numel() else []):
+        chunk = rows_chunk.reshape(-1)
+        b_sum, b_fin, b_sq, b_lo, b_hi, b_nan, b_inf = moments(chunk)
+        total, squares, nan, inf = total + b_fin, squares + b_sq, nan + b_nan, inf + b_inf
+        if b_nan + b_inf < chunk.numel():
+            lo, hi = min(lo, b_lo), max(hi, b_hi)
+        blocks.append({"rows": int(rows_chunk.shape[0]), "sum": b_sum,
+                       block: BLOCK_DIGESTS[block](tensor_bytes(chunk))})  # fmt: skip
+    finite = t.numel() - nan - inf
+    stats = ({"nan": nan, "inf": inf, "min": lo, "max": hi, "mean": total / finite, "l2": math.sqrt(squares)}
+             if finite else {"nan": nan, "inf": inf, "min": None, "max": None, "mean": None, "l2": None})  # fmt: skip
     return {whole: DIGESTS[whole](tensor_bytes(flat)), "numel": int(t.numel()), **stats, "blocks": blocks}
 
 
-def _reducible(x: torch.Tensor) -> torch.Tensor:
-    """``x`` in a dtype whose reductions accumulate at fp32 precision or better."""
-    if x.dtype in (torch.float32, torch.float64):
-        return x
-    return x.float() if x.dtype.is_floating_point else x.double()
+_COMPILED = {torch.float32: 0, torch.float64: 0, torch.bfloat16: 1, torch.float16: 2}
+_INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16,
+             torch.float16: torch.int16}  # fmt: skip
 
 
-def _finite_stats(flat: torch.Tensor) -> dict:
-    """NaN and Inf counts; min, max, mean and L2 norm of the finite values (fp64)."""
-    flat = flat.double()
-    nan, inf = int(torch.isnan(flat).sum()), int(torch.isinf(flat).sum())
-    good = flat[torch.isfinite(flat)]
-    if not good.numel():
-        return {"nan": nan, "inf": inf, "min": None, "max": None, "mean": None, "l2": None}
-    lo, hi = torch.aminmax(good)
-    return {"nan": nan, "inf": inf, "min": float(lo), "max": float(hi), "mean": float(good.sum()) / good.numel(),
-            "l2": float(torch.linalg.vector_norm(good))}  # fmt: skip
+def _compiled_moments(x: torch.Tensor) -> tuple:
+    """(sum, finite sum, finite sum of squares, finite min, finite max, NaN count, Inf count),
+    fp64 sums in one pass (:func:`harness.kernels.moments`) over a floating-point block."""
+    from harness import kernels as K  # numba: imported only where a fingerprint is taken
+
+    mode = _COMPILED[x.dtype]
+    vals = x.numpy() if mode == 0 else np.empty(0, dtype=np.float32)
+    lut = K.fp16_values() if mode == 2 else np.empty(0, dtype=np.float64)
+    s, f, q, lo, hi, nan, inf = K.moments(x.view(_INT_VIEW[x.dtype]).numpy(), vals, mode, lut)
+    return float(s), float(f), float(q), float(lo), float(hi), int(nan), int(inf)
+
+
+def _eager_moments(x: torch.Tensor) -> tuple:
+    """The same statistics of an integer block, in fp64."""
+    x = x.double()
+    good = x[torch.isfinite(x)]
+    lo, hi = torch.aminmax(good) if good.numel() else (math.nan, math.nan)
+    return (float(x.sum()), float(good.sum()), float(good.square().sum()), float(lo), float(hi),
+            int(torch.isnan(x).sum()), int(torch.isinf(x).sum()))  # fmt: skip

@@ -1,7 +1,7 @@
 """Metrics of one (reference, candidate) pair in one streaming pass, in bounded memory.
 
 Both tensors are read once. fp32, bf16 and fp16 pairs go through one compiled loop
-(:mod:`harness.metrics_kernel`: blocks of a few thousand elements widened to fp64 in L1,
+(:mod:`harness.kernels`: blocks of a few thousand elements widened to fp64 in L1,
 every quantity taken from them in vectorized loops); other dtypes, and pairs of two dtypes,
 through an eager pass over chunks of :data:`CHUNK` elements widened into fp64 buffers kept
 between passes. Either way the working set is fixed whatever the tensor's size, and both
@@ -33,7 +33,6 @@ value (plus 2^-24 where float32 rounds a distance beyond 2^24 into the next buck
 
 from __future__ import annotations
 
-import functools
 import math
 import struct
 import threading
@@ -137,7 +136,7 @@ def measure(ref: torch.Tensor, cand: torch.Tensor, golden: torch.Tensor | None =
     """The report's metrics of one pair (same shape) and the judgement's inputs, in one pass.
 
     ``golden`` adds the RMS errors against it; ``tols`` = (rtol, atol) the ``dtype`` excess.
-    fp32, bf16 and fp16 pairs take the compiled loop (:mod:`harness.metrics_kernel`); other
+    fp32, bf16 and fp16 pairs take the compiled loop (:mod:`harness.kernels`); other
     dtypes, and pairs of two dtypes, the eager chunked pass with the same semantics.
     """
     if cand.numel() != ref.numel() or (golden is not None and golden.numel() != ref.numel()):
@@ -172,16 +171,16 @@ def measure(ref: torch.Tensor, cand: torch.Tensor, golden: torch.Tensor | None =
 
 def _compiled_pass(acc: _Acc, stats: PairStats, r: torch.Tensor, c: torch.Tensor,
                    g: torch.Tensor | None) -> int:  # fmt: skip
-    """The whole pair in :func:`harness.metrics_kernel.measure_pass`, on zero-copy views;
+    """The whole pair in :func:`harness.kernels.measure_pass`, on zero-copy views;
     returns how many elements' bit patterns differ."""
-    from harness import metrics_kernel as K  # numba: imported only where a pair is measured
+    from harness import kernels as K  # numba: imported only where a pair is measured
 
     r, c = r.detach(), c.detach()
     g = g.detach() if g is not None else None
     int_t = _INT_OF[r.dtype]
     mode = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[r.dtype]
     vals = (r.numpy(), c.numpy()) if mode == 0 else (_NO_VALUES, _NO_VALUES)
-    lut = _fp16_values() if mode == 2 else _NO_LUT
+    lut = K.fp16_values() if mode == 2 else _NO_LUT
     golden = g.to(torch.float64).numpy() if g is not None else _NO_LUT
     tols = np.array(stats.tols or (0.0, 0.0), dtype=np.float64)
     f, i = K.new_results()
@@ -204,12 +203,6 @@ def _compiled_pass(acc: _Acc, stats: PairStats, r: torch.Tensor, c: torch.Tensor
 
 _NO_VALUES = np.empty(0, dtype=np.float32)
 _NO_LUT = np.empty(0, dtype=np.float64)
-
-
-@functools.cache
-def _fp16_values() -> np.ndarray:
-    """fp64 value of every fp16 bit pattern, indexed by the pattern as unsigned."""
-    return np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float64)
 
 
 def _nan_max(a: float, b: torch.Tensor | float) -> float:

@@ -234,18 +234,18 @@ def test_fingerprints_in_the_writer_thread_equal_those_on_the_step(tmp_path):
     assert on_step == in_writer and all(fp for _, _, fp in on_step)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_fingerprint_statistics_within_the_rounding_of_their_sums(dtype):
-    """Sums and norms in the tensor's dtype (fp32 for bf16), blocks added in fp64: each within
-    gamma_m (fp32) of the exact value, m the largest block; NaN and Inf counted apart."""
+    """Sums and norms in fp64 over values widened exactly: each within gamma_n (fp64) of the
+    exact value, n the elements (blocks of them, then 16 blocks); NaN and Inf counted apart."""
     from harness.bounds import gamma
     from harness.fingerprint import FINGERPRINT_BLOCKS, fingerprint
 
     x = torch.randn(64, 100, generator=torch.Generator().manual_seed(3)).to(dtype)
     fp, xd = fingerprint(x), x.double()
-    m = x.numel() // FINGERPRINT_BLOCKS
-    assert abs(fp["mean"] * x.numel() - float(xd.sum())) <= gamma(m) * float(xd.abs().sum())
-    assert fp["l2"] == pytest.approx(float(xd.norm()), rel=gamma(m))
+    g = gamma(x.numel(), torch.float64)
+    assert abs(fp["mean"] * x.numel() - float(xd.sum())) <= 2 * g * float(xd.abs().sum())  # and the division
+    assert fp["l2"] == pytest.approx(float(xd.norm()), rel=g)
     assert (fp["min"], fp["max"]) == (float(xd.min()), float(xd.max()))
     assert len(fp["blocks"]) == FINGERPRINT_BLOCKS and fp["nan"] == fp["inf"] == 0
     fast, moved = fingerprint(x, "xxh3_128", "xxh3_64"), x.clone()
@@ -256,6 +256,20 @@ def test_fingerprint_statistics_within_the_rounding_of_their_sums(dtype):
     x[3, 7], x[9, 1] = float("nan"), float("inf")
     bad = fingerprint(x)
     assert (bad["nan"], bad["inf"]) == (1, 1) and bad["max"] == fp["max"] and bad["xxh3_128"] != fp["xxh3_128"]
+    finite = xd.isfinite()
+    finite[3, 7] = finite[9, 1] = False
+    assert bad["l2"] == pytest.approx(float(xd[finite].norm()), rel=g)
+
+
+def test_fingerprint_of_integers_and_of_no_finite_value():
+    from harness.fingerprint import fingerprint
+
+    ids = torch.arange(-5, 27, dtype=torch.int64).reshape(4, 8)
+    fp = fingerprint(ids)
+    assert (fp["min"], fp["max"], fp["mean"], fp["nan"]) == (-5, 26, float(ids.double().mean()), 0)
+    assert fp["l2"] == pytest.approx(float(ids.double().norm()), rel=1e-15)
+    inf = fingerprint(torch.tensor([float("inf"), float("nan"), float("-inf")]))
+    assert (inf["nan"], inf["inf"], inf["min"], inf["l2"]) == (1, 2, None, None)
 
 
 def test_comparing_two_models_is_a_bad_input(tmp_path, capsys):

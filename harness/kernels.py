@@ -1,5 +1,8 @@
-"""The metrics pass compiled (numba): each element of a (reference, candidate) pair is read
-from memory once, and every metric and judgement input is taken from it.
+"""The compiled loops (numba): the metrics pass over a (reference, candidate) pair, and the
+statistics of a fingerprint. Each element is read from memory once.
+
+The metrics pass (:func:`measure_pass`) takes every metric and judgement input from each pair
+of elements.
 
 Why compiled: in eager torch the pass is ~25 kernels per chunk, each a sweep of the chunk plus
 its dispatch; here a block of :data:`BLOCK` elements is widened once into fp64 scratch that
@@ -27,10 +30,15 @@ computations):
   each goes into the 1/8-octave histogram as its float32 bits shifted by ``shift`` (the
   int -> float32 conversion rounds to nearest, as torch's does).
 
+A fingerprint's statistics (:func:`moments`) are fp64 sums in vector lanes (the same bound as
+above), and the finite values' extremes.
+
 Compiled once per machine (``cache=True``: next to this file, or under ``NUMBA_CACHE_DIR``).
 """
 
 from __future__ import annotations
+
+import functools
 
 import numba
 import numpy as np
@@ -46,6 +54,12 @@ _MAGNITUDE = np.int64(0x7FFFFFFFFFFFFFFF)
 SS_R, SS_C, SS_D, DOT, MAX_ABS, MAX_REL, TOP, EXCESS, ABS_MAX_REF, SQ_RG, SQ_CG, ABS_MAX_G = range(12)
 WORST, MISMATCHED, NONFINITE, MAX_ULP, COUNTED, BITS_DIFFER = range(6)
 N_FLOAT, N_INT = 12, 6
+
+
+@functools.cache
+def fp16_values() -> np.ndarray:
+    """fp64 value of every fp16 bit pattern, indexed by the pattern as unsigned (``lut``)."""
+    return np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float64)
 
 
 def new_results() -> tuple[np.ndarray, np.ndarray]:
@@ -291,3 +305,50 @@ def _nonfinite_block(rd, cd, rb, cb, start, magnitude, shift, tols, has_tols, f_
                 i_out[NONFINITE] += 1
     f_out[TOP], f_out[MAX_REL] = top, max_rel
     return worst, (_f64_bits(max_abs) if max_abs >= 0 else np.int64(-1)), max_ulp, excess, abs_max_ref
+
+
+@numba.njit(cache=True, nogil=True, fastmath={"reassoc"})
+def _block_moments(x):
+    """Sum of all values (NaN and Inf propagate), then over the finite values: sum, sum of
+    squares, ordered-integer extremes; NaN and non-finite counts (selects, no branches: the
+    loop vectorizes)."""
+    total = fin = squares = 0.0
+    top, bottom = np.int64(0x7FFFFFFFFFFFFFFF), np.int64(-0x7FFFFFFFFFFFFFFF)
+    lo, hi = top, bottom
+    nan = nonfinite = 0
+    for j in range(x.size):
+        v = x[j]
+        total += v
+        finite = v - v == 0.0
+        w = v if finite else 0.0
+        fin += w
+        squares += w * w
+        k = _ordered(w)
+        lo = min(lo, k if finite else top)
+        hi = max(hi, k if finite else bottom)
+        nan += v != v
+        nonfinite += v - v != 0.0
+    return total, fin, squares, lo, hi, nan, nonfinite - nan
+
+
+@numba.njit(cache=True, nogil=True)
+def moments(bits, vals, mode, lut):
+    """Fingerprint statistics of one block of elements (``bits``, ``vals``, ``mode`` and
+    ``lut`` as for :func:`measure_pass`): (sum, finite sum, finite sum of squares, finite
+    min, finite max, NaN count, Inf count); min and max are NaN when no value is finite."""
+    buf = np.empty(BLOCK, np.float64)
+    total = fin = squares = 0.0
+    lo, hi = np.int64(0x7FFFFFFFFFFFFFFF), np.int64(-0x7FFFFFFFFFFFFFFF)
+    nan = inf = 0
+    for start in range(0, bits.size, BLOCK):
+        stop = min(start + BLOCK, bits.size)
+        x = buf[: stop - start]
+        _widen(bits[start:stop], vals[start:stop] if mode == 0 else vals, mode, lut, x)
+        b_total, b_fin, b_sq, b_lo, b_hi, b_nan, b_inf = _block_moments(x)
+        total += b_total
+        fin += b_fin
+        squares += b_sq
+        lo, hi = min(lo, b_lo), max(hi, b_hi)
+        nan += b_nan
+        inf += b_inf
+    return total, fin, squares, _bits_f64(_ordered(_bits_f64(lo))), _bits_f64(_ordered(_bits_f64(hi))), nan, inf
