@@ -19,7 +19,6 @@ import hashlib
 import math
 import zlib
 
-import numpy as np
 import torch
 import xxhash
 
@@ -40,11 +39,10 @@ def fingerprint(t: torch.Tensor, whole: str | None = None, block: str | None = N
     whole, block = whole or WHOLE_DIGEST, block or BLOCK_DIGEST
     flat = t.detach().contiguous().reshape(-1)
     rows = t.shape[0] if t.dim() else 1
-    moments = _compiled_moments if flat.dtype in _COMPILED else _eager_moments
     blocks, total, squares, lo, hi, nan, inf = [], 0.0, 0.0, math.inf, -math.inf, 0, 0
     for rows_chunk in (flat.reshape(rows, -1).chunk(min(FINGERPRINT_BLOCKS, rows)) if t.numel() else []):
         chunk = rows_chunk.reshape(-1)
-        b_sum, b_fin, b_sq, b_lo, b_hi, b_nan, b_inf = moments(chunk)
+        b_sum, b_fin, b_sq, b_lo, b_hi, b_nan, b_inf = _moments(chunk)
         total, squares, nan, inf = total + b_fin, squares + b_sq, nan + b_nan, inf + b_inf
         if b_nan + b_inf < chunk.numel():
             lo, hi = min(lo, b_lo), max(hi, b_hi)
@@ -56,25 +54,20 @@ def fingerprint(t: torch.Tensor, whole: str | None = None, block: str | None = N
     return {whole: DIGESTS[whole](tensor_bytes(flat)), "numel": int(t.numel()), **stats, "blocks": blocks}
 
 
-_COMPILED = {torch.float32: 0, torch.float64: 0, torch.bfloat16: 1, torch.float16: 2}
-_INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16,
-             torch.float16: torch.int16}  # fmt: skip
-
-
-def _compiled_moments(x: torch.Tensor) -> tuple:
-    """(sum, finite sum, finite sum of squares, finite min, finite max, NaN count, Inf count),
-    fp64 sums in one pass (:func:`harness.kernels.moments`) over a floating-point block."""
+def _moments(x: torch.Tensor) -> tuple:
+    """(sum, finite sum, finite sum of squares, finite min, finite max, NaN count, Inf count)
+    of a block: fp64 sums in one compiled pass (:func:`harness.kernels.moments`) for the
+    floating-point dtypes it reads, an eager fp64 pass for others."""
     from harness import kernels as K  # numba: imported only where a fingerprint is taken
 
-    mode = _COMPILED[x.dtype]
-    vals = x.numpy() if mode == 0 else np.empty(0, dtype=np.float32)
-    lut = K.fp16_values() if mode == 2 else np.empty(0, dtype=np.float64)
-    s, f, q, lo, hi, nan, inf = K.moments(x.view(_INT_VIEW[x.dtype]).numpy(), vals, mode, lut)
+    if x.dtype not in K.COMPILED:
+        return _eager_moments(x)
+    s, f, q, lo, hi, nan, inf = K.moments(*K.operands(x))
     return float(s), float(f), float(q), float(lo), float(hi), int(nan), int(inf)
 
 
 def _eager_moments(x: torch.Tensor) -> tuple:
-    """The same statistics of an integer block, in fp64."""
+    """The same statistics in fp64, eagerly (integer blocks)."""
     x = x.double()
     good = x[torch.isfinite(x)]
     lo, hi = torch.aminmax(good) if good.numel() else (math.nan, math.nan)

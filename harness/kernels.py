@@ -44,18 +44,35 @@ import functools
 
 import numba
 import numpy as np
+import torch
 from numba import types
 from numba.extending import intrinsic
 
 BLOCK = 2048  # elements per block: its fp64 scratch (2 x 16 KiB) stays in L1
-LANES = 4  # interleaved histograms: runs of one bucket do not serialize on one counter
-_SIGN = np.int64(-0x8000000000000000)
+LANES = 4  # interleaved histograms (runs of one bucket do not serialize on one counter); _count unrolls 4
 _MAGNITUDE = np.int64(0x7FFFFFFFFFFFFFFF)
 
 # Indices of the float and integer results.
 SS_R, SS_C, SS_D, DOT, MAX_ABS, MAX_REL, TOP, EXCESS, ABS_MAX_REF, SQ_RG, SQ_CG, ABS_MAX_G = range(12)
 WORST, MISMATCHED, NONFINITE, MAX_ULP, COUNTED, BITS_DIFFER = range(6)
 N_FLOAT, N_INT = 12, 6
+
+
+# How the loops widen each dtype (see :func:`_widen`) and the integer view of its bits.
+_MODE = {torch.float32: 0, torch.float64: 0, torch.bfloat16: 1, torch.float16: 2}
+_BITS = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16,
+         torch.float16: torch.int16}  # fmt: skip
+COMPILED = frozenset(_MODE)
+_NONE32, _NONE64 = np.empty(0, dtype=np.float32), np.empty(0, dtype=np.float64)
+
+
+def operands(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray, int, np.ndarray]:
+    """A contiguous 1-D tensor as the loops read it, without a copy: (its bit patterns, its
+    values where numpy holds the dtype, the widening mode, the fp16 table where needed)."""
+    t = t.detach()
+    mode = _MODE[t.dtype]
+    return (t.view(_BITS[t.dtype]).numpy(), t.numpy() if mode == 0 else _NONE32, mode,
+            fp16_values() if mode == 2 else _NONE64)  # fmt: skip
 
 
 @functools.cache
@@ -91,9 +108,16 @@ _bits_f32 = _bitcast(types.int32, types.float32)
 
 @numba.njit(nogil=True, inline="always")
 def _ordered(x):
-    """An int64 in the order of the fp64 ``x`` (NaN excluded): its own inverse."""
+    """An int64 in the order of the fp64 ``x`` (NaN excluded): the bit pattern, its magnitude
+    bits flipped where the sign is set."""
     b = _f64_bits(x)
     return b ^ ((b >> 63) & _MAGNITUDE)
+
+
+@numba.njit(nogil=True, inline="always")
+def _unordered(k):
+    """The fp64 whose :func:`_ordered` integer is ``k`` (the same flip undoes it)."""
+    return _bits_f64(k ^ ((k >> 63) & _MAGNITUDE))
 
 
 @numba.njit(nogil=True)
@@ -106,8 +130,8 @@ def _nan_max(m, x):
 
 @numba.njit(nogil=True)
 def _widen(bits, vals, mode, lut, out):
-    """The block's elements as fp64 into ``out``. ``mode`` 0: fp32 (``vals``); 1: bf16 (the
-    top half of the fp32 bits); 2: through ``lut`` (fp16)."""
+    """The block's elements as fp64 into ``out``. ``mode`` 0: fp32 or fp64 (``vals``); 1: bf16
+    (the top half of the fp32 bits); 2: through ``lut`` (fp16)."""
     m = bits.size
     if mode == 0:
         for j in range(m):
@@ -255,7 +279,7 @@ def measure_pass(r_bits, c_bits, r_vals, c_vals, mode, lut, golden, has_golden, 
         top_b, max_rel_b, max_ulp = max(top_b, a_top), max(max_rel_b, q_top), max(max_ulp, u_top)
         if has_tols:
             e_top = _excess(r_blk, c_blk, rtol, atol)
-            excess = _nan_max(excess, _bits_f64(_ordered(_bits_f64(e_top))))
+            excess = _nan_max(excess, _unordered(e_top))
             abs_max_ref = _nan_max(abs_max_ref, _bits_f64(a_top))
         _count(bucket[:m], hist)
     f_out[MAX_ABS] = _bits_f64(max_abs_b) if max_abs_b >= 0 else -1.0
@@ -353,4 +377,4 @@ def moments(bits, vals, mode, lut):
         lo, hi = min(lo, b_lo), max(hi, b_hi)
         nan += b_nan
         inf += b_inf
-    return total, fin, squares, _bits_f64(_ordered(_bits_f64(lo))), _bits_f64(_ordered(_bits_f64(hi))), nan, inf
+    return total, fin, squares, _unordered(lo), _unordered(hi), nan, inf

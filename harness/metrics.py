@@ -175,18 +175,14 @@ def _compiled_pass(acc: _Acc, stats: PairStats, r: torch.Tensor, c: torch.Tensor
     returns how many elements' bit patterns differ."""
     from harness import kernels as K  # numba: imported only where a pair is measured
 
-    r, c = r.detach(), c.detach()
-    g = g.detach() if g is not None else None
-    int_t = _INT_OF[r.dtype]
-    mode = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[r.dtype]
-    vals = (r.numpy(), c.numpy()) if mode == 0 else (_NO_VALUES, _NO_VALUES)
-    lut = K.fp16_values() if mode == 2 else _NO_LUT
-    golden = g.to(torch.float64).numpy() if g is not None else _NO_LUT
+    r_bits, r_vals, mode, lut = K.operands(r)
+    c_bits, c_vals, _, _ = K.operands(c)
+    golden = g.detach().to(torch.float64).numpy() if g is not None else _NO_GOLDEN
     tols = np.array(stats.tols or (0.0, 0.0), dtype=np.float64)
     f, i = K.new_results()
     hist = np.zeros(K.LANES * HIST_BINS, dtype=np.int64)
-    K.measure_pass(r.view(int_t).numpy(), c.view(int_t).numpy(), *vals, mode, lut, golden, g is not None,
-                   tols, stats.tols is not None, 1 << (torch.iinfo(int_t).bits - 1), HIST_SHIFT, f, i, hist)
+    K.measure_pass(r_bits, c_bits, r_vals, c_vals, mode, lut, golden, g is not None, tols, stats.tols is not None,
+                   1 << (8 * r_bits.itemsize - 1), HIST_SHIFT, f, i, hist)
     f = f.tolist()  # Python floats from here on
     acc.ss_r, acc.ss_c, acc.ss_d, acc.dot = f[K.SS_R], f[K.SS_C], f[K.SS_D], f[K.DOT]
     acc.max_abs, acc.max_rel, acc.top = f[K.MAX_ABS], f[K.MAX_REL], f[K.TOP]
@@ -201,8 +197,7 @@ def _compiled_pass(acc: _Acc, stats: PairStats, r: torch.Tensor, c: torch.Tensor
     return int(i[K.BITS_DIFFER])
 
 
-_NO_VALUES = np.empty(0, dtype=np.float32)
-_NO_LUT = np.empty(0, dtype=np.float64)
+_NO_GOLDEN = np.empty(0, dtype=np.float64)
 
 
 def _nan_max(a: float, b: torch.Tensor | float) -> float:
