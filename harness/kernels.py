@@ -48,6 +48,8 @@ import torch
 from numba import types
 from numba.extending import intrinsic
 
+from harness.dtypes import BITS_OF
+
 BLOCK = 2048  # elements per block: its fp64 scratch (2 x 16 KiB) stays in L1
 LANES = 4  # interleaved histograms (runs of one bucket do not serialize on one counter); _count unrolls 4
 _MAGNITUDE = np.int64(0x7FFFFFFFFFFFFFFF)
@@ -58,10 +60,8 @@ WORST, MISMATCHED, NONFINITE, MAX_ULP, COUNTED, BITS_DIFFER = range(6)
 N_FLOAT, N_INT = 12, 6
 
 
-# How the loops widen each dtype (see :func:`_widen`) and the integer view of its bits.
+# How the loops widen each dtype (see :func:`_widen`).
 _MODE = {torch.float32: 0, torch.float64: 0, torch.bfloat16: 1, torch.float16: 2}
-_BITS = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16,
-         torch.float16: torch.int16}  # fmt: skip
 COMPILED = frozenset(_MODE)
 _NONE32, _NONE64 = np.empty(0, dtype=np.float32), np.empty(0, dtype=np.float64)
 
@@ -71,7 +71,7 @@ def operands(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray, int, np.ndarray]:
     values where numpy holds the dtype, the widening mode, the fp16 table where needed)."""
     t = t.detach()
     mode = _MODE[t.dtype]
-    return (t.view(_BITS[t.dtype]).numpy(), t.numpy() if mode == 0 else _NONE32, mode,
+    return (t.view(BITS_OF[t.dtype]).numpy(), t.numpy() if mode == 0 else _NONE32, mode,
             fp16_values() if mode == 2 else _NONE64)  # fmt: skip
 
 
@@ -194,6 +194,15 @@ def _excess(rd, cd, rtol, atol):
     return e_top
 
 
+@numba.njit(nogil=True, inline="always")
+def _ulp(ri, ci, magnitude):
+    """ULPs between two bit patterns (sign-magnitude, widened to int64): the distance of
+    their order-preserving integers ``-m`` / ``m`` (+0 and -0 both 0)."""
+    ro = ((ri & magnitude) ^ (ri >> 63)) - (ri >> 63)
+    co = ((ci & magnitude) ^ (ci >> 63)) - (ci >> 63)
+    return abs(co - ro)
+
+
 @numba.njit(nogil=True)
 def _ulps(rb, cb, magnitude, shift, bucket):
     """The block's ULP distances from the bit patterns: their maximum, their histogram
@@ -203,9 +212,7 @@ def _ulps(rb, cb, magnitude, shift, bucket):
     for j in range(rb.size):
         ri, ci = np.int64(rb[j]), np.int64(cb[j])
         differ += ri != ci  # NaN payloads and -0 included
-        ro = ((ri & magnitude) ^ (ri >> 63)) - (ri >> 63)
-        co = ((ci & magnitude) ^ (ci >> 63)) - (ci >> 63)
-        u = abs(co - ro)
+        u = _ulp(ri, ci, magnitude)
         u_top = max(u_top, u)
         bucket[j] = np.uint32(_f32_bits(np.float32(u)) >> shift)
     return u_top, differ
@@ -229,14 +236,14 @@ def _count(bucket, hist):
 
 @numba.njit(nogil=True)
 def measure_pass(r_bits, c_bits, r_vals, c_vals, mode, lut, golden, has_golden, tols, has_tols,
-                 sign_bit, shift, f_out, i_out, hist):  # fmt: skip
+                 shift, f_out, i_out, hist):  # fmt: skip
     """Add one pair's elements to the running results ``f_out`` (floats), ``i_out`` (ints) and
     ``hist`` (LANES x buckets, flat)."""
     n = r_bits.size
     rd = np.empty(BLOCK, np.float64)
     cd = np.empty(BLOCK, np.float64)
     bucket = np.empty(BLOCK, np.uint32)
-    magnitude = np.int64(sign_bit - 1)
+    magnitude = (np.int64(1) << (8 * r_bits.itemsize - 1)) - 1  # every bit but the sign
     rtol, atol = tols[0], tols[1]
     # Maxima kept as bit patterns (non-negative values) or ordered integers (the excess).
     max_abs_b = _f64_bits(f_out[MAX_ABS]) if f_out[MAX_ABS] >= 0 else np.int64(-1)
@@ -260,7 +267,7 @@ def measure_pass(r_bits, c_bits, r_vals, c_vals, mode, lut, golden, has_golden, 
         i_out[BITS_DIFFER] += differ
         if bad:
             worst, max_abs_b, max_ulp, excess, abs_max_ref = _nonfinite_block(
-                r_blk, c_blk, rb, cb, start, magnitude, shift, tols, has_tols, f_out, i_out, hist,
+                r_blk, c_blk, rb, cb, bucket, start, magnitude, tols, has_tols, f_out, i_out, hist,
                 worst, max_abs_b, max_ulp, excess, abs_max_ref, _bits_f64(top_b), _bits_f64(max_rel_b))
             top_b, max_rel_b = _f64_bits(f_out[TOP]), _f64_bits(f_out[MAX_REL])
             continue
@@ -289,10 +296,11 @@ def measure_pass(r_bits, c_bits, r_vals, c_vals, mode, lut, golden, has_golden, 
 
 
 @numba.njit(nogil=True)
-def _nonfinite_block(rd, cd, rb, cb, start, magnitude, shift, tols, has_tols, f_out, i_out, hist,
+def _nonfinite_block(rd, cd, rb, cb, bucket, start, magnitude, tols, has_tols, f_out, i_out, hist,
                      worst, max_abs_b, max_ulp, excess, abs_max_ref, top, max_rel):  # fmt: skip
     """A block holding NaN or Inf, element by element: non-finite positions compared as such
-    (NaN with NaN, Inf with the same Inf) and counted as ``|c - r| = 0`` elsewhere."""
+    (NaN with NaN, Inf with the same Inf) and counted as ``|c - r| = 0`` elsewhere; the finite
+    ones counted in the histogram from ``bucket`` (:func:`_ulps` filled it for the block)."""
     rtol, atol = tols[0], tols[1]
     max_abs = _bits_f64(max_abs_b) if max_abs_b >= 0 else -1.0
     for j in range(rd.size):
@@ -315,12 +323,8 @@ def _nonfinite_block(rd, cd, rb, cb, start, magnitude, shift, tols, has_tols, f_
                 if r != 0.0:
                     max_rel = max(max_rel, d / a)
             top = max(top, a)
-            ri, ci = np.int64(rb[j]), np.int64(cb[j])
-            ro = -(ri & magnitude) if ri < 0 else ri & magnitude
-            co = -(ci & magnitude) if ci < 0 else ci & magnitude
-            u = abs(co - ro)
-            max_ulp = max(max_ulp, u)
-            hist[np.uint32(_f32_bits(np.float32(u)) >> shift)] += 1
+            max_ulp = max(max_ulp, _ulp(np.int64(rb[j]), np.int64(cb[j]), magnitude))
+            hist[bucket[j]] += 1
             i_out[COUNTED] += 1
         else:
             if 0.0 > max_abs:

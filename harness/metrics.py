@@ -41,14 +41,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from harness.dtypes import BITS_OF
 from harness.tolerance import DTYPE_TOLS
 
 CHUNK = 1 << 17  # the eager pass: 1 MiB per fp64 buffer, the three stay in the last-level cache
 HIST_SHIFT = 20  # float32 bits >> 20: 8 exponent bits and 3 mantissa bits, 1/8-octave buckets
 HIST_BINS = 1 << (31 - HIST_SHIFT)
 P99_REL_ERROR = 1 / 16 + 2**-23
-_INT_OF = {torch.float64: torch.int64, torch.float32: torch.int32,
-           torch.bfloat16: torch.int16, torch.float16: torch.int16}  # fmt: skip
 _FAST = (torch.float32, torch.bfloat16, torch.float16)  # the compiled loop's dtypes
 
 
@@ -61,7 +60,7 @@ def _ordered(x: torch.Tensor) -> torch.Tensor:
     """Sign-magnitude bit patterns -> integers in the order of the floats (+0 and -0 both 0),
     in the dtype's own integer width: ``-magnitude`` for negatives, as ``(m ^ s) - s`` with
     ``s`` the sign smeared over the word (0 or -1)."""
-    int_t = _INT_OF[x.dtype]
+    int_t = BITS_OF[x.dtype]
     i = x.contiguous().view(int_t)
     s = i >> (torch.iinfo(int_t).bits - 1)
     return ((i & torch.iinfo(int_t).max) ^ s) - s
@@ -182,7 +181,7 @@ def _compiled_pass(acc: _Acc, stats: PairStats, r: torch.Tensor, c: torch.Tensor
     f, i = K.new_results()
     hist = np.zeros(K.LANES * HIST_BINS, dtype=np.int64)
     K.measure_pass(r_bits, c_bits, r_vals, c_vals, mode, lut, golden, g is not None, tols, stats.tols is not None,
-                   1 << (8 * r_bits.itemsize - 1), HIST_SHIFT, f, i, hist)
+                   HIST_SHIFT, f, i, hist)
     f = f.tolist()  # Python floats from here on
     acc.ss_r, acc.ss_c, acc.ss_d, acc.dot = f[K.SS_R], f[K.SS_C], f[K.SS_D], f[K.DOT]
     acc.max_abs, acc.max_rel, acc.top = f[K.MAX_ABS], f[K.MAX_REL], f[K.TOP]
