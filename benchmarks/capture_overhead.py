@@ -22,10 +22,10 @@ import time
 import torch
 from torch.distributed.tensor import Replicate
 
-from harness import fingerprint as fp
-from harness.capture import Capture
-from harness.layout import Layout
-from harness.scenario import CapturePolicy
+from harness.capture import fingerprint as fp
+from harness.capture.api import Capture
+from harness.common.layout import Layout
+from harness.scenario.parse import CapturePolicy
 
 POLICIES = {
     "losses+scalars": CapturePolicy(kinds=("loss", "scalar")),

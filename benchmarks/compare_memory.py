@@ -1,4 +1,4 @@
-"""Extra peak memory of ``harness.metrics.metrics`` on one pair, beside its anchors.
+"""Extra peak memory of ``harness.compare.metrics.metrics`` on one pair, beside its anchors.
 
 Each figure comes from a fresh process (peak RSS only grows): the pair is built, the peak
 noted, the method run, and the growth of the peak divided by the pair's bytes.
@@ -18,7 +18,7 @@ CHILD = """
 import json, resource, sys, torch
 torch.set_num_threads(1)
 from benchmarks.compare_throughput import _assert_close, _clone, _fused
-from harness.metrics import metrics
+from harness.compare.metrics import metrics
 method, numel = sys.argv[1], int(sys.argv[2])
 r = torch.randn(numel); c = r + 1e-3 * torch.randn(numel)
 fn = {"metrics": metrics, "assert_close": _assert_close, "fused": _fused, "clone": _clone}[method]

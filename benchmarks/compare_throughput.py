@@ -1,4 +1,4 @@
-"""Throughput of ``harness.metrics.metrics`` beside its anchors, interleaved in one run, one thread.
+"""Throughput of ``harness.compare.metrics.metrics`` beside its anchors, interleaved in one run, one thread.
 
 Anchors per pair: ``torch.testing.assert_close`` (with tolerances wide enough to pass: its
 full check), a clone of both sides (memory bandwidth), and a fused loop (one native-dtype
@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from harness.metrics import metrics
+from harness.compare.metrics import metrics
 
 
 def _pairs(n_pairs: int, numel: int, dtype: torch.dtype):

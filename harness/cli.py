@@ -13,8 +13,8 @@ import sys
 import threading
 from pathlib import Path
 
-from harness.errors import EXIT_BAD_INPUT, BadInput, HarnessError
-from harness.scenario import POLICIES
+from harness.common.errors import EXIT_BAD_INPUT, BadInput, HarnessError
+from harness.scenario.parse import POLICIES
 
 
 class _Parser(argparse.ArgumentParser):
@@ -37,7 +37,7 @@ def _cmd_validate(args) -> int:
 
 
 def _cmd_inject(args) -> int:
-    from harness.faults import CATALOG
+    from harness.backends.faults import CATALOG
 
     for f in CATALOG.values():
         print(f"{f.name:28s} [{f.bug_class}] {f.description}")
@@ -58,7 +58,7 @@ def _cmd_run(args) -> int:
 
 
 def _with_fault(s, names: list[str], role: str):
-    from harness.planting import plant
+    from harness.scenario.planting import plant
 
     return plant([s], names, role, where="--inject", side_where="--inject-side")[0]
 
@@ -75,8 +75,9 @@ def _out_dir(path: str, flag: str) -> Path:
 
 
 def _cmd_matrix(args) -> int:
-    from harness import report, scenario
-    from harness.errors import EXIT_PARITY_FAIL
+    from harness import report
+    from harness import scenario
+    from harness.common.errors import EXIT_PARITY_FAIL
     from harness.session import run_scenarios
 
     if args.update_baseline and not args.baseline:
@@ -111,7 +112,7 @@ def _cmd_report(args) -> int:
 
 
 def _cmd_compare(args) -> int:
-    from harness.scenario import ComparePolicy
+    from harness.scenario.parse import ComparePolicy
     from harness.session import compare_traces
 
     chosen = {k: getattr(args, k) for k in ("policy", "k", "k_first_step", "floor")}
@@ -167,13 +168,13 @@ def _limits_option(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_mlm(args) -> int:
-    from harness import trace
-    from harness.backends.mlm.command import run_command
+    from harness.capture import trace
+    from harness.session import run_mlm_command
 
     flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
     if not flags:
         raise BadInput("gtp-parity mlm", "give the pretrain_gpt.py flags after --")
-    path = run_command(flags, args.nproc, _out_dir(args.out, "--out"), args.timeout)
+    path = run_mlm_command(flags, args.nproc, _out_dir(args.out, "--out"), args.timeout)
     t = trace.read(path)
     rows = sorted((s["step"], s["name"], s["value"]) for s in t.scalars if s["rank"] == 0
                   and s["name"] in ("reduced_loss", "grad_norm", "lr_logged"))  # fmt: skip
@@ -195,6 +196,22 @@ def _cmd_mutate(args) -> int:
     from harness.mutation.command import main as mutate_main
 
     return mutate_main(args)
+
+
+def _mutate_parser(sub) -> None:
+    mu = sub.add_parser("mutate", help="mutation campaign over megatron-core's GTP code: the harness's detection power")
+    mu.add_argument("--target", action="append", metavar="MODULE", help="module of the GTP path (default: all)")
+    mu.add_argument("--matrix", help="scenarios each mutant runs (default: scenarios/mutate.toml)")
+    mu.add_argument("--budget", type=_count, default=150,
+                    help="mutants to run, spread over files and operators (default 150; 0: all)")
+    mu.add_argument("--mutant", action="append", metavar="ID", help="run these mutants only (repeatable)")
+    mu.add_argument("--timeout", type=_non_negative, default=90.0, help="seconds per mutant side (default 90)")
+    mu.add_argument("--per-launch", type=_positive_int, default=12, help="mutant sides per launch (default 12)")
+    mu.add_argument("--retriage", action="store_true",
+                    help="apply the triage file (harness/mutation/triage.toml) to the campaign in --out again (no run)")
+    mu.add_argument("--show", metavar="ID", help="print a mutant's diff and the localization it got")
+    mu.add_argument("--out", required=True, help="campaign folder: mutants.json, index.html, traces")
+    mu.set_defaults(fn=_cmd_mutate)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -237,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--k-first-step", type=_non_negative, help="noise-floor k at step 1 (default: k)")
     c.add_argument("--floor", type=_non_negative, help="noise-floor floor in eps x max|golden| (default 8)")
     c.add_argument("--jobs", type=_positive_int, default=1,
-                   help="worker processes measuring the tensors (default 1); under torchrun the ranks share them")
+                   help="compare processes measuring the tensors (default 1); under torchrun the ranks share them")
     c.add_argument("--no-verify", action="store_true",
                    help="skip checking each tensor against the content hash recorded when it was written")
     c.set_defaults(fn=_cmd_compare)
@@ -260,19 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     ml.add_argument("flags", nargs=argparse.REMAINDER, help="-- then the pretrain_gpt.py flags")
     ml.set_defaults(fn=_cmd_mlm)
 
-    mu = sub.add_parser("mutate", help="mutation campaign over megatron-core's GTP code: the harness's detection power")
-    mu.add_argument("--target", action="append", metavar="MODULE", help="module of the GTP path (default: all)")
-    mu.add_argument("--matrix", help="scenarios each mutant runs (default: scenarios/mutate.toml)")
-    mu.add_argument("--budget", type=_count, default=150,
-                    help="mutants to run, spread over files and operators (default 150; 0: all)")
-    mu.add_argument("--mutant", action="append", metavar="ID", help="run these mutants only (repeatable)")
-    mu.add_argument("--timeout", type=_non_negative, default=90.0, help="seconds per mutant side (default 90)")
-    mu.add_argument("--per-launch", type=_positive_int, default=12, help="mutant sides per launch (default 12)")
-    mu.add_argument("--retriage", action="store_true",
-                    help="apply scenarios/mutants_triage.toml to the campaign in --out again (no run)")
-    mu.add_argument("--show", metavar="ID", help="print a mutant's diff and the localization it got")
-    mu.add_argument("--out", required=True, help="campaign folder: mutants.json, index.html, traces")
-    mu.set_defaults(fn=_cmd_mutate)
+    _mutate_parser(sub)
 
     i = sub.add_parser("inject", help="list the planted faults")
     i.add_argument("--list", action="store_true", required=True)
@@ -293,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     except HarnessError as e:
         print(f"gtp-parity: {e}", file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt:  # the launcher has already ended its launches (harness.launch)
+    except KeyboardInterrupt:  # the launcher has already ended its launches (harness.run.launch)
         print("gtp-parity: interrupted; traces written so far are kept, marked incomplete", file=sys.stderr)
         return 130
     finally:

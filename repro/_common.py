@@ -97,7 +97,7 @@ def _rank_main(rank, world, tmp, fn, args):
 
 def _norm_without_sp_assert():
     """megatron-core's torch LayerNorm under sequence parallel: the compat layer's stand-in."""
-    from harness.patching import undo_all
+    from harness.backends.patching import undo_all
 
     compat.layer_norm_for_sequence_parallel()
     return undo_all

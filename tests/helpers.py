@@ -6,11 +6,13 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from harness import bounds, scenario, trace
-from harness import data as data_mod
-from harness.assemble import assemble_trace
+from harness.compare import bounds
+from harness import scenario
+from harness.capture import trace
+from harness.backends import data as data_mod
+from harness.compare.assemble import assemble_trace
 from harness.backends.torch.model import GPT, token_losses
-from harness.gpt import canonical_state
+from harness.backends.gpt import canonical_state
 from harness.session import run_scenarios
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import bounds
-from harness.assemble import Logical
-from harness.compare import _grad_norm_consistency, _scalar_row
-from harness.scenario import ComparePolicy
+from harness.compare import bounds
+from harness.compare.assemble import Logical
+from harness.compare.judge import _grad_norm_consistency, _scalar_row
+from harness.scenario.parse import ComparePolicy
 
 ROOT = Path(__file__).resolve().parent.parent
 

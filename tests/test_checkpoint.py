@@ -13,15 +13,16 @@ import pandas as pd
 import pytest
 import torch
 
-from harness import checkpointing, scenario
+from harness.scenario import checkpoint as checkpointing
+from harness import scenario
 from harness.backends.megatron import checkpoint
-from harness.errors import BadInput
-from harness.fault_catalog import CATALOG
-from harness.gpt import param_specs
-from harness.signatures import inserted_zero_rows
-from harness.matrix import read_toml
-from harness.rules import validate
-from harness.scenario import parse_scenario
+from harness.common.errors import BadInput
+from harness.scenario.faults import CATALOG
+from harness.backends.gpt import param_specs
+from harness.compare.signatures import inserted_zero_rows
+from harness.scenario.matrix import read_toml
+from harness.scenario.rules import validate
+from harness.scenario.parse import parse_scenario
 from helpers import ASSETS, results, run, summary
 
 FAST = ASSETS / "checkpoint_fast.toml"

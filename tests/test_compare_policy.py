@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from harness.assemble import Logical
-from harness.compare import _grad_norm_consistency, _pool_loss_noise, _scalar_row, judge, metrics
-from harness.scenario import ComparePolicy
+from harness.compare.assemble import Logical
+from harness.compare.judge import _grad_norm_consistency, _pool_loss_noise, _scalar_row, judge, metrics
+from harness.scenario.parse import ComparePolicy
 
 FP8 = ComparePolicy(k=4.0, k_first_step=1.25, floor=0.25)
 

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 400
 MCORE = "harness.conformance.mcore:gtp_sharded_param"
 REFERENCE = "harness.conformance.reference:reference"
-PLUGIN = "harness.conformance.pytest_plugin"
+PLUGIN = "harness.pytest_plugin.conformance"
 
 pytestmark = pytest.mark.multirank
 

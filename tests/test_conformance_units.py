@@ -17,7 +17,7 @@ from harness.conformance.runner import ClauseRecord, ConformanceResult, Topology
 
 pytest_plugins = ["pytester"]
 
-PLUGIN = "harness.conformance.pytest_plugin"
+PLUGIN = "harness.pytest_plugin.conformance"
 
 
 def test_padding_puts_pad_rows_on_the_last_ranks():

@@ -8,9 +8,10 @@ import sys
 
 import pytest
 
-from harness import cli, scenario
-from harness.fault_catalog import MOE_FAULTS
-from harness.faults import CATALOG
+from harness import cli
+from harness import scenario
+from harness.scenario.faults import MOE_FAULTS
+from harness.backends.faults import CATALOG
 from tests.helpers import ASSETS, ROOT, run, summary
 
 # The faults the megatron fault matrix plants (the FP8 one is planted in tests/test_fp8.py).

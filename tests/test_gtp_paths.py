@@ -11,8 +11,11 @@ import xml.etree.ElementTree as ET
 import pytest
 import torch
 
-from harness import report, scenario
-from harness.session import judge_expectation, run_scenarios
+from harness import report
+from harness import scenario
+from harness.compare.outcome import judge_expectation
+from harness.compare.summary import ScenarioSummary
+from harness.session import run_scenarios
 from helpers import ROOT
 
 PATHS = ROOT / "scenarios" / "gtp_paths.toml"
@@ -97,15 +100,17 @@ def _doc(verdict: str, signature: str | None = None, step: int = 1) -> dict:
 ])  # fmt: skip
 def test_a_known_divergence_gates_on_change(doc, expect, verdict):
     exp = None if expect is None else scenario.Expectation(reason="file:function:line", **expect)
-    judge_expectation(doc, exp)
-    assert doc["verdict"] == verdict
-    assert ("expectation" in doc) == (verdict == "fail")
+    before = ScenarioSummary.from_json(doc)
+    after = judge_expectation(before, exp)
+    assert after.verdict == verdict
+    assert ("expectation" in after.to_json()) == (verdict == "fail")
+    assert before == ScenarioSummary.from_json(doc)  # a new summary: the judged one is unchanged
 
 
 def test_variable_loss_mask_gives_every_sample_its_own_token_count():
     """What makes a wrong normalization show: the samples of a step count different numbers
     of tokens (1..seq_length), and the same sample the same number on every side."""
-    from harness import data as data_mod
+    from harness.backends import data as data_mod
 
     sc = next(s for s in scenario.load(PATHS) if s.name == "per-token-loss-variable-length")
     ids = data_mod.step_sample_ids(1, sc.data)

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from harness import trace
+from harness.capture import trace
 from tests.helpers import ASSETS, ROOT
 
 pytestmark = pytest.mark.multirank

@@ -6,9 +6,10 @@ import math
 import pytest
 import torch
 
-from harness import scenario, trace
-from harness.assemble import assemble_trace
-from harness.data import rank_sample_ids
+from harness import scenario
+from harness.capture import trace
+from harness.compare.assemble import assemble_trace
+from harness.backends.data import rank_sample_ids
 from tests.helpers import ASSETS, ROOT, assert_grads_differ_by_order_only, results, run, summary
 
 TINY = "tiny-tp1-gtp2-fp32-sgd"
@@ -147,9 +148,9 @@ def test_compare_holds_one_pair_of_logical_tensors_at_a_time(tiny_traces, monkey
     the traces' tens of tensors; and the verdict is the run's."""
     import weakref
 
-    from harness import assemble as assemble_mod
-    from harness.assemble import SAMPLE_KINDS
-    from harness.compare import compare
+    from harness.compare import assemble as assemble_mod
+    from harness.compare.assemble import SAMPLE_KINDS
+    from harness.compare.judge import compare
 
     alive, most, built = [], 0, 0
     real = assemble_mod.assemble
@@ -168,4 +169,4 @@ def test_compare_holds_one_pair_of_logical_tensors_at_a_time(tiny_traces, monkey
               if e.rank == 0 and e.layout is not None and e.kind not in ("input", *SAMPLE_KINDS)]  # fmt: skip
     keys = len(placed)  # every rank holds a shard of every placed key: one entry per key on rank 0
     assert built >= keys > 3 * 20 and most <= 2
-    assert doc["verdict"] == "pass"
+    assert doc.summary.verdict == "pass"

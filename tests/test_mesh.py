@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from megatron.core.parallel_state import RankGenerator, _inject_gtp_remat_axis
 
-from harness.mesh import AXES, Mesh
+from harness.common.mesh import AXES, Mesh
 
 # megatron-core's names of our axes, for RankGenerator.get_ranks.
 MCORE_AXIS = {"tp": "tp", "gtp": "gtp_remat", "dp": "dp", "pp": "pp"}

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from harness import metrics as M
+from harness.compare import metrics as M
 
 
 def _pair(dtype, numel, nonfinite):

@@ -10,9 +10,11 @@ import re
 import pytest
 import torch
 
-from harness import cli, scenario, trace
-from harness.errors import BadInput
-from harness.faults import CATALOG
+from harness import cli
+from harness import scenario
+from harness.capture import trace
+from harness.common.errors import BadInput
+from harness.backends.faults import CATALOG
 from harness.session import run_scenarios
 from tests.helpers import ASSETS, ROOT, results, summary
 

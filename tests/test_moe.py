@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from harness import scenario
-from harness.errors import BadInput
-from harness.fault_catalog import MOE_FAULTS
-from harness.gpt import layout_of, param_specs
-from harness.layout import holds, shard
-from harness.mesh import expert_coord, on_grid
+from harness.common.errors import BadInput
+from harness.scenario.faults import MOE_FAULTS
+from harness.backends.gpt import layout_of, param_specs
+from harness.common.layout import holds, shard
+from harness.common.mesh import expert_coord, on_grid
 from tests.helpers import ASSETS, ROOT, results, run, summary
 
 FAST = ASSETS / "moe_fast.toml"

@@ -10,8 +10,8 @@ import textwrap
 import pytest
 
 from harness.mutation import campaign
-from harness.mutation.generate import TARGETS, Mutant, diff, mutants_of
-from harness.scenario import DataConfig, ModelConfig, Side
+from harness.scenario.mutants import TARGETS, Mutant, diff, mutants_of
+from harness.scenario.parse import DataConfig, ModelConfig, Side
 from tests.helpers import ROOT
 
 TOY = '''
@@ -80,9 +80,9 @@ def test_a_mutant_is_applied_in_a_worker_process_and_undone(tmp_path):
     script = textwrap.dedent(f"""
         import json, sys
         sys.path.insert(0, {str(tmp_path)!r})
-        from harness.mutation.apply import apply
-        from harness.mutation.generate import Mutant
-        from harness.patching import undo_all
+        from harness.backends.faults.mutant import apply
+        from harness.scenario.mutants import Mutant
+        from harness.backends.patching import undo_all
         from toy_gtp import mean_over_group as imported_before
         apply(Mutant(**json.loads({json.dumps(json.dumps(m.to_json()))})))
         import toy_gtp
@@ -207,8 +207,8 @@ def test_a_mutant_runs_on_a_megatron_reference_or_candidate_only():
     import dataclasses
 
     from harness import scenario
-    from harness.errors import BadInput
-    from harness.rules import validate
+    from harness.common.errors import BadInput
+    from harness.scenario.rules import validate
 
     s = scenario.load(ROOT / "scenarios" / "mutate.toml")[0]
     validate(dataclasses.replace(s, candidate=dataclasses.replace(s.candidate, mutant="x")), limits=False)

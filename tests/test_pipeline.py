@@ -14,13 +14,14 @@ import json
 
 import pytest
 
-from harness import scenario, trace
+from harness import scenario
+from harness.capture import trace
 from harness.backends.megatron.pipeline import global_name, owned, stage_layers
-from harness.errors import BadInput
-from harness.fault_catalog import CATALOG, check_reach
-from harness.gpt import param_specs
-from harness.matrix import read_toml
-from harness.planting import plant
+from harness.common.errors import BadInput
+from harness.scenario.faults import CATALOG, check_reach
+from harness.backends.gpt import param_specs
+from harness.scenario.matrix import read_toml
+from harness.scenario.planting import plant
 from harness.session import run_scenarios
 from helpers import ASSETS, assert_grads_differ_by_order_only, results, summary
 

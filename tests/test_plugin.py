@@ -83,12 +83,12 @@ def test_fixture_unknown_fault(parity):
 
 
 def plugin_args() -> list[str]:
-    """``-p harness.pytest_plugin`` unless the package's pytest11 entry point loads it already."""
+    """``-p harness.pytest_plugin.plugin`` unless the package's pytest11 entry point loads it already."""
     registered = any(
-        ep.value == "harness.pytest_plugin" for ep in importlib.metadata.entry_points(group="pytest11")
+        ep.value == "harness.pytest_plugin.plugin" for ep in importlib.metadata.entry_points(group="pytest11")
     )
     autoload = not os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD")
-    return [] if registered and autoload else ["-p", "harness.pytest_plugin"]
+    return [] if registered and autoload else ["-p", "harness.pytest_plugin.plugin"]
 
 
 @pytest.fixture

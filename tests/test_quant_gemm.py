@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from harness import bounds
+from harness.compare import bounds
 from harness.quant import recipes as R
 from harness.quant.gemm import QuantizedLinear, quantized_linear, quantized_matmul
 from harness.quant.hadamard import apply_rht

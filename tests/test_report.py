@@ -273,7 +273,7 @@ def test_index_says_which_paths_each_scenario_exercised():
 
     from harness import scenario
     from harness.report.index import IndexCell, paths_line, render_index
-    from harness.session import _config
+    from harness.compare.outcome import scenario_config as _config
 
     (plain,) = scenario.load(Path(__file__).parent / "assets" / "tiny.toml")
     assert plain.candidate.paths() == {} and _config(plain)["paths"] == {}

@@ -14,7 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from harness import provenance, runner, scenario, trace
+from harness.run import provenance
+from harness.run import plan as runner
+from harness import scenario
+from harness.capture import trace
+from harness.common.jsonio import write_json
 from harness.session import run_scenarios
 from helpers import ASSETS, ROOT
 
@@ -49,7 +53,7 @@ def test_fresh_reruns_every_side_and_reuse_is_reported(tmp_path, monkeypatch):
     by = runner.plan(scenarios, tmp_path, provenance={"digest": "c0de" * 3})
     jobs = {j.key: j for roles in by.values() for j in roles.values()}
     for j in jobs.values():
-        trace.write_json(Path(j.trace_dir) / "manifest.json", {"complete": True})
+        write_json(Path(j.trace_dir) / "manifest.json", {"complete": True})
     launched, said = [], []
 
     def fake_launch(jobs, **kw):

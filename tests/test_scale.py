@@ -13,9 +13,9 @@ import shutil
 import pytest
 
 from harness import scenario
-from harness.fault_catalog import CATALOG
-from harness.gpt import param_specs
-from harness.planting import plant
+from harness.scenario.faults import CATALOG
+from harness.backends.gpt import param_specs
+from harness.scenario.planting import plant
 from harness.session import run_scenarios
 from tests.helpers import ROOT, results, summary
 

@@ -4,8 +4,10 @@ import textwrap
 
 import pytest
 
-from harness import cli, scenario, schema
-from harness.errors import BadInput
+from harness import cli
+from harness import scenario
+from harness.scenario import schema
+from harness.common.errors import BadInput
 
 BASE = """
 name = "s"

@@ -10,20 +10,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harness import bounds, trace
-from harness.assemble import assemble_trace
-from harness.backends import Job
+from harness.compare import bounds
+from harness.capture import trace
+from harness.compare.assemble import assemble_trace
+from harness.run.job import Job
 from harness.backends.torch import comm, fp8
 from harness.backends.torch.distributed import run_distributed
 from harness.backends.torch.model import GPT
 from harness.backends.torch.optim import clip, counted, grad_stats, lr_at
 from harness.backends.torch.parallel import shard_model
 from harness.backends.torch.run import run
-from harness.capture import Capture
-from harness.gpt import canonical_state, layout_of, param_specs
-from harness.layout import gtp_pad
+from harness.capture.api import Capture
+from harness.backends.gpt import canonical_state, layout_of, param_specs
+from harness.common.layout import gtp_pad
 from harness.quant import RECIPES
-from harness.scenario import CapturePolicy, DataConfig, ModelConfig, Side
+from harness.scenario.parse import CapturePolicy, DataConfig, ModelConfig, Side
 
 
 def test_vocab_parallel_cross_entropy_matches_torch_on_one_rank():

@@ -14,7 +14,9 @@ import json
 
 import pytest
 
-from harness import scenario, schema, trace
+from harness import scenario
+from harness.scenario import schema
+from harness.capture import trace
 from harness.session import run_scenarios
 from tests.helpers import ASSETS, results, summary
 
@@ -60,7 +62,7 @@ def test_scalars_within_policy_and_grad_norm_within_rounding(diff_run, name):
     assert set(scalars["tensor"]) == {"reduced_loss", "grad_norm", "lr", "skipped"}
     assert scalars["passed"].astype(bool).all(), scalars[["step", "tensor", "policy", "bound"]]
     # Two norms of fp32 gradients, each within gamma_m of the exact norm (m from the model's
-    # tensor sizes, count and ranks: harness.bounds.norm_roundings), judged by the reverse
+    # tensor sizes, count and ranks: harness.compare.bounds.norm_roundings), judged by the reverse
     # triangle inequality over the compared gradients (compare._grad_norm_consistency).
     norms = scalars[scalars["tensor"] == "grad_norm"]
     assert (norms["bitwise_equal"].astype(bool) | (norms["policy"] == "consistency")).all()

@@ -7,12 +7,13 @@ import shutil
 import pytest
 import torch
 
-from harness import cli, trace
-from harness.assemble import assemble_trace
-from harness.capture import Capture
-from harness.errors import BadInput
-from harness.layout import Layout, replicated
-from harness.scenario import CapturePolicy
+from harness import cli
+from harness.capture import trace
+from harness.compare.assemble import assemble_trace
+from harness.capture.api import Capture
+from harness.common.errors import BadInput
+from harness.common.layout import Layout, replicated
+from harness.scenario.parse import CapturePolicy
 
 
 def plain_loop_trace(path, policy=CapturePolicy(), width=3):
@@ -149,7 +150,7 @@ def test_layout_of_activation_is_per_sample(good):
 @pytest.mark.parametrize("whole,block", [("xxh3_128", "xxh3_64"), ("sha256", "crc32")])
 def test_fingerprint_traces_compare_by_hash_and_name_the_block(tmp_path, monkeypatch, whole, block):
     """Today's digests, and those of traces fingerprinted before xxh3 (sha256 and CRC-32)."""
-    from harness import fingerprint as fingerprint_mod
+    from harness.capture import fingerprint as fingerprint_mod
 
     monkeypatch.setattr(fingerprint_mod, "WHOLE_DIGEST", whole)
     monkeypatch.setattr(fingerprint_mod, "BLOCK_DIGEST", block)
@@ -163,15 +164,14 @@ def test_fingerprint_traces_compare_by_hash_and_name_the_block(tmp_path, monkeyp
             e["fingerprint"][whole] = "0" * 32
             e["fingerprint"]["blocks"][1][block] = "f" * 8
     idx_path.write_text(json.dumps(idx))
-    from harness.compare import compare
+    from harness.compare.judge import compare
 
-    summary = compare({"reference": trace.read(tmp_path / "a"), "candidate": trace.read(tmp_path / "b")})
-    df = summary["results"]
+    summary, df = compare({"reference": trace.read(tmp_path / "a"), "candidate": trace.read(tmp_path / "b")})
     fp = df[df["policy"] == "fingerprint"]
     assert len(fp) > 0 and (~fp["passed"]).sum() == 1
     bad = fp[~fp["passed"]].iloc[0]
     assert bad["tensor"] == "0.weight" and bad["differing_blocks"] == {"0": [1]}
-    assert summary["first_divergence"]["tensor"] == "0.weight"
+    assert summary.first_divergence.tensor == "0.weight"
 
 
 def test_tensors_swapped_inside_a_file_are_refused(tmp_path, capsys):
@@ -238,8 +238,8 @@ def test_fingerprints_in_the_writer_thread_equal_those_on_the_step(tmp_path):
 def test_fingerprint_statistics_within_the_rounding_of_their_sums(dtype):
     """Sums and norms in fp64 over values widened exactly: each within gamma_n (fp64) of the
     exact value, n the elements (blocks of them, then 16 blocks); NaN and Inf counted apart."""
-    from harness.bounds import gamma
-    from harness.fingerprint import FINGERPRINT_BLOCKS, fingerprint
+    from harness.compare.bounds import gamma
+    from harness.capture.fingerprint import FINGERPRINT_BLOCKS, fingerprint
 
     x = torch.randn(64, 100, generator=torch.Generator().manual_seed(3)).to(dtype)
     fp, xd = fingerprint(x), x.double()
@@ -262,7 +262,7 @@ def test_fingerprint_statistics_within_the_rounding_of_their_sums(dtype):
 
 
 def test_fingerprint_of_integers_and_of_no_finite_value():
-    from harness.fingerprint import fingerprint
+    from harness.capture.fingerprint import fingerprint
 
     ids = torch.arange(-5, 27, dtype=torch.int64).reshape(4, 8)
     fp = fingerprint(ids)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from harness import scenario
-from harness.fault_catalog import CATALOG
-from harness.localize import _StepContext
-from harness.updates import FACTOR_MIN, FIT_RESIDUAL, update_term
+from harness.scenario.faults import CATALOG
+from harness.compare.localize import _StepContext
+from harness.compare.updates import FACTOR_MIN, FIT_RESIDUAL, update_term
 from tests.helpers import ASSETS, run, summary
 
 UPDATE_FAULTS = sorted({f for s in scenario.load(ASSETS / "update_faults.toml") for f in s.candidate.inject})

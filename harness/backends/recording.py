@@ -20,8 +20,8 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from harness.capture import Capture
-from harness.layout import Layout
+from harness.capture.api import Capture
+from harness.common.layout import Layout
 
 T = TypeVar("T")
 

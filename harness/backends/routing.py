@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Replicate
 
-from harness.capture import Capture
-from harness.layout import Layout
+from harness.capture.api import Capture
+from harness.common.layout import Layout
 
 LOGITS, ROUTING_MAP, TOKENS_PER_EXPERT, AUX_LOSS = "logits", "routing_map", "tokens_per_expert", "aux_loss"
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.dtypes import BY_TORCH_NAME
-from harness.mesh import Mesh
+from harness.common.dtypes import BY_TORCH_NAME
+from harness.common.mesh import Mesh
 
 
 def dtype_of(name: str) -> torch.dtype:
@@ -37,7 +37,7 @@ def dtype_of(name: str) -> torch.dtype:
 
 @dataclass(frozen=True, slots=True)
 class Coords:
-    """This rank's place in a ``TP x G x DP`` mesh (:class:`harness.mesh.Mesh`)."""
+    """This rank's place in a ``TP x G x DP`` mesh (:class:`harness.common.mesh.Mesh`)."""
 
     tp: int
     """Tensor-parallel size."""

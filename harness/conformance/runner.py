@@ -21,7 +21,7 @@ from harness.conformance.registry import CLAUSES, PAIR_CLAUSES, TRACE_CLAUSES
 from harness.conformance.failures import Failure, failure_lines
 from harness.conformance.drive import Case, Unsupported, default_cases, drive
 from harness.conformance.protocol import KIT_DISPATCH, Dispatch
-from harness.mesh import Mesh
+from harness.common.mesh import Mesh
 
 STATUS_ORDER = ("pass", "skip", "fail", "error")
 """Merging ranks keeps the most severe status, in this order."""

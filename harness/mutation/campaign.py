@@ -19,10 +19,12 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness import trace
-from harness.errors import BadInput, RunFailed
-from harness.launch import launch
-from harness.mutation.generate import Mutant, applicable
+from harness.capture import trace
+from harness.common.jsonio import write_json
+from harness.common.errors import BadInput, RunFailed
+from harness.compare.summary import Verdict
+from harness.run.launch import launch
+from harness.scenario.mutants import Mutant, applicable
 
 KILLED, CRASHED, TIMEOUT, SURVIVED = "killed", "crashed", "timeout", "survived"
 EQUIVALENT, UNREACHABLE = "equivalent", "unreachable"
@@ -175,7 +177,7 @@ def judge(o: Outcome, summaries: list[dict], failed: dict[str, str], jobs: list)
     """A mutant's status from its scenarios' summaries and its sides' failures."""
     for doc in summaries:
         o.verdicts[doc["scenario"]] = doc["verdict"]
-        if doc["verdict"] == "fail" and o.first_divergence is None:
+        if doc["verdict"] == Verdict.FAIL and o.first_divergence is None:
             o.status, o.scenario, o.first_divergence = KILLED, doc["scenario"], doc.get("first_divergence")
     for j in jobs:
         if j.key in failed:
@@ -196,8 +198,8 @@ def _quiet(*a, **k):
     pass
 
 
-def _compare(s, roles: dict, out: Path) -> dict:
-    from harness.session import compare_scenario
+def _compare(s, roles: dict, out: Path):
+    from harness.compare.outcome import compare_scenario
 
     return compare_scenario(s, {r: Path(j.trace_dir) for r, j in roles.items()}, out / "scenarios" / s.name,
                             say=_quiet)  # fmt: skip
@@ -206,13 +208,12 @@ def _compare(s, roles: dict, out: Path) -> dict:
 def run_clean(scenarios: list, out: Path, say) -> dict:
     """Run and judge the clean matrix: a scenario failing clean would make every kill there
     meaningless. Returns the plan (its provenance is the mutants')."""
-    from harness.runner import execute, plan
-    from harness.session import GATE_PASSES
+    from harness.run.plan import execute, plan
 
     by_scenario = plan(scenarios, out)
     if failures := execute(by_scenario, scenarios, out, progress=say):
         raise RunFailed("the clean matrix did not run: " + "; ".join(failures.values()))
-    bad = [s.name for s in scenarios if _compare(s, by_scenario[s.name], out)["verdict"] not in GATE_PASSES]
+    bad = [s.name for s in scenarios if not _compare(s, by_scenario[s.name], out).verdict.passes_gate]
     if bad:
         raise BadInput("--matrix", f"clean scenario(s) {', '.join(bad)} do not hold parity: kills there "
                        "would not be the mutants'")  # fmt: skip
@@ -229,7 +230,7 @@ def run_campaign(mutants: list[Mutant], scenarios: list, out: Path, *, timeout_s
     cheap scenario first."""
     import shutil
 
-    from harness.runner import plan
+    from harness.run.plan import plan
 
     out.mkdir(parents=True, exist_ok=True)
     t0 = clock()
@@ -265,7 +266,7 @@ def run_campaign(mutants: list[Mutant], scenarios: list, out: Path, *, timeout_s
            "timing": {"clean_s": t_clean, "mutant_runs_s": t_run, "compare_s": t_all - t_clean - t_run,
                       "total_s": t_all, "per_mutant_s": (t_all - t_clean) / max(len(mutants), 1)},
            "mutants": [o.to_json() for o in outcomes]}  # fmt: skip
-    trace.write_json(out / "mutants.json", doc)
+    write_json(out / "mutants.json", doc)
     return doc
 
 
@@ -297,12 +298,12 @@ def _verdict(s, by_s: dict, failed: dict, out: Path, clean: dict) -> dict | None
         return None
     base = clean[s.name.rsplit("@", 1)[0]]
     if same_trace(Path(roles["candidate"].trace_dir), Path(base["candidate"].trace_dir)):
-        return {"scenario": s.name, "verdict": "pass", "identical_to_clean": True}
-    return _compare(s, roles, out)
+        return {"scenario": s.name, "verdict": Verdict.PASS, "identical_to_clean": True}
+    return _compare(s, roles, out).to_json()
 
 
 def _detected(summaries: list[dict], scenarios: list, by_s: dict, failed: dict) -> bool:
-    return any(d["verdict"] == "fail" for d in summaries) or any(
+    return any(d["verdict"] == Verdict.FAIL for d in summaries) or any(
         by_s[s.name]["candidate"].key in failed for s in scenarios)  # fmt: skip
 
 

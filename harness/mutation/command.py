@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from harness.errors import BadInput
-from harness.mutation.generate import TARGETS, Mutant, applicable, diff, find, mutants_of
+from harness.common.errors import BadInput
+from harness.scenario.mutants import TARGETS, Mutant, applicable, diff, find, mutants_of
 
 DEFAULT_MATRIX = "scenarios/mutate.toml"
-TRIAGE = Path(__file__).resolve().parents[2] / "scenarios" / "mutants_triage.toml"
+TRIAGE = Path(__file__).resolve().parent / "triage.toml"
 
 
 def _targets(names: list[str] | None) -> list[str]:
@@ -54,7 +54,7 @@ def show(out: Path, mutant_id: str) -> int:
 def retriage(out: Path) -> dict:
     """Apply the current triage file to a finished campaign's survivors (no run)."""
     from harness.mutation.campaign import EQUIVALENT, SURVIVED, UNREACHABLE, Outcome, read_triage, score
-    from harness.trace import write_json
+    from harness.common.jsonio import write_json
 
     path = out / "mutants.json"
     if not path.is_file():

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.report.model import ScenarioData
-from harness.report.summary import Region
+from harness.compare.summary import Region
 
 
 @dataclass(frozen=True, slots=True)

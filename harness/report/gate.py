@@ -21,7 +21,9 @@ import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from harness.report.model import ROLES, divergence_line, fmt, load_scenario
+from harness.compare.summary import Verdict
+from harness.scenario import COMPARED_ROLES
+from harness.report.model import divergence_line, fmt, load_scenario
 
 # XML 1.0 forbids most control characters, even escaped; launcher logs can contain them.
 _INVALID_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
@@ -52,9 +54,9 @@ def junit_tree(doc: dict, suite: str = "gtp-parity", run_name: str = "run") -> E
     """The JUnit document of a run summary (``RUN/summary.json``)."""
     scenarios = doc.get("scenarios", [])
     classname = _classname(scenarios, run_name)
-    failures = sum(s.get("verdict") == "fail" for s in scenarios)
-    errors = sum(s.get("verdict") == "error" for s in scenarios)
-    skipped = sum(s.get("verdict") in ("skip", "known-divergence") for s in scenarios)
+    failures = sum(s.get("verdict") == Verdict.FAIL for s in scenarios)
+    errors = sum(s.get("verdict") == Verdict.ERROR for s in scenarios)
+    skipped = sum(s.get("verdict") in (Verdict.SKIP, Verdict.KNOWN_DIVERGENCE) for s in scenarios)
     root = ET.Element(
         "testsuites", name=suite, tests=str(len(scenarios)), failures=str(failures), errors=str(errors)
     )
@@ -67,17 +69,17 @@ def junit_tree(doc: dict, suite: str = "gtp-parity", run_name: str = "run") -> E
             props = ET.SubElement(case, "properties")
             for k, v in axes.items():
                 ET.SubElement(props, "property", name=_clean(k), value=_clean(v))
-        if s.get("verdict") == "fail":
+        if s.get("verdict") == Verdict.FAIL:
             fd = s.get("first_divergence") or {}
             el = ET.SubElement(
                 case, "failure", message=_clean(divergence_line(s)), type=_clean(fd.get("signature", ""))
             )
             el.text = _clean(_details(s))
-        elif s.get("verdict") in ("skip", "known-divergence"):
+        elif s.get("verdict") in (Verdict.SKIP, Verdict.KNOWN_DIVERGENCE):
             # A known divergence is not a pass: reported like an expected failure, with its cause.
             el = ET.SubElement(case, "skipped", type=str(s["verdict"]), message=_clean(divergence_line(s)))
             el.text = _clean((s.get("expect") or {}).get("reason", "") or s.get("reason", "") or "")
-        elif s.get("verdict") != "pass":
+        elif s.get("verdict") != Verdict.PASS:
             el = ET.SubElement(case, "error", message=_clean(divergence_line(s)), type="run-failed")
             el.text = _clean("\n\n".join(f"{role}:\n{msg}" for role, msg in (s.get("error") or {}).items()))
     ET.indent(root)
@@ -106,8 +108,8 @@ def config_hash(summary: dict, manifests: dict[str, dict]) -> str:
     """Identity of what a scenario computes: each side's trace key (side, model, data and
     capture settings), its label and the compare policy. Paths and descriptions are left out."""
     cfg = summary.get("config") or {}
-    blob = {"sides": {r: manifests.get(r, {}).get("key") for r in ROLES},
-            "labels": {r: cfg.get(r) for r in ROLES}, "policy": summary.get("policy")}  # fmt: skip
+    blob = {"sides": {r: manifests.get(r, {}).get("key") for r in COMPARED_ROLES},
+            "labels": {r: cfg.get(r) for r in COMPARED_ROLES}, "policy": summary.get("policy")}  # fmt: skip
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

@@ -14,12 +14,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from urllib.parse import quote
 
-from harness.errors import BadInput
+from harness.common.errors import BadInput
 from harness.report.model import divergence_line, load_scenario, worst_metric
-from harness.report.summary import ScenarioSummary, as_summary
+from harness.compare.summary import ScenarioSummary, Verdict, as_summary
 from harness.report.page import document, render_scenario
 from harness.report.svg import esc
-from harness.scenario import check_scenario_name
+from harness.scenario.parse import check_scenario_name
 
 CELLS_FILE = "cells.json"
 """Per scenario: verdict, worst metric and page link, kept next to the index for merging."""
@@ -96,7 +96,7 @@ def render_index(title: str, cells: list[IndexCell], verdict: str) -> str:
             verdict_here = _worst(here) if here else ""
             tds.append(f'<td class="{esc(verdict_here)}">{"".join(map(_link, here))}</td>')
         body.append(f'<tr><td class="t">{esc(r)}</td>{"".join(tds)}</tr>')
-    counts = {v: sum(c.verdict == v for c in cells) for v in ("pass", "known-divergence", "fail", "error", "skip")}
+    counts = {v: sum(c.verdict == v for c in cells) for v in (Verdict.PASS, Verdict.KNOWN_DIVERGENCE, Verdict.FAIL, Verdict.ERROR, Verdict.SKIP)}
     summary = ", ".join(f"{n} {v}" for v, n in counts.items() if n)
     listing = "".join(
         f'<tr class="{esc(c.verdict)}"><td class="t"><a href="{esc(c.href)}">{esc(c.label)}</a></td>'
@@ -124,7 +124,7 @@ def _link(c: IndexCell) -> str:
 
 def _worst(cells: list[IndexCell]) -> str:
     verdicts = {c.verdict for c in cells}
-    for v in ("error", "fail", "known-divergence", "pass"):
+    for v in (Verdict.ERROR, Verdict.FAIL, Verdict.KNOWN_DIVERGENCE, Verdict.PASS):
         if v in verdicts:
             return v
     return "skip"

@@ -15,9 +15,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.report.summary import FirstDivergence, Region, ResultRow, ScenarioSummary, as_summary
+from harness.scenario import COMPARED_ROLES
+from harness.compare.summary import FirstDivergence, Region, ResultRow, ScenarioSummary, Verdict, as_summary
 
-ROLES = ("reference", "candidate", "golden")
 KIND_GROUPS = {
     "activation": ("activation", "logits", "loss"),
     "grad": ("main_grad",),
@@ -138,17 +138,17 @@ def region_text(fd: FirstDivergence) -> str:
 def divergence_line(summary: ScenarioSummary | dict) -> str:
     """The first divergence (or the run error) of one scenario summary, in one line."""
     s = as_summary(summary)
-    if s.verdict == "error":
+    if s.verdict == Verdict.ERROR:
         text = "; ".join(f"{role}: {' '.join(str(msg).split())}" for role, msg in s.error.items())
         return f"{s.scenario}: run failed: {text or 'no error message recorded'}"
     fd = s.first_divergence
-    if s.verdict == "skip":
+    if s.verdict == Verdict.SKIP:
         return f"{s.scenario}: skipped: {s.reason or 'no reason recorded'}"
     if fd is None:
         return f"{s.scenario}: parity holds" + (f" ({s.expectation})" if s.expectation else "")
     if s.expectation:
         return f"{s.scenario}: {s.expectation}; " + _first_divergence_text(s, fd)
-    if s.verdict == "known-divergence":
+    if s.verdict == Verdict.KNOWN_DIVERGENCE:
         return f"{s.scenario}: known divergence: " + _first_divergence_text(s, fd)
     return _first_divergence_text(s, fd, prefix=f"{s.scenario}: ")
 
@@ -170,7 +170,7 @@ def expectation_failures(summary: dict, expect: str = "pass", signature: str | N
     out = []
     for s in map(ScenarioSummary.from_json, summary.get("scenarios", [])):
         if s.verdict != expect:
-            what = divergence_line(s) if s.verdict != "pass" else f"{s.scenario}: parity holds"
+            what = divergence_line(s) if s.verdict != Verdict.PASS else f"{s.scenario}: parity holds"
             out.append(what + ("" if expect == "pass" else f" (expected verdict {expect})"))
         elif signature is not None and (s.first_divergence or FirstDivergence()).signature != signature:
             out.append(f"expected signature {signature}, got {divergence_line(s)}")
@@ -181,18 +181,18 @@ def verdict_line(data: ScenarioData) -> str:
     """The verdict in one sentence."""
     s = data.summary
     total = s.total_checked
-    if data.verdict == "pass":
+    if data.verdict == Verdict.PASS:
         return f"PASS: all {total} comparisons hold under the {s.policy.get('name', '?')} policy"
-    if data.verdict == "fail":
+    if data.verdict == Verdict.FAIL:
         fd = s.first_divergence or FirstDivergence()
         failing = "?" if s.failing is None else s.failing
         return (f"FAIL: {failing} of {total} comparisons fail; the first is step "
                 f"{fd.step} {fd.phase} {fd.tensor} ({fd.signature})")  # fmt: skip
-    if data.verdict == "known-divergence":
+    if data.verdict == Verdict.KNOWN_DIVERGENCE:
         fd = s.first_divergence or FirstDivergence()
         return (f"KNOWN DIVERGENCE: step {fd.step} {fd.phase} {fd.tensor} ({fd.signature}), as recorded: "
                 f"{(s.expect or {}).get('reason', '')}")  # fmt: skip
-    if data.verdict == "skip":
+    if data.verdict == Verdict.SKIP:
         return f"SKIP: {s.reason or 'not run'}"
     return f"ERROR: a run failed ({', '.join(s.error) or 'unknown side'}); nothing was compared"
 
@@ -207,7 +207,7 @@ def step_series(steps: list[dict], column: str) -> dict[str, list[tuple[float, f
         v = row.get(column)
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             out.setdefault(str(row["side"]), []).append((float(row["step"]), float(v)))
-    return {role: sorted(out[role]) for role in ROLES if role in out}
+    return {role: sorted(out[role]) for role in COMPARED_ROLES if role in out}
 
 
 def _finite(v) -> bool:
@@ -334,7 +334,7 @@ def worst_row(results: list[dict]) -> ResultRow | None:
 def worst_metric(data: ScenarioData) -> str:
     """One short text for a matrix cell: the signature, or how far the worst tensor moved."""
     fd = data.summary.first_divergence
-    if data.verdict == "error":
+    if data.verdict == Verdict.ERROR:
         return "run failed"
     if fd is not None:
         if fd.region.duplicated:

@@ -12,8 +12,9 @@ import json
 import math
 
 from harness.report.blocks import picture
+from harness.compare.summary import Verdict
+from harness.scenario import COMPARED_ROLES
 from harness.report.model import (
-    ROLES,
     ScenarioData,
     divergence_line,
     drift,
@@ -23,7 +24,7 @@ from harness.report.model import (
     step_series,  # fmt: skip
     verdict_line,
 )
-from harness.report.summary import FirstDivergence
+from harness.compare.summary import FirstDivergence
 from harness.report.svg import blocks_svg, esc, heatmap_svg, line_chart
 
 TABLE_COLUMNS = [
@@ -61,7 +62,7 @@ def _kv(pairs) -> str:
 
 def _divergence(data: ScenarioData) -> str:
     s = data.summary
-    if data.verdict == "error":
+    if data.verdict == Verdict.ERROR:
         return "<h2>Run failure</h2>" + "".join(
             f"<p><b>{esc(role)}</b></p><pre>{esc(msg)}</pre>" for role, msg in s.error.items()
         )
@@ -84,7 +85,7 @@ def _divergence(data: ScenarioData) -> str:
 def _explain(fd: FirstDivergence) -> str:
     if fd.explanation:
         return str(fd.explanation)
-    from harness.localize import SIGNATURES
+    from harness.compare.localize import SIGNATURES
 
     return SIGNATURES.get(fd.signature, "")
 
@@ -194,7 +195,7 @@ def _provenance(data: ScenarioData) -> str:
                "transformer-engine", "trace")  # fmt: skip
     head = "".join(f'<th class="t">{h}</th>' for h in columns)
     rows = []
-    for role in ROLES:
+    for role in COMPARED_ROLES:
         man = data.manifests.get(role, {})
         mesh = man.get("mesh") or {}
         ver = man.get("versions") or {}
@@ -218,7 +219,7 @@ def render_scenario(data: ScenarioData) -> str:
         f'<p class="verdict {esc(data.verdict)}" id="verdict">{esc(verdict_line(data))}</p>',
         _divergence(data),
     ]
-    if data.verdict != "error":
+    if data.verdict != Verdict.ERROR:
         parts += [_where(data), _curves(data), _heatmap(data), _invariants(data), results_table(data.results)]
     parts.append(_provenance(data))
     return document(f"{data.verdict.upper()} {data.name} - gtp-parity", "\n".join(p for p in parts if p))

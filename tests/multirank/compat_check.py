@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from harness.backends.megatron import compat
-from harness.data import coord, rank_sample_ids
-from harness.scenario import DataConfig, Side
+from harness.backends.data import coord, rank_sample_ids
+from harness.scenario.parse import DataConfig, Side
 
 
 def _issue_order(group, n: int, rounds: int = 200) -> bool:

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from harness import faults
+from harness.backends import faults
 
 # What Megatron-LM passes to sharded_state_dict: the distributed optimizer's format that
 # reshards across data-parallel sizes (per-parameter tensors in model space), and layer-stacked

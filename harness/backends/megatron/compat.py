@@ -270,7 +270,7 @@ def layer_norm_for_sequence_parallel() -> None:
 
     from megatron.core.transformer import torch_norm
 
-    from harness.patching import patch
+    from harness.backends.patching import patch
 
     original = torch_norm.WrappedTorchNorm.__new__
 

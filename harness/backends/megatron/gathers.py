@@ -14,8 +14,8 @@ from typing import Callable
 
 import torch
 
-from harness.capture import Capture
-from harness.patching import patch
+from harness.capture.api import Capture
+from harness.backends.patching import patch
 
 MAX_EVENTS = 64  # the first ones name the cause; a buffer reused every step repeats itself
 

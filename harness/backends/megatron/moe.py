@@ -20,8 +20,8 @@ import torch
 from torch.distributed.tensor import Shard
 
 from harness.backends.routing import record_aux_loss, record_routing
-from harness.capture import Capture
-from harness.layout import Layout
+from harness.capture.api import Capture
+from harness.common.layout import Layout
 
 _LOCAL_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)(\.)")
 
@@ -120,7 +120,7 @@ def _wrap_router(router, layer: int, cap: Capture, seq_length: int) -> None:
 def expert_layouts(job, named) -> dict[str, Layout]:
     """The layouts of the expert weights among ``named`` (global names), as the harness lays them out
     (checked against megatron-core's at load)."""
-    from harness.gpt import layout_of, param_specs
+    from harness.backends.gpt import layout_of, param_specs
 
     specs = {s.name: s for s in param_specs(job.model) if s.expert is not None}
     return {n: layout_of(specs[n], job.side, job.model.num_experts) for n, _ in named if n in specs}

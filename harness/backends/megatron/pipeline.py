@@ -124,7 +124,7 @@ def canonical_names(model, strip: Callable[[str], str]) -> dict[str, str]:
 
 
 def stage_modules(model) -> dict[str, torch.nn.Module]:
-    """The modules this stage computes, by global name (as :func:`harness.gpt.captured_modules`
+    """The modules this stage computes, by global name (as :func:`harness.backends.gpt.captured_modules`
     names them on a whole model)."""
     modules = {}
     if getattr(model, "pre_process", True):

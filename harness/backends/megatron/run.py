@@ -14,18 +14,18 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from harness import data as data_mod
-from harness import faults
-from harness.backends import Job
+from harness.backends import data as data_mod
+from harness.backends import faults
+from harness.run.job import Job
 from harness.backends.megatron import checkpoint, compat, moe, pipeline
 from harness.backends.megatron.gathers import record_gathers
 from harness.backends.megatron.optimizer_ranges import optimizer_state, reduced_grad, updated_param
 from harness.backends.recording import Materialized, Recording, StepScalars, gathered
-from harness.capture import Capture
-from harness.dtypes import DTYPES
-from harness.gpt import canonical_state, captured_modules, layout_of, mesh_of, param_specs
-from harness.layout import from_mcore_param, holds, shard
-from harness.mesh import on_grid
+from harness.capture.api import Capture
+from harness.common.dtypes import DTYPES
+from harness.backends.gpt import canonical_state, captured_modules, layout_of, mesh_of, param_specs
+from harness.common.layout import from_mcore_param, holds, shard
+from harness.common.mesh import on_grid
 
 
 def canonical_name(name: str) -> str:
@@ -33,6 +33,38 @@ def canonical_name(name: str) -> str:
     while name.startswith("module."):
         name = name[len("module."):]
     return name
+
+
+def _transformer_config(job: Job):
+    """megatron-core's TransformerConfig of the side, as Megatron-LM builds it from its flags."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    side, m = job.side, job.model
+    return TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        tensor_model_parallel_size=side.tp,
+        tensor_parallel_num_weight_shards=side.tp * side.gtp,
+        use_cpu_initialization=True,
+        perform_initialization=False,  # canonical weights are loaded after construction
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        add_bias_linear=False,
+        gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True,
+        bf16=side.precision == "bf16",
+        params_dtype=DTYPES[side.precision],
+        pipeline_dtype=DTYPES[side.precision],
+        init_method_std=m.init_std,
+        deterministic_mode=True,
+        calculate_per_token_loss=side.per_token_loss != "none",
+        sequence_parallel=side.sequence_parallel,
+        **_RECOMPUTE[side.recompute],
+        **moe.config_kwargs(job),
+        **pipeline.config_kwargs(side),
+    )
 
 
 def _build(job: Job):
@@ -43,7 +75,6 @@ def _build(job: Job):
     from megatron.core.tensor_parallel import generalized_tensor_parallelism as gtp_impl
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.module import Float16Module
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     side, m = job.side, job.model
     if side.recipe != "none":
@@ -62,31 +93,7 @@ def _build(job: Job):
     if side.sequence_parallel:
         compat.layer_norm_for_sequence_parallel()
     bf16 = side.precision == "bf16"
-    config = TransformerConfig(
-        num_layers=m.num_layers,
-        hidden_size=m.hidden_size,
-        ffn_hidden_size=m.ffn_hidden_size,
-        num_attention_heads=m.num_attention_heads,
-        tensor_model_parallel_size=side.tp,
-        tensor_parallel_num_weight_shards=side.tp * side.gtp,
-        use_cpu_initialization=True,
-        perform_initialization=False,  # canonical weights are loaded below
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        add_bias_linear=False,
-        gradient_accumulation_fusion=False,
-        attention_softmax_in_fp32=True,
-        bf16=bf16,
-        params_dtype=DTYPES[side.precision],
-        pipeline_dtype=DTYPES[side.precision],
-        init_method_std=m.init_std,
-        deterministic_mode=True,
-        calculate_per_token_loss=side.per_token_loss != "none",
-        sequence_parallel=side.sequence_parallel,
-        **_RECOMPUTE[side.recompute],
-        **moe.config_kwargs(job),
-        **pipeline.config_kwargs(side),
-    )
+    config = _transformer_config(job)
     mesh = mesh_of(side)
     coord = data_mod.coord(dist.get_rank(), side)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=side.overlap_grad_reduce,
@@ -219,7 +226,7 @@ def run(job: Job, cap: Capture) -> None:
     reach = None
     try:
         if job.side.mutant:  # a mutation campaign's side: undone with the faults' patches below
-            from harness.mutation.apply import apply
+            from harness.backends.faults.mutant import apply
 
             reach = apply(job.side.mutant, watch=True)
         config, chunks, mesh, coord = _build(job)
@@ -268,7 +275,7 @@ def _train(job, cap, ctx, config, chunks, scheduler, mesh, forward_backward, fin
 
     config.finalize_model_grads_func = finalize
     config.grad_scale_func = opt.scale_loss
-    # plain training unless it saves or resumes (a checkpoint side has one model chunk: harness.rules)
+    # plain training unless it saves or resumes (a checkpoint side has one model chunk: harness.scenario.rules)
     checkpoint.train(job, rec, fns, chunks[0], opt, scheduler, ctx)
 
 

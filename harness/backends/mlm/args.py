@@ -12,8 +12,8 @@ import argparse
 import contextlib
 import io
 
-from harness.errors import BadInput
-from harness.scenario import DataConfig, ModelConfig, Side
+from harness.common.errors import BadInput
+from harness.scenario.parse import DataConfig, ModelConfig, Side
 
 CPU_FLAGS = (
     "--distributed-backend", "gloo", "--transformer-impl", "local", "--use-cpu-initialization",

@@ -1,4 +1,5 @@
-"""``gtp-parity mlm -- <pretrain_gpt.py flags>``: a user's Megatron-LM command as an mlm side.
+"""``gtp-parity mlm -- <pretrain_gpt.py flags>``: a user's Megatron-LM command as an mlm side
+(the scenario; :func:`harness.session.run_mlm_command` runs it).
 
 The flags are parsed by Megatron-LM's own parser (a flag it refuses is bad input, exit 2);
 the side, model and data the harness records them under are read back from the parsed
@@ -12,10 +13,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from harness import rules
+from harness.scenario import rules
 from harness.backends.mlm.args import check_flags
-from harness.errors import BadInput
-from harness.scenario import CapturePolicy, ComparePolicy, DataConfig, ModelConfig, Scenario, Side
+from harness.common.errors import BadInput
+from harness.scenario.parse import CapturePolicy, ComparePolicy, DataConfig, ModelConfig, Scenario, Side
 
 WHERE = "gtp-parity mlm"
 
@@ -57,19 +58,3 @@ def scenario_of(flags: list[str], nproc: int) -> Scenario:
                  golden=golden, capture=CapturePolicy(), compare=ComparePolicy())  # fmt: skip
     rules.validate(s)
     return s
-
-
-def run_command(flags: list[str], nproc: int, out: Path, timeout_s: float) -> Path:
-    """Run the command with capture on; return its trace folder."""
-    from harness.errors import RunFailed
-    from harness.launch import worker_env
-    from harness.provenance import code_identity
-    from harness.runner import execute, job_for
-
-    s = scenario_of(flags, nproc)
-    s = Scenario(**{**{f: getattr(s, f) for f in s.__dataclass_fields__}, "timeout_s": timeout_s})
-    job = job_for(s, "reference", out / "traces", code_identity(worker_env()))
-    failures = execute({s.name: {"reference": job}}, [s], out)
-    if failures:
-        raise RunFailed(next(iter(failures.values())))
-    return Path(job.trace_dir)

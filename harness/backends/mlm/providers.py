@@ -35,7 +35,7 @@ class SyntheticDataset:
         self.seed, self.model = seed, model
 
     def __getitem__(self, idx: int) -> dict:
-        from harness.data import batch
+        from harness.backends.data import batch
 
         tokens, labels = batch(self.seed, [idx], self.model)
         return {"tokens": tokens[0], "labels": labels[0], "loss_mask": torch.ones(tokens.shape[1])}

@@ -22,9 +22,9 @@ import sys
 
 import torch.distributed as dist
 
-from harness import data as data_mod
-from harness import faults
-from harness.backends import Job
+from harness.backends import data as data_mod
+from harness.backends import faults
+from harness.run.job import Job
 from harness.backends.megatron import compat
 from harness.backends.megatron.gathers import record_gathers
 from harness.backends.megatron.optimizer_ranges import optimizer_state
@@ -35,10 +35,10 @@ from harness.backends.mlm.args import CPU_FLAGS, side_argv
 from harness.backends.recording import (
     Materialized, Recording, StepScalars, gathered, record_initial, record_step_end, record_update,
 )  # fmt: skip
-from harness.capture import Capture
-from harness.gpt import captured_modules, mesh_of
-from harness.layout import from_mcore_param
-from harness.patching import patch
+from harness.capture.api import Capture
+from harness.backends.gpt import captured_modules, mesh_of
+from harness.common.layout import from_mcore_param
+from harness.backends.patching import patch
 
 
 @contextlib.contextmanager

@@ -1,6 +1,6 @@
 """Process groups and the collectives of TP x GTP x DP, written on plain torch.distributed.
 
-Ranks are ordered as megatron-core orders them (:mod:`harness.mesh`). Every collective is an autograd function or a plain call
+Ranks are ordered as megatron-core orders them (:mod:`harness.common.mesh`). Every collective is an autograd function or a plain call
 with the reduction megatron-core performs at the same point:
 
 - TP: column-parallel inputs are copied (backward: SUM all-reduce of the input grad),
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from harness.mesh import Mesh
-from harness.scenario import Side
+from harness.common.mesh import Mesh
+from harness.scenario.parse import Side
 
 
 @dataclass(frozen=True)

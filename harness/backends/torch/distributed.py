@@ -27,14 +27,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from harness import data as data_mod
-from harness import faults
-from harness.backends import Job
+from harness.backends import data as data_mod
+from harness.backends import faults
+from harness.run.job import Job
 from harness.backends.recording import Materialized, Recording, StepScalars, gathered, train
-from harness.capture import Capture
-from harness.dtypes import DTYPES
-from harness.fault_catalog import TORCH_FAULTS
-from harness.gpt import canonical_state, captured_modules, layout_of, param_specs
+from harness.capture.api import Capture
+from harness.common.dtypes import DTYPES
+from harness.scenario.faults import TORCH_FAULTS
+from harness.backends.gpt import canonical_state, captured_modules, layout_of, param_specs
 
 from . import comm, fp8
 from .model import GPT

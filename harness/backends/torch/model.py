@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness.scenario import ModelConfig
+from harness.scenario.parse import ModelConfig
 
 from .moe import MoE
 

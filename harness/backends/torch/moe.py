@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness.scenario import ModelConfig
+from harness.scenario.parse import ModelConfig
 
 
 class Router(nn.Module):

@@ -16,7 +16,7 @@ from typing import Iterable
 
 import torch
 
-from harness.scenario import Side
+from harness.scenario.parse import Side
 
 from . import comm
 

@@ -1,7 +1,7 @@
 """TP x GTP x DP for the torch GPT: shard the model, run its GEMMs and lookups distributed.
 
 :func:`shard_model` cuts the canonical weights into this rank's shards with the same layouts
-megatron-core uses (``harness.gpt.layout_of``: TP outer, GTP inner on dim 0 of the TP-local
+megatron-core uses (``harness.backends.gpt.layout_of``: TP outer, GTP inner on dim 0 of the TP-local
 block, pad rows at the tail), gives every parameter an fp32 ``main_grad`` (fp64 for fp64
 params) and marks GTP shards as megatron-core does (``is_gtp_weight_remat``,
 ``pad_length``). The returned :class:`Parallel` context is attached to the linear layers and
@@ -24,10 +24,10 @@ from typing import Callable, Optional
 
 import torch
 
-from harness.gpt import ParamSpec, layout_of
-from harness.layout import Layout, shard
+from harness.backends.gpt import ParamSpec, layout_of
+from harness.common.layout import Layout, shard
 from harness.quant import LinearQuantizers, quantized_linear
-from harness.scenario import Side
+from harness.scenario.parse import Side
 
 from . import comm, fp8
 from .model import GPT, Linear, WordEmbedding

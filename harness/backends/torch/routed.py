@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from harness.backends.routing import record_aux_loss, record_routing
-from harness.capture import Capture
-from harness.scenario import ModelConfig
+from harness.capture.api import Capture
+from harness.scenario.parse import ModelConfig
 
 from .moe import MoE
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from harness import data as data_mod
-from harness.backends import Job
+from harness.backends import data as data_mod
+from harness.run.job import Job
 from harness.backends.recording import Materialized, Recording, StepScalars, train
-from harness.capture import Capture
-from harness.dtypes import DTYPES
-from harness.gpt import captured_modules, canonical_state, layout_of, param_specs
+from harness.capture.api import Capture
+from harness.common.dtypes import DTYPES
+from harness.backends.gpt import captured_modules, canonical_state, layout_of, param_specs
 
 from .distributed import run_distributed
 from .model import GPT, token_losses

@@ -1,0 +1,152 @@
+"""The GPT both backends build: canonical parameter names, shapes, layouts and initial weights.
+
+Canonical names are megatron-core's (``decoder.layers.0.mlp.linear_fc1.weight``), and a
+canonical tensor is the logical weight in megatron-core's TP=1 layout (fused QKV rows ordered
+per query group: q heads, k, v). Every side starts from :func:`canonical_state` for its seed,
+cut into its own layout by :func:`layout_of`, so step-0 logical weights are equal everywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import Shard
+
+from harness.common.layout import Layout, gtp_pad
+from harness.common.mesh import Mesh
+from harness.scenario.parse import ModelConfig, Side
+
+
+@dataclass(frozen=True, slots=True)
+class ParamSpec:
+    name: str
+    shape: tuple[int, ...]
+    tp_dim: int | None
+    """Dim TP cuts (0: column-parallel / vocab-parallel, 1: row-parallel), None: replicated."""
+    gtp: bool
+    """GTP-sharded (dim 0 of the TP-local block) when G > 1."""
+    init: str
+    """normal, scaled_normal, ones or zeros."""
+    expert: int | None = None
+    """The routed expert (global index) whose weight this is; None: not an expert's."""
+
+
+def param_specs(m: ModelConfig) -> list[ParamSpec]:
+    """Every parameter of the GPT, in megatron-core's registration order."""
+    h, f, v = m.hidden_size, m.ffn_hidden_size, m.vocab_size
+    specs = [
+        ParamSpec("embedding.word_embeddings.weight", (v, h), 0, True, "normal"),
+        ParamSpec("embedding.position_embeddings.weight", (m.seq_length, h), None, False, "normal"),
+    ]
+    for i in range(m.num_layers):
+        p = f"decoder.layers.{i}."
+        specs += [
+            ParamSpec(p + "input_layernorm.weight", (h,), None, False, "ones"),
+            ParamSpec(p + "input_layernorm.bias", (h,), None, False, "zeros"),
+            ParamSpec(p + "self_attention.linear_proj.weight", (h, h), 1, True, "scaled_normal"),
+            ParamSpec(p + "self_attention.linear_qkv.weight", (3 * h, h), 0, True, "normal"),
+            ParamSpec(p + "pre_mlp_layernorm.weight", (h,), None, False, "ones"),
+            ParamSpec(p + "pre_mlp_layernorm.bias", (h,), None, False, "zeros"),
+        ]
+        specs += _mlp_specs(m, p)
+    specs += [
+        ParamSpec("decoder.final_layernorm.weight", (h,), None, False, "ones"),
+        ParamSpec("decoder.final_layernorm.bias", (h,), None, False, "zeros"),
+    ]
+    if m.untie_embeddings:
+        specs.append(ParamSpec("output_layer.weight", (v, h), 0, True, "normal"))
+    return specs
+
+
+def _mlp_specs(m: ModelConfig, p: str) -> list[ParamSpec]:
+    """The dense MLP, or megatron-core's MoE layer: the router (replicated, never GTP-sharded)
+    then each routed expert's MLP, named by its global index."""
+    h, f = m.hidden_size, m.ffn_hidden_size
+    if not m.num_experts:
+        return [ParamSpec(p + "mlp.linear_fc1.weight", (f, h), 0, True, "normal"),
+                ParamSpec(p + "mlp.linear_fc2.weight", (h, f), 1, True, "scaled_normal")]  # fmt: skip
+    specs = [ParamSpec(p + "mlp.router.weight", (m.num_experts, h), None, False, "normal")]
+    for e in range(m.num_experts):
+        q = f"{p}mlp.experts.local_experts.{e}."
+        specs += [ParamSpec(q + "linear_fc1.weight", (f, h), 0, True, "normal", e),
+                  ParamSpec(q + "linear_fc2.weight", (h, f), 1, True, "scaled_normal", e)]  # fmt: skip
+    return specs
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    # One stream per (seed, name): a weight does not depend on which others exist or their order.
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def canonical_state(m: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """Logical fp32 initial weights, a function of (model, seed) only."""
+    scaled = m.init_std / math.sqrt(2.0 * m.num_layers)
+    state = {}
+    for spec in param_specs(m):
+        if spec.init == "ones":
+            t = torch.ones(spec.shape)
+        elif spec.init == "zeros":
+            t = torch.zeros(spec.shape)
+        else:
+            std = scaled if spec.init == "scaled_normal" else m.init_std
+            t = torch.empty(spec.shape).normal_(0.0, std, generator=_generator(seed, spec.name))
+        state[spec.name] = t
+    return state
+
+
+def mesh_of(side: Side) -> dict[str, int]:
+    """The mesh ``side``'s tensors are laid out on: one pipeline stage's (tp, gtp, dp)."""
+    return Mesh.of_side(side).stage_sizes()
+
+
+def layout_of(spec: ParamSpec, side: Side, num_experts: int = 0) -> Layout:
+    """Where the shards of ``spec`` sit on ``side``'s mesh (as megatron-core lays them out)."""
+    if spec.expert is not None:
+        return _expert_layout(spec, side, num_experts)
+    mesh = mesh_of(side)
+    placements, pads = {}, {}
+    if spec.tp_dim is not None and side.tp > 1:
+        placements["tp"] = Shard(spec.tp_dim)
+    if spec.gtp and side.gtp > 1:
+        local0 = spec.shape[0] // (side.tp if spec.tp_dim == 0 else 1)
+        placements["gtp"] = Shard(0)
+        pads["gtp"] = gtp_pad(local0, side.gtp, side.gtp_pad_alignment)
+    return Layout(spec.shape, mesh, placements, pads)
+
+
+def _expert_layout(spec: ParamSpec, side: Side, num_experts: int) -> Layout:
+    """A routed expert's weight: on the expert grid (expert TP x EP x EGTP x expert DP) when EP
+    or EGTP is on, held by the ranks of its EP coordinate, cut by EGTP on dim 0 (padded as
+    GTP pads); replicated on the dense mesh otherwise."""
+    ep, eg = side.ep, side.expert_gtp
+    if ep * eg == 1:
+        return Layout(spec.shape, mesh_of(side), {"tp": Shard(spec.tp_dim)} if side.tp > 1 else {})
+    mesh = {"tp": side.tp, "gtp": eg, "dp": side.world_size // (side.tp * ep * eg)}
+    placements, pads = {}, {}
+    if side.tp > 1:
+        placements["tp"] = Shard(spec.tp_dim)
+    if eg > 1:
+        local0 = spec.shape[0] // (side.tp if spec.tp_dim == 0 else 1)
+        placements["gtp"] = Shard(0)
+        pads["gtp"] = gtp_pad(local0, eg, side.gtp_pad_alignment)
+    owner = spec.expert // (num_experts // ep)
+    return Layout(spec.shape, mesh, placements, pads, grid="expert", fixed={"ep": owner})
+
+
+def captured_modules(model) -> dict[str, torch.nn.Module]:
+    """The modules whose outputs are captured, by megatron-core's module names.
+
+    Serves megatron-core's GPTModel and the torch backend's GPT alike: both name their
+    submodules as megatron-core does.
+    """
+    modules = {"embedding": model.embedding, "output_layer": model.output_layer,
+               "decoder.final_layernorm": model.decoder.final_layernorm}  # fmt: skip
+    for i, layer in enumerate(model.decoder.layers):
+        modules[f"decoder.layers.{i}"] = layer
+        for sub in ("input_layernorm", "self_attention", "pre_mlp_layernorm", "mlp"):
+            modules[f"decoder.layers.{i}.{sub}"] = getattr(layer, sub)
+    return modules

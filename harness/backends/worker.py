@@ -1,0 +1,90 @@
+"""The per-rank entry point: ``python -m harness.backends.worker PLAN`` under torchrun (or alone, world 1).
+
+A plan is a JSON list of jobs of one world size. The worker runs them in sequence in this
+one process (launch cost dominates small runs), resetting megatron-core's state between
+them. A job whose trace is already complete is skipped, so equal sides are run once.
+
+On an exception the rank writes ``rank{r}/error.json`` (rank, step, phase, traceback) in the
+job's trace before exiting non-zero; the launcher turns it into a message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from harness import backends
+from harness.backends import data as data_mod
+from harness.run.job import Job
+from harness.capture.api import Capture
+from harness.common.mesh import Mesh
+from harness.scenario.parse import CapturePolicy, DataConfig, ModelConfig, Side
+from harness.capture.trace import is_complete
+from harness.common.jsonio import write_json
+
+
+def run_job(job: Job, rank: int, world: int) -> None:
+    trace_dir = Path(job.trace_dir)
+    side = job.side
+    coord = data_mod.coord(rank, side)
+    mesh = Mesh.of_side(side).sizes()  # with the pipeline axis where there is one
+    cap = Capture(trace_dir, rank=rank, world_size=world, coord=coord, mesh=mesh, policy=job.capture)
+    try:
+        backends.run(job, cap)
+    except BaseException as e:
+        write_json(
+            trace_dir / f"rank{rank}" / "error.json",
+            {"rank": rank, "step": cap.step, "error": f"{type(e).__name__}: {e}",
+             "traceback": traceback.format_exc()},  # fmt: skip
+        )
+        raise
+    cap.close()
+    if world > 1:
+        dist.barrier()
+    if rank == 0:
+        Capture.finalize(
+            trace_dir,
+            world_size=world,
+            coords={r: data_mod.coord(r, side) for r in range(world)},
+            mesh=mesh,
+            meta={"side": side.label(), "key": job.key, "backend": side.backend,
+                  "precision": side.precision, "recipe": side.recipe, "steps": side.steps,
+                  "provenance": job.provenance, "mutant": side.mutant or None,
+                  # what the update judgement names terms by (harness.compare.updates)
+                  "train": {"optimizer": side.optimizer, "lr": side.lr, "weight_decay": side.weight_decay}},  # fmt: skip
+        )
+
+
+def main(argv: list[str]) -> int:
+    plan = json.loads(Path(argv[0]).read_text())
+    jobs = [Job.from_json(j) for j in plan["jobs"]]
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    torch.set_num_threads(1)  # ranks share the cores; one thread keeps CPU GEMMs deterministic
+    torch.use_deterministic_algorithms(True)
+    if world > 1:
+        dist.init_process_group("gloo", rank=rank, world_size=world)  # torchrun's store
+    elif any(j.side.backend in ("megatron", "mlm") for j in jobs):
+        # One rank needs no rendezvous: an in-process store, no port to collide on.
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for job in jobs:
+            if job.side.world_size != world:
+                raise ValueError(f"job {job.key} needs world size {job.side.world_size}, launched with {world}")
+            if is_complete(job.trace_dir):
+                continue
+            run_job(job, rank, world)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,116 @@
+"""One scenario's outcome: compare its traces, judge its expectation, write its files.
+
+``steps.csv|json`` (per-step scalars), ``rank_losses.csv``, ``results.csv`` (one row per
+compared step x kind x tensor) and ``summary.json`` (a :class:`ScenarioSummary`) in the
+scenario's folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from harness.capture import trace
+from harness.common.jsonio import write_json
+from harness.compare import split, steps
+from harness.compare.judge import compare
+from harness.compare.summary import ScenarioSummary, Verdict
+from harness.run.provenance import differences
+from harness.scenario import ComparePolicy, Expectation, Role, Scenario
+from harness.scenario.checkpoint import topology
+
+
+def scenario_config(s: Scenario) -> dict:
+    """The summary's ``config``: where the scenario came from and what each side ran."""
+    return {"source": s.source, "description": s.description, **{r: side.label() for r, side in s.sides.items()},
+            "paths": {r: side.paths() for r, side in s.sides.items() if side.paths()}}
+
+
+def judge_expectation(summary: ScenarioSummary, expect: Expectation | None) -> ScenarioSummary:
+    """A failure that matches the scenario's known divergence becomes ``known-divergence``;
+    a scenario that was expected to diverge and holds, or diverges otherwise, fails."""
+    if expect is None:
+        return summary
+    summary = summary.with_(expect=dataclasses.asdict(expect))
+    fd = summary.first_divergence
+    if summary.verdict == Verdict.PASS:
+        return summary.with_(verdict=Verdict.FAIL, expectation=(
+            "expected the known divergence, but parity holds: if megatron-core fixed it, "
+            "remove the scenario's [expect]"))  # fmt: skip
+    if summary.verdict == Verdict.FAIL and fd:
+        wrong = [f"{k} {getattr(fd, k)!r} (expected {getattr(expect, k)!r})" for k in ("signature", "step")
+                 if getattr(expect, k) is not None and getattr(fd, k) != getattr(expect, k)]  # fmt: skip
+        if wrong:
+            return summary.with_(expectation="diverged, but not as the known divergence: " + ", ".join(wrong))
+        return summary.with_(verdict=Verdict.KNOWN_DIVERGENCE)
+    return summary
+
+
+def checkpoint_outcome(summary: ScenarioSummary, s: Scenario, results) -> ScenarioSummary:
+    """A checkpoint scenario's own record: what was saved and loaded, and whether the load was
+    bitwise (every tensor recorded at the load step); a divergence there is named a load."""
+    k = s.candidate.load_step
+    at_load = results[(results["step"] == k) & (results["kind"] != "scalar")]
+    summary = summary.with_(checkpoint={
+        "save_step": k, "from": topology(s.saver), "to": topology(s.candidate),
+        "tensors_at_load": int(len(at_load)),
+        "bitwise_at_load": bool(len(at_load) and at_load["bitwise_equal"].astype(bool).all())})  # fmt: skip
+    fd = summary.first_divergence
+    if fd and fd.step == k:
+        summary = summary.with_(first_divergence=fd.with_(phase="load"))
+    return summary
+
+
+def provenance_warnings(traces: dict[str, trace.Trace]) -> list[str]:
+    """A warning per side made by other code than the reference: that may be the point of
+    the comparison (two megatron-core versions), but it must never go unnoticed."""
+    ref = traces[Role.REFERENCE].manifest.get("provenance")
+    out = []
+    for role, t in traces.items():
+        if role == Role.REFERENCE:
+            continue
+        if diffs := differences(ref, t.manifest.get("provenance")):
+            out.append(f"{role} trace was made by other code than the reference: " + "; ".join(diffs))
+    return out
+
+
+def compare_scenario(s: Scenario | None, paths: dict[str, Path], sdir: Path, say=print,
+                     policy: ComparePolicy | None = None, verify: bool = True, jobs: int = 1,
+                     ranks: bool = False) -> ScenarioSummary | None:
+    """Compare the traces of one scenario; write steps.csv/json, results.csv, summary.json.
+    ``policy`` overrides the scenario's (offline re-judging of existing traces). ``jobs``:
+    compare processes; ``ranks``: split over torchrun's ranks, rank 0 writing everything and
+    returning the summary, the other ranks measuring their share and returning None."""
+    traces = {role: trace.read(p, verify=verify) for role, p in paths.items() if p is not None}
+    trace.check_same_model(traces)
+    policy = policy or (s.compare if s else None)
+    if ranks and split.rank() != 0:
+        compare(traces, policy=policy, ranks=True)
+        return None
+    sdir.mkdir(parents=True, exist_ok=True)
+    table = steps.step_table(traces)
+    table.to_csv(sdir / "steps.csv", index=False)
+    write_json(sdir / "steps.json", table.to_dict(orient="records"))
+    steps.rank_losses(traces).to_csv(sdir / "rank_losses.csv", index=False)
+    name = s.name if s else sdir.name
+    say(f"\n== {name}")
+    say(steps.format_steps(table))
+    summary, results = compare(traces, policy=policy, jobs=jobs, ranks=ranks)
+    results.to_csv(sdir / "results.csv", index=False)
+    if warnings := provenance_warnings(traces):
+        summary = summary.with_(warnings=warnings)
+        for w in warnings:
+            say(f"warning: {w}")
+    summary = summary.with_(scenario=name, traces={r: str(p) for r, p in paths.items()})
+    if s is not None:
+        summary = judge_expectation(summary.with_(axes=dict(s.axes), config=scenario_config(s)), s.expect)
+        if s.saver is not None:
+            summary = checkpoint_outcome(summary, s, results)
+    write_json(sdir / "summary.json", summary.to_json())
+    if summary.expectation:
+        say(f"expectation: {summary.expectation}")
+    fd = summary.first_divergence
+    say(f"verdict: {summary.verdict.upper()}" + (
+        f"  first divergence: step {fd.step} {fd.phase} {fd.kind} {fd.tensor} "
+        f"ranks {fd.ranks} signature {fd.signature}" if fd else ""))  # fmt: skip
+    return summary

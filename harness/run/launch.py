@@ -1,0 +1,198 @@
+"""Launch: run a plan of same-world-size jobs under torchrun, with a timeout.
+
+One launch runs every job of its world size in sequence (see harness.backends.worker): a torchrun
+launch that only imports megatron-core costs about as much as a small training run. The
+launch runs in its own process session, so a timeout kills every rank and nothing is left
+behind. A failure is turned into one message naming the rank, the job and the last step,
+read from the ranks' error files and heartbeats; traces already written are kept and,
+lacking a manifest, read as incomplete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from harness.run.job import Job
+from harness.common.errors import RunFailed
+from harness.capture.trace import FORMAT, FORMAT_VERSION, is_complete
+from harness.common.jsonio import write_json
+
+
+STARTUP_S = 180.0
+"""Seconds a launch may take to start a side (process start, imports) beyond its own timeout."""
+
+
+def _any_heartbeat(job: Job, world: int) -> bool:
+    return any((Path(job.trace_dir) / f"rank{r}" / "progress.json").exists() for r in range(world))
+
+
+def worker_env() -> dict[str, str]:
+    """The environment every rank runs in (the side key's provenance is computed from it)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}  # fmt: skip
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    return env
+
+
+def command(plan_path: Path, world: int) -> list[str]:
+    if world == 1:
+        return [sys.executable, "-m", "harness.backends.worker", str(plan_path)]
+    # --standalone: the rendezvous store binds port 0 and the ranks share it, so launches
+    # running side by side never race for a port picked in advance.
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+        "--max-restarts=0", "-m", "harness.backends.worker", str(plan_path),
+    ]  # fmt: skip
+
+
+def launch(jobs: list[Job], *, world: int, timeout_s: dict[str, float], workdir: Path, name: str,
+           stop: threading.Event | None = None) -> float:
+    """Run ``jobs`` (all of world size ``world``); return wall seconds. Raise RunFailed.
+
+    ``timeout_s`` maps a job key to its budget, counted from when that job starts (the
+    previous job's manifest appears), so a hang ends within the hung side's own timeout.
+    When ``stop`` is set (Ctrl-C) the launch is killed at once, its unfinished traces are
+    marked incomplete, and :class:`Interrupted` is raised.
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    plan_path = workdir / f"plan-{name}.json"
+    write_json(plan_path, {"jobs": [j.to_json() for j in jobs]})
+    log_path = workdir / f"launch-{name}.log"
+    env = worker_env()
+    if world == 1:
+        env.update(RANK="0", WORLD_SIZE="1")
+    start = time.monotonic()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            command(plan_path, world), stdout=log, stderr=subprocess.STDOUT,
+            env=env, start_new_session=True,
+        )  # fmt: skip
+        try:
+            current, became, since = None, time.monotonic(), None
+            while (rc := proc.poll()) is None:
+                if stop is not None and stop.is_set():
+                    _kill(proc)
+                    mark_interrupted(jobs, world)
+                    raise Interrupted(f"launch {name} (world {world}) interrupted; " + describe_progress(jobs, world))
+                job = _current_job(jobs)
+                if job is not current:
+                    current, became, since = job, time.monotonic(), None
+                if since is None and current is not None and _any_heartbeat(current, world):
+                    since = time.monotonic()
+                budget = timeout_s.get(current.key, 600.0) if current else 60.0
+                # A side's clock starts at its first heartbeat; before that, start-up (torchrun,
+                # imports: tens of seconds on a loaded machine) has a budget of its own.
+                waited = time.monotonic() - (since if since is not None else became)
+                if waited > budget + (0 if since is not None else STARTUP_S):
+                    raise RunFailed(
+                        f"launch {name} (world {world}) timed out after {waited:.0f} s; "
+                        + describe_progress(jobs, world) + f"; log: {log_path}"
+                    )
+                time.sleep(0.25)
+        finally:
+            _kill(proc)
+    if rc != 0:
+        raise RunFailed(f"launch {name} (world {world}) failed (exit {rc}); "
+                        + describe_failure(jobs, world) + f"; log: {log_path}")  # fmt: skip
+    return time.monotonic() - start
+
+
+class Interrupted(RunFailed):
+    """The user interrupted the run (Ctrl-C); every launch has been ended."""
+
+
+def mark_interrupted(jobs: list[Job], world: int) -> None:
+    """Give each started, unfinished trace a manifest saying it is incomplete, so that it is
+    kept for reading (``allow_incomplete``) and never reused as complete."""
+    for job in jobs:
+        path = Path(job.trace_dir)
+        if path.is_dir() and not is_complete(path):
+            write_json(path / "manifest.json", {
+                "format": FORMAT, "version": FORMAT_VERSION, "complete": False, "interrupted": True,
+                "world_size": world, "coords": {}, "key": job.key, "side": job.side.label(),
+            })  # fmt: skip
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """End the launch's whole process session: torchrun and every rank."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            continue
+    # A rank may outlive torchrun in the session; SIGKILL above reached it too.
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _current_job(jobs: list[Job]) -> Job | None:
+    for job in jobs:
+        if not is_complete(job.trace_dir):
+            return job
+    return None
+
+
+def describe_progress(jobs: list[Job], world: int, among: list[int] | None = None) -> str:
+    """Name the job and, per rank, the last step and phase reached; the laggard first
+    (chosen ``among`` the given ranks, when given)."""
+    job = _current_job(jobs)
+    if job is None:
+        return "every job had finished"
+    beats = {r: _read(Path(job.trace_dir) / f"rank{r}" / "progress.json") for r in range(world)}
+    seen = {r: b for r, b in beats.items() if b}
+    if not seen:
+        return f"side {job.side.label()}: no rank reached step 0"
+
+    phases = ["begin", "forward_backward", "optimizer", "end"]
+
+    def order(b):
+        phase = b.get("phase")
+        return (b.get("step") or 0, phases.index(phase) if phase in phases else 0)
+
+    pool = [r for r in seen if among is None or r in among] or list(seen)
+    laggard = min(pool, key=lambda r: order(seen[r]))
+    ranks = ", ".join(f"rank {r} at step {b.get('step')} ({b.get('phase')})" for r, b in sorted(seen.items()))
+    silent = [r for r in range(world) if r not in seen]
+    extra = f"; no heartbeat from rank(s) {silent}" if silent else ""
+    return (
+        f"side {job.side.label()}: rank {laggard} stopped at step {seen[laggard].get('step')} "
+        f"({seen[laggard].get('phase')}) [{ranks}]{extra}"
+    )
+
+
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker", "Broken pipe")
+
+
+def describe_failure(jobs: list[Job], world: int) -> str:
+    """Name the rank that failed first: a rank's own error beats a peer's lost connection,
+    and a rank that left no report (a hard exit) beats ranks that only lost it."""
+    job = _current_job(jobs)
+    if job is None:
+        return "every job had finished"
+    errors = {r: e for r in range(world) if (e := _read(Path(job.trace_dir) / f"rank{r}" / "error.json"))}
+    own = {r: e for r, e in errors.items() if not any(p in e.get("error", "") for p in _PEER_LOST)}
+    for r, err in sorted(own.items()):
+        return f"side {job.side.label()}: rank {r} raised at step {err.get('step')}: {err.get('error')}"
+    silent = [r for r in range(world) if r not in errors]
+    if silent:
+        return (f"rank(s) {silent} exited without an error report (a hard exit); "
+                + describe_progress(jobs, world, among=silent))
+    return f"side {job.side.label()}: every rank lost its peers; " + describe_progress(jobs, world)

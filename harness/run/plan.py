@@ -1,0 +1,134 @@
+"""Turn scenarios into launches: dedupe sides, group them by world size, run the groups.
+
+Every side becomes a :class:`~harness.run.job.Job` whose trace folder is named by what the
+side computes: its configuration (:meth:`Side.key`), its capture policy and the code that runs
+it (:func:`harness.run.provenance.code_identity`). A side shared by several scenarios of a matrix
+(the GTP-off reference, the golden) runs once, and a complete trace is reused by a later run
+only when all three are equal: editing megatron-core makes every side run again. Jobs of one world size share one launch; launches
+of different world sizes run concurrently, up to ``parallel`` at a time, to keep the cores busy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shutil
+import threading
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from harness.capture import trace
+from harness.run.job import Job
+from harness.scenario.checkpoint import saving_side
+from harness.common.errors import RunFailed
+from harness.run.launch import Interrupted, launch, worker_env
+from harness.run.provenance import code_identity
+from harness.scenario import COMPARED_ROLES, Role, Scenario
+
+# Sides per launch: more share the start-up cost, fewer keep the cores busy in parallel.
+MAX_JOBS_PER_LAUNCH = 12
+
+
+def job_for(s: Scenario, role: str, traces: Path, provenance: dict, checkpoint_dir: str = "") -> Job:
+    side = s.sides[role] if role in s.sides else saving_side(s)  # Role.SAVER
+    key = side.key(s.model, s.data)
+    policy = hashlib.sha256(json.dumps(dataclasses.asdict(s.capture), sort_keys=True).encode()).hexdigest()[:6]
+    code = provenance["digest"][:6]
+    return Job(
+        key=f"{key}-{policy}-{code}",
+        model=s.model,
+        data=s.data,
+        side=side,
+        capture=s.capture,
+        trace_dir=str(traces / f"{side.label()}-{key}-{policy}-{code}"),
+        provenance=provenance,
+        checkpoint_dir=checkpoint_dir,
+    )
+
+
+def plan(scenarios: list[Scenario], out: Path, provenance: dict | None = None) -> dict[str, dict[str, Job]]:
+    """Scenario name -> role -> job (jobs shared between scenarios are the same object)."""
+    traces = out / "traces"
+    provenance = code_identity(worker_env()) if provenance is None else provenance
+    jobs: dict[str, Job] = {}
+    by_scenario = {}
+    for s in scenarios:
+        roles, ckpt = {}, ""
+        if s.saver is not None:  # the checkpoint lives beside the saving side's trace
+            job = job_for(s, Role.SAVER, traces, provenance)
+            ckpt = str(Path(job.trace_dir) / "checkpoint")
+            roles[Role.SAVER] = jobs.setdefault(job.key, dataclasses.replace(job, checkpoint_dir=ckpt))
+        for role in COMPARED_ROLES:
+            job = job_for(s, role, traces, provenance, ckpt if role == "candidate" else "")
+            roles[role] = jobs.setdefault(job.key, job)
+        by_scenario[s.name] = roles
+    return by_scenario
+
+
+def execute(
+    by_scenario: dict[str, dict[str, Job]],
+    scenarios: list[Scenario],
+    out: Path,
+    parallel: int = 2,
+    progress=print,
+    fresh: bool = False,
+) -> dict[str, str]:
+    """Run every job whose trace is not complete (every job if ``fresh``). Return job key ->
+    error message for failed ones."""
+    timeout = {}
+    for s in scenarios:
+        for job in by_scenario[s.name].values():
+            timeout[job.key] = max(timeout.get(job.key, 0.0), s.timeout_s)
+    pending = {}
+    for roles in by_scenario.values():
+        for job in roles.values():
+            if job.key in pending:
+                continue
+            if not fresh and trace.is_complete(job.trace_dir):
+                progress(f"  reused {job.side.label()}: {job.trace_dir} (same configuration and code)")
+                continue
+            # An incomplete trace left by an earlier failed run is not resumed.
+            shutil.rmtree(job.trace_dir, ignore_errors=True)
+            pending[job.key] = job
+    groups = defaultdict(list)
+    for job in pending.values():  # checkpoints are saved (phase 0) before sides load them
+        groups[(0 if job.side.save_step else 1, job.side.world_size)].append(job)
+    phases = defaultdict(list)
+    for (phase, world), jobs in sorted(groups.items()):
+        for i in range(0, len(jobs), MAX_JOBS_PER_LAUNCH):
+            tag = f"w{world}-{i // MAX_JOBS_PER_LAUNCH}" + ("-save" if phase == 0 else "")
+            phases[phase].append((world, jobs[i : i + MAX_JOBS_PER_LAUNCH], tag))
+    failures: dict[str, str] = {}
+
+    stop = threading.Event()
+
+    def one(batch):
+        world, jobs, name = batch
+        if stop.is_set():
+            return
+        try:
+            wall = launch(jobs, world=world, timeout_s={j.key: timeout[j.key] for j in jobs},
+                          workdir=out / "launches", name=name, stop=stop)
+            progress(f"  launch {name}: {len(jobs)} side(s) on {world} rank(s) in {wall:.1f} s")
+        except Interrupted:
+            pass
+        except RunFailed as e:
+            progress(f"  launch {name} FAILED: {e}")
+            for j in jobs:
+                if not trace.is_complete(j.trace_dir):
+                    failures[j.key] = str(e)
+
+    pool = ThreadPoolExecutor(max_workers=max(1, parallel))
+    try:
+        for phase in sorted(phases):
+            for f in [pool.submit(one, b) for b in phases[phase]]:
+                f.result()
+    except BaseException:
+        # Ctrl-C reaches this (main) thread only: tell every launch to end its ranks now.
+        stop.set()
+        raise
+    finally:
+        pool.shutdown(wait=True)
+    return failures

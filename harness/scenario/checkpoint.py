@@ -1,0 +1,128 @@
+"""Checkpoint scenarios: one ``[checkpoint]`` table, one scenario per topology loaded into.
+
+A checkpoint scenario's ``[reference]`` is the uninterrupted run of the source topology. The
+source side (the reference's configuration with ``save_step``) trains to step k and saves a
+``torch_dist`` checkpoint; each entry of ``load_into`` is a candidate: the reference's
+configuration with the entry's keys (another TP, G, world size, distributed optimizer), which
+loads the checkpoint, is recorded right after loading as step k, and trains on to the last
+step. Its step-k weights and optimizer state are judged bitwise (``exact_steps``), the steps
+after it under the scenario's policy against the same golden::
+
+    [checkpoint]
+    save_step = 1
+    load_into = [{ label = "tp1-gtpoff", gtp = 1 }, { label = "tp2-gtp2", world_size = 4, tp = 2, gtp = 2 }]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from harness.common.errors import BadInput, shown
+from harness.scenario.schema import Scenario, Side, check_scenario_name
+
+# Faults planted on a checkpoint scenario's candidate that act where the checkpoint is saved.
+SAVE_FAULTS = frozenset({"ckpt-pad-rows-as-data"})
+# What a resumed side must share with the run it continues (the rest is its topology).
+CONTINUED = ("backend", "precision", "recipe", "steps", "seed", "optimizer", "lr", "min_lr", "lr_warmup_steps",
+             "lr_decay_steps", "lr_decay_style", "weight_decay", "clip_grad", "adam_beta1", "adam_beta2", "adam_eps",
+             "sgd_momentum", "gtp_pad_alignment", "per_token_loss")  # fmt: skip
+_SIDE_KEYS = frozenset(f.name for f in dataclasses.fields(Side)) - {"save_step", "load_step", "resume_from"}
+
+
+def topology(side: Side) -> str:
+    """A side's topology as the report names it: ``TP1xGTP2``, ``TP2xGTP-off (DP 2)``, ``+distopt``."""
+    gtp = f"GTP{side.gtp}" if side.gtp > 1 else "GTP-off"
+    dp = f" DP{side.replicate_dp}" if side.replicate_dp > 1 else ""
+    return f"TP{side.tp}x{gtp}{dp}" + (" distopt" if side.distributed_optimizer else "")
+
+
+def expand(raw: dict, source: str, parse: Callable[[dict, str], Scenario],
+           validate: Callable[[Scenario], None]) -> list[Scenario]:  # fmt: skip
+    """The scenarios of a document with a ``[checkpoint]`` table: ``parse`` builds one from a
+    document, ``validate`` checks it once it resumes (the scenario rules, which call :func:`check`)."""
+
+    spec = raw["checkpoint"]
+    where = f"{source}: [checkpoint]"
+    if not isinstance(spec, dict):
+        raise BadInput(where, f"must be a table, got {shown(spec)}")
+    if unknown := sorted(set(spec) - {"save_step", "load_into"}):
+        raise BadInput(f"{where}.{unknown[0]}", "unknown key; known keys are load_into, save_step")
+    k = spec.get("save_step")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise BadInput(f"{where}.save_step", f"must be an integer >= 1, got {shown(k)}")
+    targets = spec.get("load_into")
+    if not isinstance(targets, list) or not targets or not all(isinstance(t, dict) for t in targets):
+        raise BadInput(f"{where}.load_into", "must be a non-empty list of tables of side keys (the topologies loaded into)")
+    if "candidate" in raw:
+        raise BadInput(f"{source}: [candidate]", "a checkpoint scenario's candidates are its [checkpoint].load_into entries")
+    base = {key: v for key, v in raw.items() if key != "checkpoint"}
+    compare = {**raw.get("compare", {}), "exact_steps": [k]} if isinstance(raw.get("compare", {}), dict) else {}
+    out, labels = [], set()
+    for i, target in enumerate(targets):
+        at = f"{where}.load_into[{i}]"
+        label = target.get("label", f"to{i}")
+        if (problem := check_scenario_name(label)) is not None or label in labels:
+            raise BadInput(f"{at}.label", problem or f"{label!r} is used twice")
+        labels.add(label)
+        if unknown := sorted(set(target) - _SIDE_KEYS - {"label"}):
+            raise BadInput(f"{at}.{unknown[0]}", f"not a side key a topology may change; one of {sorted(_SIDE_KEYS)}")
+        reference = raw.get("reference", {}) if isinstance(raw.get("reference", {}), dict) else {}
+        candidate = {**reference, **{key: v for key, v in target.items() if key not in ("label", "inject")}}
+        s = parse({**base, "name": f"{raw.get('name')}-{label}", "candidate": candidate, "compare": compare}, source)
+        saver = dataclasses.replace(s.reference, save_step=k)
+        # Faults are planted once the candidate resumes (a save fault fires only there).
+        inject = _coerce_inject(target.get("inject", list(s.candidate.inject)), f"{at}.inject")
+        resumed = dataclasses.replace(s.candidate, load_step=k, resume_from=saver.key(s.model, s.data), inject=inject)
+        row = f"checkpoint: {topology(saver)} -> {topology(resumed)} load at step {k}"
+        s = dataclasses.replace(s, candidate=resumed, saver=saver,
+                                description=f"{row}. {s.description}" if s.description else row)  # fmt: skip
+        validate(s)
+        out.append(s)
+    return out
+
+
+def _coerce_inject(value, where: str) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise BadInput(where, f"must be a list of fault names, got {shown(value)}")
+    return tuple(value)
+
+
+def saving_side(s: Scenario) -> Side:
+    """The side that saves ``s``'s checkpoint, with the save faults planted on its candidate."""
+    faults = tuple(f for f in s.candidate.inject if f in SAVE_FAULTS)
+    return dataclasses.replace(s.saver, inject=faults)
+
+
+def check(s: Scenario) -> None:
+    """The rules of a checkpoint scenario (and that only ``[checkpoint]`` sets its side keys)."""
+    src = s.saver
+    if src is None:
+        for role, side in s.sides.items():
+            for key in ("save_step", "load_step", "resume_from"):
+                if getattr(side, key):
+                    raise BadInput(f"{s.source}: [{role}].{key}", "set by a [checkpoint] table, not by hand")
+        for fault in SAVE_FAULTS & set(s.candidate.inject):
+            raise BadInput(f"{s.source}: [candidate].inject", f"{fault} acts where a [checkpoint] scenario saves")
+        return
+    where = f"{s.source}: [checkpoint]"
+    cand, k = s.candidate, src.save_step
+    for role, side in (("reference", s.reference), ("candidate", cand)):
+        if side.backend != "megatron":
+            raise BadInput(f"{s.source}: [{role}].backend", "checkpoints are megatron-core's (backend = \"megatron\")")
+    for role, side in (("saved run", src), ("reference", s.reference), ("candidate", cand)):
+        if side.pipeline_parallel > 1 or side.ep * side.expert_gtp > 1:
+            raise BadInput(where, f"the {role} is pipelined or expert-parallel: checkpoints of one model "
+                                  "chunk without expert parallelism only (not covered yet)")  # fmt: skip
+    if not 1 <= k < src.steps:
+        raise BadInput(f"{where}.save_step", f"must be in 1..{src.steps - 1} (steps continue after loading), got {k}")
+    for key in CONTINUED:
+        if getattr(cand, key) != getattr(src, key):
+            raise BadInput(f"{where}.load_into", f"{key} {getattr(cand, key)!r} differs from the saved run's "
+                                                 f"{getattr(src, key)!r}: a topology change continues the same training")  # fmt: skip
+    if s.capture.steps is not None and k not in s.capture.steps:
+        raise BadInput(f"{s.source}: [capture].steps", f"must include the load step {k}: it is judged bitwise")
+    if "param" not in s.capture.kinds:
+        raise BadInput(f"{s.source}: [capture].kinds", "must include param: the loaded weights are judged bitwise")
+    if SAVE_FAULTS & set(cand.inject) and src.gtp == 1:
+        raise BadInput(f"{s.source}: [candidate].inject", "ckpt-pad-rows-as-data never fires: the saved run has no GTP")

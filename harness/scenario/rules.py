@@ -1,0 +1,345 @@
+"""The rules a scenario must satisfy beyond its keys' types, checked before anything is
+launched: model, training, topology, recipe, faults, capture and compare rules, and the size
+limits. Each violation raises :class:`~harness.common.errors.BadInput` naming the file, the key and
+the rule.
+"""
+
+from __future__ import annotations
+
+from harness.scenario import checkpoint as checkpointing
+from harness.common.errors import BadInput
+from harness.scenario.faults import check_name, check_reach
+from harness.scenario.moe_rules import moe_parameter_count, validate_moe_model, validate_moe_side
+from harness.scenario.schema import (
+    BACKENDS, CAPTURE_KINDS, CAPTURE_MODES, COLLECTIVES, LIMITS, LOSS_MASKS, LR_DECAY_STYLES, MEGATRON_PATH_OPTIONS,
+    MLM_DATA, OPTIMIZERS, PER_TOKEN_LOSSES, POLICIES, PRECISIONS, RECIPE_NAMES, RECOMPUTES, ModelConfig,
+    Scenario, Side,
+)  # fmt: skip
+
+
+def validate(s: Scenario, limits: bool = True) -> None:
+    """Check every rule a scenario must satisfy before anything is launched. ``limits``: also
+    the size limits of :data:`LIMITS` (what one machine can run), first: an absurd size is
+    named as such, not as whichever rule it happens to break."""
+    if limits:
+        _validate_limits(s)
+    _validate_model(s)
+    validate_moe_model(s)
+    steps = {}
+    for name, side in s.sides.items():
+        where = f"{s.source}: [{name}]"
+        _validate_choices(side, where)
+        _validate_training(side, where)
+        _validate_topology(s, name, side, where)
+        _validate_recipe(s, side, where)
+        _validate_faults(name, side, where, s.data)
+        _validate_paths(s, side, where)
+        _validate_mlm(s, side, where)
+        validate_moe_side(s, name, side, where)
+        _validate_pipeline(s, side, where)
+        steps[name] = side.steps
+    if len(set(steps.values())) != 1:
+        raise BadInput(f"{s.source}: steps", f"every side must run the same number of steps, got {steps}")
+    _validate_capture_compare(s)
+    _validate_expect(s)
+    checkpointing.check(s)
+
+
+def _validate_model(s: Scenario) -> None:
+    src, m, d = s.source, s.model, s.data
+    if s.timeout_s <= 0:
+        raise BadInput(f"{src}: timeout_s", f"must be > 0 seconds, got {s.timeout_s}")
+    for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                "seq_length", "vocab_size"):  # fmt: skip
+        if getattr(m, key) < 1:
+            raise BadInput(f"{src}: [model].{key}", f"must be >= 1, got {getattr(m, key)}")
+    if not m.init_std > 0:
+        raise BadInput(f"{src}: [model].init_std", f"must be > 0, got {m.init_std}")
+    if m.hidden_size % m.num_attention_heads:
+        raise BadInput(f"{src}: [model].hidden_size", "must be a multiple of num_attention_heads")
+    if d.micro_batch_size < 1 or d.global_batch_size < 1:
+        raise BadInput(f"{src}: [data]", "micro_batch_size and global_batch_size must be >= 1")
+    if d.seed < 0:
+        raise BadInput(f"{src}: [data].seed", f"must be >= 0, got {d.seed}")
+
+
+def _validate_choices(side: Side, where: str) -> None:
+    if side.backend not in BACKENDS:
+        raise BadInput(f"{where}.backend", f"unknown backend {side.backend!r}; one of {sorted(BACKENDS)}")
+    if side.precision not in PRECISIONS[side.backend]:
+        raise BadInput(
+            f"{where}.precision",
+            f"{side.precision!r} is not supported by the {side.backend} backend; "
+            f"one of {sorted(PRECISIONS[side.backend])}",
+        )
+    if side.recipe not in RECIPE_NAMES:
+        raise BadInput(f"{where}.recipe", f"unknown recipe {side.recipe!r}; one of {sorted(RECIPE_NAMES)}")
+    if side.optimizer not in OPTIMIZERS:
+        raise BadInput(f"{where}.optimizer", f"unknown optimizer {side.optimizer!r}; one of {sorted(OPTIMIZERS)}")
+    if side.lr_decay_style not in LR_DECAY_STYLES:
+        raise BadInput(f"{where}.lr_decay_style", f"one of {sorted(LR_DECAY_STYLES)}")
+
+
+# Training hyper-parameters: (low, high, inclusive high); floats are already finite.
+_RANGES = {
+    "lr": (0.0, None), "min_lr": (0.0, None), "weight_decay": (0.0, None), "clip_grad": (0.0, None),
+    "adam_eps": (0.0, None), "adam_beta1": (0.0, 1.0), "adam_beta2": (0.0, 1.0), "sgd_momentum": (0.0, 1.0),
+    "seed": (0, None), "gtp_pad_alignment": (0, None),
+}  # fmt: skip
+
+
+def _validate_training(side: Side, where: str) -> None:
+    for key, (low, high) in _RANGES.items():
+        value = getattr(side, key)
+        if value < low or (high is not None and value >= high):
+            bound = f"in [{low}, {high})" if high is not None else f">= {low}"
+            raise BadInput(f"{where}.{key}", f"must be {bound}, got {value}")
+    if side.optimizer == "adam" and side.adam_eps <= 0:
+        raise BadInput(f"{where}.adam_eps", f"must be > 0, got {side.adam_eps}")
+    if side.min_lr > side.lr:
+        raise BadInput(f"{where}.min_lr", f"must be <= lr ({side.lr}), got {side.min_lr}")
+    if side.steps < 1:
+        raise BadInput(f"{where}.steps", f"must be >= 1, got {side.steps}")
+    if side.lr_decay_steps is not None and side.lr_decay_steps < 1:
+        raise BadInput(f"{where}.lr_decay_steps", f"must be >= 1, got {side.lr_decay_steps}")
+    decay = side.lr_decay_steps or side.steps
+    if not 0 <= side.lr_warmup_steps < decay:  # megatron-core's OptimizerParamScheduler asserts it
+        raise BadInput(f"{where}.lr_warmup_steps",
+                       f"must be >= 0 and < lr_decay_steps (or steps) = {decay}, got {side.lr_warmup_steps}")  # fmt: skip
+
+
+def _validate_topology(s: Scenario, name: str, side: Side, where: str) -> None:
+    m, d = s.model, s.data
+    for key in ("world_size", "tp", "gtp", "pipeline_parallel"):
+        if getattr(side, key) < 1:
+            raise BadInput(f"{where}.{key}", f"must be >= 1, got {getattr(side, key)}")
+    if side.world_size % (side.tp * side.gtp):
+        raise BadInput(
+            f"{where}.world_size",
+            f"world_size {side.world_size} must be a multiple of TP x G = {side.tp} x {side.gtp}",
+        )
+    if side.dp is not None and side.dp != side.replicate_dp:
+        raise BadInput(f"{where}.dp", f"dp {side.dp} != world_size / (TP x G) = {side.replicate_dp}")
+    for key in ("num_attention_heads", "hidden_size", "ffn_hidden_size", "vocab_size"):
+        if getattr(m, key) % side.tp:
+            raise BadInput(f"{where}.tp", f"TP {side.tp} must divide [model].{key} = {getattr(m, key)}")
+    if side.gtp > 1:
+        if not m.untie_embeddings:
+            raise BadInput(
+                f"{s.source}: [model].untie_embeddings",
+                f"tied embedding/output weights are not supported with GTP ([{name}].gtp = {side.gtp})",
+            )
+        if side.backend == "megatron" and side.gtp_pad_alignment == 0:
+            # Without padding MCore requires G to divide dim 0 of every GTP-sharded weight.
+            for key, dim0 in _gtp_dim0s(m, side.tp).items():
+                if dim0 % side.gtp:
+                    raise BadInput(
+                        f"{where}.gtp", f"G {side.gtp} must divide dim 0 of {key} ({dim0}) when gtp_pad_alignment = 0"
+                    )
+    if name == "golden" and (side.world_size != 1 or side.tp != 1 or side.gtp != 1):
+        raise BadInput(f"{where}.world_size", "the golden side runs in a single process: world_size = tp = gtp = 1")
+    unit = d.micro_batch_size * side.data_ranks
+    if d.global_batch_size % unit:
+        raise BadInput(
+            f"{s.source}: [data].global_batch_size",
+            f"{d.global_batch_size} must be a multiple of micro_batch_size x data ranks "
+            f"= {d.micro_batch_size} x {side.data_ranks} for [{name}]",
+        )
+
+
+def _validate_recipe(s: Scenario, side: Side, where: str) -> None:
+    if side.recipe not in _RECIPE_BLOCK:
+        return
+    m, block = s.model, _RECIPE_BLOCK[side.recipe]
+    dims = {**_gtp_dim0s(m, side.tp), "hidden_size": m.hidden_size,
+            "tokens per micro-batch": m.seq_length * s.data.micro_batch_size}  # fmt: skip
+    for key, dim in dims.items():
+        if dim % block:
+            raise BadInput(f"{where}.recipe", f"{side.recipe} needs {key} ({dim}) to be a multiple of {block}")
+    if side.gtp > 1 and side.gtp_pad_alignment % block:
+        raise BadInput(f"{where}.gtp_pad_alignment", f"{side.recipe} needs GTP shards aligned to its {block}-row blocks")
+
+
+def _validate_faults(name: str, side: Side, where: str, data=None) -> None:
+    if side.mutant and (side.backend != "megatron" or name == "golden"):
+        raise BadInput(f"{where}.mutant", "a mutant of megatron-core runs on a megatron reference or candidate")
+    if name == "golden" and side.inject:
+        raise BadInput(f"{where}.inject", "faults are planted in the reference or candidate, not the golden")
+    for fault in side.inject:
+        if (problem := check_name(fault) or check_reach(fault, side, data)) is not None:
+            raise BadInput(f"{where}.inject", problem)
+    if "fp8-unreduced-amax" in side.inject and (side.backend != "torch" or side.recipe == "none"):
+        raise BadInput(f"{where}.inject", "fp8-unreduced-amax needs the torch backend with a recipe")
+
+
+# The Literal choices of the GTP path options (their types already refuse non-strings).
+_PATH_CHOICES = {"gtp_collectives": COLLECTIVES, "recompute": RECOMPUTES, "per_token_loss": PER_TOKEN_LOSSES}
+
+
+def _validate_paths(s: Scenario, side: Side, where: str) -> None:
+    """GTP's other code paths: the megatron backend's switches, with megatron-core's own guards."""
+    defaults = Side()
+    for key, choices in _PATH_CHOICES.items():
+        if getattr(side, key) not in choices:
+            raise BadInput(f"{where}.{key}", f"{getattr(side, key)!r}: one of {sorted(choices)}")
+    if side.backend != "megatron":
+        for key in MEGATRON_PATH_OPTIONS:
+            if getattr(side, key) != getattr(defaults, key):
+                raise BadInput(f"{where}.{key}", f"only the megatron backend takes this option (backend {side.backend!r})")
+    if side.sequence_parallel and side.tp == 1:
+        raise BadInput(f"{where}.sequence_parallel", "needs TP > 1 (it shards the sequence over TP)")
+    if side.sequence_parallel and s.model.seq_length * s.data.micro_batch_size % side.tp:
+        raise BadInput(f"{where}.sequence_parallel", f"TP {side.tp} must divide the sequence length {s.model.seq_length}")
+    if side.bucket_size is not None and side.bucket_size < 1:
+        raise BadInput(f"{where}.bucket_size", f"must be >= 1 elements, got {side.bucket_size}")
+    if side.distributed_optimizer and side.optimizer != "adam":
+        # megatron-core 0.19.2, optimizer/distrib_optimizer.py, DistributedOptimizer.__init__ (l.688-694).
+        raise BadInput(f"{where}.distributed_optimizer",
+                       "megatron-core's DistributedOptimizer takes Adam only (it asserts Adam or an "
+                       "init_state_fn, for its checkpoint format)")  # fmt: skip
+    if side.overlap_param_gather and not (side.distributed_optimizer and side.overlap_grad_reduce):
+        # Megatron-LM's arguments.py: the param gather it overlaps is the distributed optimizer's,
+        # and it "must use --overlap-param-gather with --overlap-grad-reduce".
+        raise BadInput(f"{where}.overlap_param_gather", "needs distributed_optimizer and overlap_grad_reduce")
+    _validate_loss_mask(s, side, where)
+    if side.bucket_size is not None and not side.overlap_grad_reduce:
+        # megatron-core buckets only when it overlaps (DistributedDataParallel's bucket_size rule).
+        raise BadInput(f"{where}.bucket_size", "takes effect only with overlap_grad_reduce = true")
+
+
+def _validate_loss_mask(s: Scenario, side: Side, where: str) -> None:
+    """A variable loss mask needs a loss normalized by the global token count on every side,
+    as the golden computes it."""
+    mask = s.data.loss_mask
+    if mask not in LOSS_MASKS:
+        raise BadInput(f"{s.source}: [data].loss_mask", f"{mask!r}: one of {sorted(LOSS_MASKS)}")
+    if mask == "none":
+        return
+    if side.backend == "megatron" and side.per_token_loss == "none":
+        # megatron-core's mean loss averages each micro-batch's token mean: with token counts
+        # differing per micro-batch that is another objective than the global token mean.
+        raise BadInput(f"{where}.per_token_loss",
+                       "a variable loss mask needs per_token_loss (\"both\" or \"transformer-config\"): "
+                       "the mean loss averages per-micro-batch token means, not the global token mean")  # fmt: skip
+    if side.backend == "mlm":
+        raise BadInput(f"{s.source}: [data].loss_mask", "the mlm backend reads Megatron-LM's own loss mask")
+    if side.backend == "torch" and (side.world_size > 1 or side.recipe != "none" or side.precision == "bf16"):
+        raise BadInput(f"{s.source}: [data].loss_mask",
+                       "the torch backend applies a loss mask on its single-process golden path only "
+                       "(world_size 1, no recipe, fp32 or fp64)")  # fmt: skip
+
+
+def _validate_expect(s: Scenario) -> None:
+    e = s.expect
+    if e is None:
+        return
+    if e.verdict != "known-divergence":
+        raise BadInput(f"{s.source}: [expect].verdict", f"{e.verdict!r}: one of ['known-divergence']")
+    if not e.reason.strip():
+        raise BadInput(f"{s.source}: [expect].reason", "a known divergence states its root cause (file:function:line)")
+    if e.step is not None and not 1 <= e.step <= s.reference.steps:
+        raise BadInput(f"{s.source}: [expect].step", f"step {e.step} is not in 1..{s.reference.steps}")
+
+
+def _validate_capture_compare(s: Scenario) -> None:
+    src = s.source
+    for kind in s.capture.kinds:
+        if kind not in CAPTURE_KINDS:
+            raise BadInput(f"{src}: [capture].kinds", f"unknown kind {kind!r}; one of {sorted(CAPTURE_KINDS)}")
+    if s.capture.mode not in CAPTURE_MODES:
+        raise BadInput(f"{src}: [capture].mode", "full or fingerprint")
+    steps = s.reference.steps
+    for step in s.capture.steps or ():
+        if not 1 <= step <= steps:
+            raise BadInput(f"{src}: [capture].steps", f"step {step} is not in 1..{steps} (the steps every side runs)")
+    if s.compare.policy not in POLICIES:
+        raise BadInput(f"{src}: [compare].policy", f"one of {sorted(POLICIES)}")
+    for key in ("k", "k_first_step", "floor"):
+        value = getattr(s.compare, key)
+        if value is not None and not value >= 0:
+            raise BadInput(f"{src}: [compare].{key}", f"must be >= 0, got {value}")
+    if bad := [k for k in s.compare.exact_steps if not 1 <= k <= steps]:
+        raise BadInput(f"{src}: [compare].exact_steps", f"step {bad[0]} is not in 1..{steps}")
+
+
+def _validate_limits(s: Scenario) -> None:
+    """Sizes one machine can run, checked before anything is allocated or launched."""
+    m, d, src = s.model, s.data, s.source
+    lift = "; --no-limits lifts this limit"
+    values = {f"[model].{k}": (k, getattr(m, k)) for k in
+              ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length", "vocab_size")}
+    values.update({f"[data].{k}": (k, getattr(d, k)) for k in ("micro_batch_size", "global_batch_size")})
+    values["timeout_s"] = ("timeout_s", s.timeout_s)
+    for name, side in s.sides.items():
+        values[f"[{name}].steps"] = ("steps", side.steps)
+        values[f"[{name}].world_size"] = ("world_size", side.world_size)
+    values["[model]"] = ("parameters", parameter_count(m))
+    values["[data]"] = ("tokens_per_step", d.global_batch_size * m.seq_length)
+    for where, (limit, value) in values.items():
+        if value > LIMITS[limit]:
+            raise BadInput(f"{src}: {where}", f"{limit} {value:,} exceeds the limit of {LIMITS[limit]:,}{lift}")
+
+
+def parameter_count(m: ModelConfig) -> int:
+    """Parameters of the GPT (no linear biases; LayerNorms, embeddings), for the size limit."""
+    h, f, v = m.hidden_size, m.ffn_hidden_size, m.vocab_size
+    layer = 4 * h * h + 2 * h * f + 4 * h  # qkv + proj, fc1 + fc2, two LayerNorms (weight, bias)
+    return (m.num_layers * layer + v * h * (2 if m.untie_embeddings else 1) + m.seq_length * h + 2 * h
+            + moe_parameter_count(m))
+
+
+# Block formats need whole blocks along both GEMM dims (TE pads nothing here).
+_RECIPE_BLOCK = {"mxfp8": 32, "nvfp4": 16}
+
+
+def _gtp_dim0s(m: ModelConfig, tp: int) -> dict[str, int]:
+    """Dim 0 of each GTP-sharded weight's TP-local block."""
+    return {
+        "linear_qkv": 3 * m.hidden_size // tp,
+        "linear_proj": m.hidden_size,
+        "linear_fc1": m.ffn_hidden_size // tp,
+        "linear_fc2": m.hidden_size,
+        "word_embeddings": m.vocab_size // tp,
+        "output_layer": m.vocab_size // tp,
+    }
+
+
+
+def _validate_mlm(s: Scenario, side: Side, where: str) -> None:
+    """The mlm backend's keys: ``args`` and ``data`` belong to it alone; its rules."""
+    if side.backend != "mlm":
+        if side.args or side.data != "synthetic":
+            raise BadInput(f"{where}.args", f"args and data are keys of the mlm backend, not {side.backend}")
+        return
+    if side.data not in MLM_DATA:
+        raise BadInput(f"{where}.data", f"unknown data {side.data!r}; one of {sorted(MLM_DATA)}")
+    other = s.candidate if side is s.reference else s.reference
+    if side.data == "mock" and (other.backend, other.data) != ("mlm", "mock"):
+        # Megatron-LM's mock samples are not the synthetic ones: the sides would read different data.
+        raise BadInput(f"{where}.data", "a mock-data side is compared with another mlm side on mock data only")
+    if side.recipe != "none":
+        raise BadInput(f"{where}.recipe", "recipes need Transformer Engine on the mlm backend")
+    if side.gtp_pad_alignment != 16:  # configure_gtp_remat_from_recipe sets it, without FP8: 16
+        raise BadInput(f"{where}.gtp_pad_alignment", "Megatron-LM's loop pads GTP shards to 16 rows")
+    bad = [a for a in side.args if not isinstance(a, str) or not a]
+    if bad:
+        raise BadInput(f"{where}.args", f"every flag must be a non-empty string, got {bad[0]!r}")
+
+
+def _validate_pipeline(s: Scenario, side: Side, where: str) -> None:
+    """Pipeline stages: the world splits into whole stages, the layers evenly over them."""
+    pp, vpp = side.pipeline_parallel, side.virtual_pipeline  # pp >= 1: _validate_topology
+    if side.world_size % (side.tp * side.gtp * pp):
+        raise BadInput(f"{where}.world_size", f"world_size {side.world_size} must be a multiple of "
+                                              f"TP x G x PP = {side.tp} x {side.gtp} x {pp}")  # fmt: skip
+    if vpp is not None and (vpp < 2 or pp < 2):
+        raise BadInput(f"{where}.virtual_pipeline",
+                       f"needs pipeline_parallel >= 2 and >= 2 chunks per stage, got {vpp}")  # fmt: skip
+    chunks = pp * (vpp or 1)
+    if s.model.num_layers % chunks:
+        raise BadInput(f"{where}.pipeline_parallel", f"{chunks} model chunks must divide [model].num_layers = "
+                                                     f"{s.model.num_layers}")  # fmt: skip
+    if pp > 1 and not s.model.untie_embeddings:
+        # The last stage would hold a second copy of the embedding as its output layer
+        # (finalize_model_grads._allreduce_word_embedding_grads): not recorded by this harness.
+        raise BadInput(f"{s.source}: [model].untie_embeddings", "pipeline_parallel > 1 needs untied embeddings")
