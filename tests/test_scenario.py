@@ -1,6 +1,7 @@
 """Scenario validation: every rule gives one message naming the file, the key and the rule."""
 
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -206,3 +207,13 @@ def test_golden_never_inherits_a_recipe(tmp_path):
     text = with_lines(train='backend = "torch"\nrecipe = "float8_current_scaling"', model="ffn_hidden_size = 64")
     (s,) = scenario.load(write(tmp_path, text))
     assert s.candidate.recipe == "float8_current_scaling" and s.golden.recipe == "none"
+
+
+def test_every_file_in_scenarios_is_a_valid_scenario(capsys):
+    """``gtp-parity validate scenarios/*.toml``, the first thing a user tries, exits 0: the
+    folder holds scenarios only (the mutation triage lives beside its campaign)."""
+    files = sorted(str(p) for p in (Path(__file__).resolve().parents[1] / "scenarios").glob("*.toml"))
+    assert len(files) > 10
+    assert cli.main(["validate", *files]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert out.count("ok  ") >= len(files)

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from harness.pytest_plugin.matrix import MatrixFile
-from harness.pytest_plugin.runs import STATE, ParityRunner, ParityState
+from harness.pytest_plugin.runs import STATE, ParityFixture, ParityState
 
 OPTIONS = {
     "parity_report": ("DIR", "write the HTML report of every parity run under DIR (index: DIR/index.html)"),
@@ -37,7 +37,7 @@ OPTIONS = {
                                        "a test outcome before failing it (default 300)"),
 }  # fmt: skip
 MARKER_KWARGS = ("inject", "inject_side", "expect", "signature")
-_RUNNER = pytest.StashKey[ParityRunner]()
+_FIXTURE = pytest.StashKey[ParityFixture]()
 
 
 def pytest_addoption(parser):
@@ -90,20 +90,20 @@ def pytest_sessionfinish(session):
 
 
 @pytest.fixture
-def parity(request, tmp_path_factory) -> ParityRunner:
+def parity(request, tmp_path_factory) -> ParityFixture:
     """Run a gtp-parity scenario or matrix: ``parity(path, inject=None) -> run summary``."""
-    return ParityRunner(request, tmp_path_factory)
+    return ParityFixture(request, tmp_path_factory)
 
 
 @pytest.fixture(autouse=True)
 def _parity_marker(request):
     if isinstance(request.node, pytest.Function) and request.node.get_closest_marker("parity"):
-        request.node.stash[_RUNNER] = request.getfixturevalue("parity")
+        request.node.stash[_FIXTURE] = request.getfixturevalue("parity")
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_call(item):
-    if (marker := item.get_closest_marker("parity")) is None or _RUNNER not in item.stash:
+    if (marker := item.get_closest_marker("parity")) is None or _FIXTURE not in item.stash:
         return
     expect = marker.kwargs.get("expect", "pass")
     if not marker.args or expect not in ("pass", "fail") or set(marker.kwargs) - set(MARKER_KWARGS):
@@ -111,7 +111,7 @@ def pytest_runtest_call(item):
                     f"got args {marker.args} kwargs {marker.kwargs}", pytrace=False)  # fmt: skip
     from harness.report.model import expectation_failures
 
-    summary = item.stash[_RUNNER]()
+    summary = item.stash[_FIXTURE]()
     if problems := expectation_failures(summary, expect, marker.kwargs.get("signature")):
         pytest.fail("\n".join(problems), pytrace=False)
 

@@ -80,7 +80,7 @@ def execute(state: ParityState, scenarios: list, out: Path, report_name: str, pa
     return state.agreement.from_rank0(produce, budget)
 
 
-class ParityRunner:
+class ParityFixture:
     """The ``parity`` fixture: runs scenario files into this test's own folders."""
 
     def __init__(self, request, tmp_path_factory):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from harness.capture import trace
 from harness.run.job import Job
-from harness.scenario.checkpoint import saving_side
+from harness.scenario.checkpoint import saver_side
 from harness.common.errors import RunFailed
 from harness.run.launch import Interrupted, launch, worker_env
 from harness.run.provenance import code_identity
@@ -32,7 +32,7 @@ MAX_JOBS_PER_LAUNCH = 12
 
 
 def job_for(s: Scenario, role: str, traces: Path, provenance: dict, checkpoint_dir: str = "") -> Job:
-    side = s.sides[role] if role in s.sides else saving_side(s)  # Role.SAVER
+    side = s.sides[role] if role in s.sides else saver_side(s)  # Role.SAVER
     key = side.key(s.model, s.data)
     policy = hashlib.sha256(json.dumps(dataclasses.asdict(s.capture), sort_keys=True).encode()).hexdigest()[:6]
     code = provenance["digest"][:6]

@@ -88,7 +88,7 @@ def _coerce_inject(value, where: str) -> tuple[str, ...]:
     return tuple(value)
 
 
-def saving_side(s: Scenario) -> Side:
+def saver_side(s: Scenario) -> Side:
     """The side that saves ``s``'s checkpoint, with the save faults planted on its candidate."""
     faults = tuple(f for f in s.candidate.inject if f in SAVE_FAULTS)
     return dataclasses.replace(s.saver, inject=faults)
