@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from harness.conformance import cli
+from harness.conformance import cli, te_source
 from harness.conformance.registry import CLAUSES
 from harness.conformance.reference import FAULTY
 from harness.conformance.runner import ConformanceResult
+from tests.test_conformance_te import te_file_or_skip
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 400
@@ -135,11 +136,23 @@ def test_mcore_grouped_weights_conform_on_their_double_buffered_chain(world4):
         (r.clause, r.case) for r in grouped if r.status != "pass"]
 
 
+def test_world4_drove_tes_own_file(world4):
+    label = te_file_or_skip().label
+    assert {(r.dispatch, r.dispatch_source, r.dispatch_note) for r in world4.values()} == {
+        ("te", label, "")
+    }
+
+
 def test_reference_passes_every_clause_in_every_case(world4):
     result = world4[REFERENCE]
     assert result.passed and not _failing(result)
     assert {r.clause for r in result.records} == set(CLAUSES)
-    assert all(r.status == "pass" for r in result.records)
+    # The fused grouped MLP's attributes apply to grouped weights only: a skip elsewhere.
+    skipped = {(r.clause, "grouped" in r.case) for r in result.records if r.status == "skip"}
+    assert skipped == {("fused_mlp.routed_expert", False)}
+    assert all(
+        r.status == "pass" for r in result.records if "grouped" in r.case or r.status != "skip"
+    )
     assert len({r.case for r in result.records}) == 30  # 10 cases x 3 topologies
 
 
@@ -151,6 +164,14 @@ def test_faulty_implementer_is_rejected_naming_the_clause(world4, name):
     assert result.clause_status(clause) == "fail"
     failures = result.failures(clause)
     assert failures and all(f.describe().startswith(f"[{clause}]") for f in failures)
+
+
+@pytest.mark.parametrize("name", ["rebinds_main_grad", "unmarked_experts"])
+def test_review_faults_fail_only_their_own_clause(world4, name):
+    # rebinds_main_grad holds the right values (finalize.values passes): only the in-place
+    # clause sees that DDP's view of main_grad never gets them.
+    result = world4[f"harness.conformance.reference:{name}"]
+    assert {clause for clause, _, _ in _failing(result)} == {FAULTY[name]}
 
 
 def test_failure_records_locate_the_worst_element(world4):
@@ -210,6 +231,13 @@ def test_cli_exits_1_and_prints_the_failing_clause(cli_run):
     assert rows["finalize.padding"] == "FAIL"
     assert all(status == "PASS" for clause, status in rows.items() if clause != "finalize.padding")
     assert "FAIL:" in cli_run["stdout"]
+
+
+def test_cli_reports_the_te_file_it_drove(cli_run):
+    header = cli_run["stdout"].splitlines()[1]
+    label = te_file_or_skip().label
+    assert header == f"Dispatchers: {label}"
+    assert label.startswith(f"TE 2.20.2 distributed_weight.py {te_source.FILE_SHA256}")
 
 
 def test_cli_writes_the_json_it_judged(cli_run):

@@ -179,18 +179,6 @@ def test_cli_bad_arguments_exit_2(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_cli_without_transformer_engine_rejects_te_dispatch(capsys):
-    try:
-        import transformer_engine.pytorch.distributed_weight  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        pytest.skip("Transformer Engine is importable here")
-    argv = ["--impl", "harness.conformance.reference:reference", "--nproc", "2", "--dispatch", "te"]
-    assert cli.main(argv) == 2
-    assert "Transformer Engine is not importable" in capsys.readouterr().err
-
-
 def _result(status: str) -> dict:
     record = ClauseRecord("finalize.values", "tp1-gtp2/x", "overlap", status)
     return ConformanceResult("m:f", "kit", 2, ["1x2"], [record]).to_json()
@@ -206,29 +194,6 @@ def test_cli_exit_status_follows_the_records(monkeypatch, capsys, status, code):
     monkeypatch.setattr(cli, "_launch", fake_launch)
     assert cli.main(["--impl", "harness.conformance.reference:reference", "--nproc", "2"]) == code
     assert ("PASS:" if code == 0 else "FAIL:") in capsys.readouterr().out
-
-
-def test_te_dispatch_path():
-    try:
-        from harness.conformance.protocol import te_dispatch
-
-        dispatch = te_dispatch()
-    except ImportError:
-        pytest.skip("Transformer Engine is not importable")
-    assert _passthrough_problems(dispatch) == []
-    assert (
-        cli.main(
-            [
-                "--impl",
-                "harness.conformance.reference:reference",
-                "--nproc",
-                "2",
-                "--dispatch",
-                "te",
-            ]
-        )
-        == 0
-    )
 
 
 # --- pytest plugin, in process --------------------------------------------------------------------

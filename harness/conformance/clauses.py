@@ -53,8 +53,9 @@ def _materialized(trace: Observation, clause: str, kind: str, wanted: Callable[[
 
 
 def check_capability_marker(trace: Observation) -> list[Failure]:
-    """Every weight is a strict torch.Tensor subclass with ``is_distributed_weight = True``,
-    and the dispatcher recognizes it."""
+    """Every weight is a strict torch.Tensor subclass with ``is_distributed_weight = True``, the
+    dispatcher recognizes it, and it is an instance of (TE's) runtime-checkable
+    ``DistributedWeight`` protocol: the marker and all four methods."""
     failures = []
     for i, facts in enumerate(trace.capability):
         problems = []
@@ -66,6 +67,9 @@ def check_capability_marker(trace: Observation) -> list[Failure]:
             problems.append(f"is_distributed_weight is {facts['marker']!r}")
         if facts["dispatch"] is not True:
             problems.append(f"the dispatcher answered {facts['dispatch']!r}")
+        if facts["protocol"] is not True:
+            missing = ", ".join(facts["missing"]) or "a member"
+            problems.append(f"not a DistributedWeight: it lacks {missing}")
         if problems:
             expected = "a torch.Tensor subclass with is_distributed_weight = True"
             failures.append(

@@ -3,6 +3,12 @@
 Usage::
 
     gtp-parity conformance --impl module:factory --nproc N [--tp T --gtp G] [--json OUT]
+                           [--dispatch auto|te|kit]
+
+The clauses drive Transformer Engine's own dispatchers, from the pinned release's
+``distributed_weight.py`` that set-up caches (:mod:`harness.conformance.te_source`); the table's
+header names that file and its sha256. ``--dispatch auto`` (the default) falls back to the kit's
+mirror of them, and says why, only when the file was never fetched; ``te`` insists on TE's file.
 
 The command checks its arguments and imports the factory here, then launches
 ``torchrun --standalone --nproc-per-node N -m harness.conformance.worker`` as a subprocess with
@@ -20,6 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from harness.conformance import te_source
+from harness.conformance.protocol import DISPATCH_CHOICES, select_dispatch
 from harness.conformance.runner import (
     BadSpec,
     ConformanceResult,
@@ -53,7 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tp", type=int, help="tensor-parallel size (default: all that fit)")
     parser.add_argument("--gtp", type=int, help="GTP group size G >= 2 (default: all that fit)")
     parser.add_argument(
-        "--dispatch", choices=("kit", "te"), default="kit", help="whose dispatchers to call"
+        "--dispatch",
+        choices=DISPATCH_CHOICES,
+        default="auto",
+        help="whose dispatchers to drive: TE's pinned file (te), the kit's mirror (kit), or TE's "
+        "file when it is cached (auto, the default)",
     )
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument(
@@ -111,15 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         topologies = _topologies(args)
         load_factory(args.impl)
-        if args.dispatch == "te":
-            from harness.conformance.protocol import te_dispatch
-
-            try:
-                te_dispatch()
-            except ImportError as exc:
-                raise _ArgumentError(
-                    f"--dispatch te: Transformer Engine is not importable ({exc})"
-                ) from None
+        try:
+            select_dispatch(args.dispatch)  # each rank loads it again; fail here, once, first
+        except te_source.SourceError as exc:
+            raise _ArgumentError(f"--dispatch {args.dispatch}: {exc}") from None
     except (_ArgumentError, BadSpec) as exc:
         print(f"gtp-parity conformance: error: {exc}", file=sys.stderr)
         return 2

@@ -6,6 +6,11 @@ micro-batch walks the forward order (materialize for forward), and the reverse o
 hook if it has one, and snapshots every ``main_grad``. After the last micro-batch it applies an
 optimizer-like in-place update to every shard and walks forward and backward once more.
 
+The dispatchers are called the way TE's modules call them: a group of one as a bare weight
+(``Linear``, ``LayerNormLinear``: ``materialize_weight_for_forward(weight)[0]``,
+``finalize_weight_grads(weight, [wgrad])``), a group of N as its list (``GroupedLinear``).
+finalize's return value is recorded but never used, as in TE's grouped ops.
+
 Everything runs under ``torch.no_grad()``, as inside TE's autograd functions. Each protocol
 call is wrapped in a :class:`~harness.conformance.protocol.CollectiveRecorder` call log. The
 result is a :class:`Observation`: plain data that the clauses in :mod:`harness.conformance.clauses`
@@ -19,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from harness.conformance import layout
+from harness.conformance import layout, te_contract
 from harness.conformance.protocol import CollectiveRecorder, Dispatch, overlaps
 
 # An in-place shard update that is exact in every float dtype and keeps pad rows zero, so the
@@ -145,12 +150,17 @@ class Observation:
     dispatch: str
     capability: list[dict] = field(default_factory=list)
     passthrough: list[str] = field(default_factory=list)
+    dispatch_problems: list[str] = field(default_factory=list)
+    """Where the dispatchers broke TE's list contract on probe weights (te_contract)."""
     shards: list[torch.Tensor] = field(default_factory=list)
     calls: list[Call] = field(default_factory=list)
     main_grads: list[list[torch.Tensor]] = field(default_factory=list)
     """Per micro-batch, per weight: ``main_grad`` after the backward walk and drain."""
     flags: list[list[Any]] = field(default_factory=list)
     """Per micro-batch, per weight: ``grad_added_to_main_grad`` after the walk."""
+    main_grad_moves: list[list[str | None]] = field(default_factory=list)
+    """Per micro-batch, per weight: None while ``main_grad`` is still the tensor and storage
+    the factory attached, else what changed (rebound attribute, swapped ``.data``)."""
     outside_rounds: int = 0
     """Collectives issued outside any protocol call (e.g. by attribute access)."""
 
@@ -182,6 +192,9 @@ def _capability(weight: Any, dispatch: Dispatch) -> dict:
         "strict_subclass": type(weight) not in (torch.Tensor, torch.nn.Parameter),
         "marker": getattr(weight, "is_distributed_weight", None),
         "dispatch": says,
+        "protocol": isinstance(weight, dispatch.protocol),
+        "missing": te_contract.missing_members(weight),
+        **te_contract.routed_facts(weight),
     }
 
 
@@ -189,6 +202,10 @@ def _passthrough_problems(dispatch: Dispatch) -> list[str]:
     """Plain tensors must not count as distributed weights, and dispatch must return them as is."""
     problems = []
     plain = [torch.zeros(4, 3), torch.nn.Parameter(torch.zeros(4, 3))]
+    for call in (dispatch.materialize_for_forward, dispatch.materialize_for_backward):
+        out = call(plain[1])  # a bare plain weight, as Linear passes it
+        if len(out) != 1 or out[0] is not plain[1]:
+            problems.append("a bare plain weight did not come back as the list [weight]")
     for item in plain:
         if dispatch.is_distributed_weight(item):
             problems.append(f"{type(item).__name__} reported as a distributed weight")
@@ -206,12 +223,17 @@ def _passthrough_problems(dispatch: Dispatch) -> list[str]:
     return problems
 
 
+def _as_called(group: list) -> Any:
+    """What TE's modules hand a dispatcher: the bare weight (Linear) or the group's list."""
+    return group[0] if len(group) == 1 else group
+
+
 def _materialize(kind, module, group, microbatch, dispatch, recorder, trace):
     call = (
         dispatch.materialize_for_forward if kind == "forward" else dispatch.materialize_for_backward
     )
     with recorder.call(kind) as log:
-        out = call(group)
+        out = call(_as_called(group))
     inflight = log.inflight_outputs()
     aliased = [
         i
@@ -227,7 +249,7 @@ def _finalize(module, group, microbatch, dispatch, recorder, trace):
     case, coords = trace.case, trace.coords
     shape = case.shapes[module]
     with recorder.call("grad_buffer") as log:
-        buffers = dispatch.grad_buffers(group, shape)
+        buffers = dispatch.grad_buffers(_as_called(group), shape)
     specs = []
     for j, buf in enumerate(buffers):
         specs.append(
@@ -247,7 +269,7 @@ def _finalize(module, group, microbatch, dispatch, recorder, trace):
             )
         buf.copy_(layout.wgrad(trace.seed, microbatch, module, j, coords.rank, shape, buf.dtype))
     with recorder.call("finalize") as log:
-        out = dispatch.finalize(group, buffers)
+        out = dispatch.finalize(_as_called(group), buffers)  # the return is not used further
     summary = [None if r is None else (tuple(r.shape), str(r.dtype)) for r in out]
     trace.calls.append(Call("finalize", microbatch, module, log.rounds, summary))
 
@@ -284,6 +306,8 @@ def drive(
     groups = [weights[m * n : (m + 1) * n] for m in range(len(case.shapes))]
     trace.capability = [_capability(w, dispatch) for w in weights]
     trace.passthrough = _passthrough_problems(dispatch)
+    trace.dispatch_problems = te_contract.dispatch_problems(dispatch)
+    attached = [(w.main_grad, te_contract.storage_of(w.main_grad)) for w in weights]
     trace.shards = [_plain(w) for w in weights]
     drain = getattr(factory, "drain", None)
 
@@ -300,6 +324,9 @@ def drive(
                 drain()
             trace.main_grads.append([_plain(w.main_grad) for w in weights])
             trace.flags.append([getattr(w, "grad_added_to_main_grad", None) for w in weights])
+            trace.main_grad_moves.append(
+                [te_contract.moved(w.main_grad, *a) for w, a in zip(weights, attached)]
+            )
         for w in weights:
             w.data.mul_(UPDATE_FACTOR)  # the optimizer step: an in-place update of every shard
         for m, group in enumerate(groups):

@@ -99,3 +99,7 @@ def failure(clause: str, trace: Observation, weight: int | None, expected: str, 
         expected=expected,
         **found,
     )
+
+
+class NotApplicable(Exception):
+    """Raised by a clause that does not apply to a case; the record is a skip with this reason."""

@@ -2,24 +2,45 @@
 
 A *distributed weight* is a ``torch.Tensor`` subclass with ``is_distributed_weight = True`` and
 four methods: ``materialize_group_for_forward()``, ``materialize_group_for_backward()``,
-``finalize_group_grads(wgrads)`` and ``grad_buffer()``. Callers never call them directly but go
-through list-shaped dispatchers: the first weight of a list (the leader) makes one call for the
-whole group, and plain tensors pass through untouched.
+``finalize_group_grads(wgrads)`` and ``grad_buffer()``. Callers never call the first three
+directly but go through list-shaped dispatchers: a bare weight counts as a list of one, the first
+weight of a list (the leader) makes one call for the whole group, results always come back as
+lists, and plain tensors pass through untouched. ``grad_buffer()`` has no dispatcher: TE's
+modules call each member's own (as ``main_grad_func``).
 
-:data:`KIT_DISPATCH` mirrors Transformer Engine's dispatchers
-(``transformer_engine.pytorch.distributed_weight``) so the kit runs where TE is not installed;
-:func:`te_dispatch` returns TE's own where it is importable.
+The kit drives Transformer Engine's own dispatchers: :func:`te_dispatch` loads the pinned
+release's ``distributed_weight.py`` (:mod:`harness.conformance.te_source`) on its own. Where
+that file is not available :data:`KIT_DISPATCH` stands in, a mirror of it that follows TE's
+code (:data:`harness.conformance.te_contract.DISAGREEMENTS` lists what it corrected);
+:func:`select_dispatch` picks one and says why.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
+
+from harness.conformance import te_source
+
+
+@runtime_checkable
+class DistributedWeight(Protocol):
+    """The kit's mirror of TE's runtime-checkable protocol: the marker and the four methods."""
+
+    is_distributed_weight: bool
+
+    def materialize_group_for_forward(self) -> Any: ...
+
+    def materialize_group_for_backward(self) -> Any: ...
+
+    def finalize_group_grads(self, wgrads: Any) -> Any: ...
+
+    def grad_buffer(self) -> torch.Tensor: ...
 
 
 def is_distributed_weight(weight: Any) -> bool:
@@ -34,33 +55,41 @@ def _as_list(value: Any) -> list:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def materialize_for_forward(weights: list) -> list:
-    """Tensors for the forward GEMMs: one leader call for the group, or the weights themselves."""
+def materialize_for_forward(weights: Any) -> list:
+    """Tensors for the forward GEMMs: one leader call for the group, or the weights themselves.
+
+    ``weights`` is a bare weight (Linear) or the group's list (GroupedLinear), as in TE.
+    """
+    weights = _as_list(weights)
     if is_distributed_weight(weights[0]):
         return _as_list(weights[0].materialize_group_for_forward())
-    return list(weights)
+    return weights
 
 
-def materialize_for_backward(weights: list) -> list:
+def materialize_for_backward(weights: Any) -> list:
     """Tensors for the backward (dgrad) GEMMs, with the forward dispatcher's contract."""
+    weights = _as_list(weights)
     if is_distributed_weight(weights[0]):
         return _as_list(weights[0].materialize_group_for_backward())
-    return list(weights)
+    return weights
 
 
-def grad_buffers(weights: list, shape: tuple[int, ...]) -> list:
+def grad_buffers(weights: Any, shape: tuple[int, ...]) -> list:
     """Where the wgrad GEMMs write: each member's ``grad_buffer()``, or fresh scratch.
 
-    ``shape`` is the logical (TP-local) weight shape. TE raises when a distributed weight's
-    buffer has another shape; the kit reports that as a clause failure instead.
+    TE has no dispatcher for this: its modules call each member's ``grad_buffer`` themselves
+    (``main_grad_func``), and so does the kit, whichever dispatchers it drives. ``shape`` is
+    the logical (TP-local) weight shape; a buffer of another shape is a clause failure.
     """
+    weights = _as_list(weights)
     if is_distributed_weight(weights[0]):
         return [w.grad_buffer() for w in weights]
     return [torch.empty(shape, dtype=w.dtype, device=w.device) for w in weights]
 
 
-def finalize(weights: list, wgrads: list) -> list:
+def finalize(weights: Any, wgrads: list) -> list:
     """Hand the group's wgrads to the leader (a bare tensor for a group of one, as TE does)."""
+    weights = _as_list(weights)
     if is_distributed_weight(weights[0]):
         out = weights[0].finalize_group_grads(wgrads if len(wgrads) > 1 else wgrads[0])
         return _as_list(out)
@@ -72,12 +101,18 @@ class Dispatch:
     """The caller-side entry points the kit drives the protocol through."""
 
     name: str
-    """Whose dispatchers: "kit" or "te"; shown in results."""
+    """Whose dispatchers: "te" (TE's file) or "kit" (the mirror); shown in results."""
     is_distributed_weight: Callable[[Any], bool]
-    materialize_for_forward: Callable[[list], list]
-    materialize_for_backward: Callable[[list], list]
-    grad_buffers: Callable[[list, tuple[int, ...]], list]
-    finalize: Callable[[list, list], list]
+    materialize_for_forward: Callable[[Any], list]
+    materialize_for_backward: Callable[[Any], list]
+    grad_buffers: Callable[[Any, tuple[int, ...]], list]
+    finalize: Callable[[Any, list], list]
+    source: str = ""
+    """What was driven, for reports: ``TE 2.20.2 distributed_weight.py <sha256>`` or the mirror."""
+    note: str = ""
+    """Why the mirror stands in for TE's file (empty when TE's file is driven)."""
+    protocol: Any = DistributedWeight
+    """The runtime-checkable ``DistributedWeight`` protocol (TE's own, from TE's file)."""
 
 
 KIT_DISPATCH = Dispatch(
@@ -87,28 +122,44 @@ KIT_DISPATCH = Dispatch(
     materialize_for_backward=materialize_for_backward,
     grad_buffers=grad_buffers,
     finalize=finalize,
+    source=f"the kit's own mirror of TE {te_source.TE_VERSION}'s dispatchers",
 )
 
 
 def te_dispatch() -> Dispatch:
-    """TE's own dispatchers; raises ImportError when Transformer Engine is not importable."""
-    from transformer_engine.pytorch import distributed_weight as te_dw
-
-    def te_grad_buffers(weights: list, shape: tuple[int, ...]) -> list:
-        # Older TE builds have no weight_grad_buffers: every member's grad_buffer() is the contract.
-        if hasattr(te_dw, "weight_grad_buffers"):
-            lead = weights[0]
-            return list(te_dw.weight_grad_buffers(weights, shape, lead.dtype, lead.device))
-        return grad_buffers(weights, shape)
-
+    """TE's own dispatchers from the pinned, hash-checked file; raises te_source.SourceError."""
+    te_dw, source = te_source.load()
     return Dispatch(
         name="te",
         is_distributed_weight=te_dw.is_distributed_weight,
-        materialize_for_forward=lambda ws: list(te_dw.materialize_weight_for_forward(ws)),
-        materialize_for_backward=lambda ws: list(te_dw.materialize_weight_for_backward(ws)),
-        grad_buffers=te_grad_buffers,
-        finalize=lambda ws, gs: list(te_dw.finalize_weight_grads(ws, gs)),
+        materialize_for_forward=te_dw.materialize_weight_for_forward,
+        materialize_for_backward=te_dw.materialize_weight_for_backward,
+        grad_buffers=grad_buffers,  # no TE dispatcher: the modules call grad_buffer() directly
+        finalize=te_dw.finalize_weight_grads,
+        source=source.label,
+        protocol=te_dw.DistributedWeight,
     )
+
+
+DISPATCH_CHOICES = ("auto", "te", "kit")
+"""``auto``: TE's file when it is cached, else the mirror with the reason; ``te``: TE's file or
+an error; ``kit``: the mirror."""
+
+
+def select_dispatch(choice: str = "auto") -> Dispatch:
+    """The dispatchers to drive. ``auto`` falls back to the mirror only when TE's file is
+    absent (a refused, corrupted file raises :class:`~harness.conformance.te_source.Refused`)."""
+    if choice not in DISPATCH_CHOICES:
+        raise ValueError(f"dispatch {choice!r}: expected one of {DISPATCH_CHOICES}")
+    if choice == "kit":
+        return KIT_DISPATCH
+    try:
+        return te_dispatch()
+    except te_source.Unavailable as exc:
+        if choice == "te":
+            raise
+        note = f"TE's file is not available ({exc}); the kit ran on its own mirror"
+        return replace(KIT_DISPATCH, note=note)
 
 
 # --- collective recorder ----------------------------------------------------------------------

@@ -4,7 +4,9 @@
 :mod:`harness.conformance.layout`). Materialization all-gathers dim 0 over the GTP group in one
 round for the whole group and strips the padding; finalization zero-pads each wgrad, SUM
 reduce-scatters the group's wgrads in one round in ``main_grad``'s dtype, divides by G (unless
-per-token loss asks for the sum), and adds into ``main_grad``. Everything is synchronous.
+per-token loss asks for the sum), and adds into ``main_grad``. Everything is synchronous. A
+grouped leader also carries ``is_routed_expert`` and ``weight_list``, as TE's fused grouped MLP
+asks (and megatron-core sets).
 
 Each faulty variant changes one step and exists to prove the kit rejects it, naming the clause:
 
@@ -19,6 +21,10 @@ overwrites_grad        copies into main_grad instead of adding      finalize.acc
 leader_only            the leader serves only itself                leader.serves_group
 clobbering_prefetch    prefetches the next weight into the buffer   forward.no_inflight_alias
                        it just returned
+rebinds_main_grad      binds main_grad to a new tensor (right       finalize.in_place
+                       values) instead of adding in place
+unmarked_experts       grouped weights without is_routed_expert     fused_mlp.routed_expert
+                       and weight_list
 =====================  ==========================================  ============================
 """
 
@@ -150,6 +156,11 @@ class _OverwritesGrad(ReferenceWeight):
         weight.main_grad.copy_(part)
 
 
+class _RebindsMainGrad(ReferenceWeight):
+    def _accumulate(self, weight, part):
+        weight.main_grad = weight.main_grad + part  # right values, but DDP's view never sees them
+
+
 class _LeaderOnly(ReferenceWeight):
     def materialize_group_for_forward(self):
         return self._gather([self])
@@ -223,11 +234,14 @@ def _build(
         w.group, w.rows = gtp_group, logical.shape[0]
         w.reduction = "sum" if per_token_loss else "mean"
         w.main_grad = torch.zeros(w.shape, dtype=main_grad_dtype, device=w.device)
+        w.is_routed_expert, w.weight_list = group_size > 1, None
         weights.append(w)
     leaders = weights[::group_size]
     for i, lead in enumerate(leaders):
         lead.members = weights[i * group_size : (i + 1) * group_size]
         lead.next_leader = leaders[i + 1] if i + 1 < len(leaders) else None
+        if group_size > 1:
+            lead.weight_list = lead.members
     return weights
 
 
@@ -266,6 +280,19 @@ def leader_only(**kwargs):
     return _build(_LeaderOnly, **kwargs)
 
 
+def rebinds_main_grad(**kwargs):
+    """Faulty: main_grad rebound to a new tensor holding the right values."""
+    return _build(_RebindsMainGrad, **kwargs)
+
+
+def unmarked_experts(**kwargs):
+    """Faulty: grouped weights without the attributes TE's fused grouped MLP asserts on."""
+    weights = _build(ReferenceWeight, **kwargs)
+    for w in weights:
+        del w.is_routed_expert, w.weight_list
+    return weights
+
+
 def clobbering_prefetch(**kwargs):
     """Faulty: async prefetch into the buffer backing the tensor just returned."""
     _ClobberingPrefetch.scratch.clear()
@@ -280,6 +307,8 @@ for _factory in (
     overwrites_grad,
     leader_only,
     clobbering_prefetch,
+    rebinds_main_grad,
+    unmarked_experts,
 ):
     _factory.cases = smoke_cases  # each fault shows in the two smoke cases; no need for more
 
@@ -291,5 +320,7 @@ FAULTY = {
     "overwrites_grad": "finalize.accumulates",
     "leader_only": "leader.serves_group",
     "clobbering_prefetch": "forward.no_inflight_alias",
+    "rebinds_main_grad": "finalize.in_place",
+    "unmarked_experts": "fused_mlp.routed_expert",
 }
 """Faulty factory name -> the clause that must reject it."""

@@ -1,4 +1,5 @@
-"""The conformance clauses by id: :data:`TRACE_CLAUSES` judge one observation,
+"""The conformance clauses by id (:mod:`.clauses`, and :mod:`.te_clauses` for the parts of TE's
+contract its review flagged): :data:`TRACE_CLAUSES` judge one observation,
 :data:`PAIR_CLAUSES` the same case with and without overlap, :data:`CLAUSES` (id -> one-line
 description, from each clause's docstring) for tables and reports."""
 
@@ -28,10 +29,16 @@ from harness.conformance.clauses import (
 )
 from harness.conformance.drive import Observation
 from harness.conformance.failures import Failure
+from harness.conformance.te_clauses import (
+    check_dispatch_contract,
+    check_finalize_in_place,
+    check_fused_mlp_routed_expert,
+)
 
 TRACE_CLAUSES: dict[str, Callable[[Observation], list[Failure]]] = {
     "capability.marker": check_capability_marker,
     "capability.plain_passthrough": check_plain_passthrough,
+    "dispatch.contract": check_dispatch_contract,
     "layout.shard": check_layout,
     "forward.values": check_forward_values,
     "forward.repeat": check_forward_repeat,
@@ -45,8 +52,10 @@ TRACE_CLAUSES: dict[str, Callable[[Observation], list[Failure]]] = {
     "finalize.accumulates": check_finalize_accumulates,
     "finalize.padding": check_finalize_padding,
     "finalize.flag": check_finalize_flag,
+    "finalize.in_place": check_finalize_in_place,
     "leader.serves_group": check_leader_serves_group,
     "leader.communication": check_leader_communication,
+    "fused_mlp.routed_expert": check_fused_mlp_routed_expert,
 }
 
 PAIR_CLAUSES: dict[str, Callable[[Observation, Observation], list[Failure]]] = {

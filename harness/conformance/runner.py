@@ -16,11 +16,11 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from harness.conformance import layout
+from harness.conformance import layout, te_contract
 from harness.conformance.registry import CLAUSES, PAIR_CLAUSES, TRACE_CLAUSES
-from harness.conformance.failures import Failure, failure_lines
+from harness.conformance.failures import Failure, NotApplicable, failure_lines
 from harness.conformance.drive import Case, Unsupported, default_cases, drive
-from harness.conformance.protocol import KIT_DISPATCH, Dispatch
+from harness.conformance.protocol import Dispatch, select_dispatch
 from harness.common.mesh import Mesh
 
 STATUS_ORDER = ("pass", "skip", "fail", "error")
@@ -131,6 +131,10 @@ class ConformanceResult:
     world_size: int
     topologies: list[str]
     records: list[ClauseRecord] = field(default_factory=list)
+    dispatch_source: str = ""
+    """What was driven: ``TE 2.20.2 distributed_weight.py <sha256>``, or the kit's mirror."""
+    dispatch_note: str = ""
+    """Why the mirror stood in for TE's file; empty when TE's file was driven."""
 
     @property
     def passed(self) -> bool:
@@ -153,6 +157,8 @@ class ConformanceResult:
         return {
             "impl": self.impl,
             "dispatch": self.dispatch,
+            "dispatch_source": self.dispatch_source,
+            "dispatch_note": self.dispatch_note,
             "world_size": self.world_size,
             "topologies": self.topologies,
             "passed": self.passed,
@@ -163,7 +169,15 @@ class ConformanceResult:
     def from_json(cls, data: dict) -> "ConformanceResult":
         """Inverse of :meth:`to_json`."""
         records = [ClauseRecord.from_json(r) for r in data["records"]]
-        return cls(data["impl"], data["dispatch"], data["world_size"], data["topologies"], records)
+        return cls(
+            data["impl"],
+            data["dispatch"],
+            data["world_size"],
+            data["topologies"],
+            records,
+            data.get("dispatch_source", ""),
+            data.get("dispatch_note", ""),
+        )
 
 
 def build_groups(topology: Topology, world: int, rank: int):
@@ -187,7 +201,11 @@ def _local_records(case: Case, traces: dict, problems: dict) -> list[ClauseRecor
                 status, reason = problems[mode]
                 records.append(ClauseRecord(clause, case.name, mode, status, reason))
             else:
-                failures = tuple(check(traces[mode]))
+                try:
+                    failures = tuple(check(traces[mode]))
+                except NotApplicable as exc:
+                    records.append(ClauseRecord(clause, case.name, mode, "skip", str(exc)))
+                    continue
                 records.append(
                     ClauseRecord(
                         clause, case.name, mode, "fail" if failures else "pass", failures=failures
@@ -229,15 +247,17 @@ def run_conformance(
     *,
     impl: str,
     topologies: list[Topology],
-    dispatch: Dispatch = KIT_DISPATCH,
+    dispatch: Dispatch | None = None,
     cases: Callable[[int, int], list[Case]] | None = None,
     seed: int = 1234,
 ) -> ConformanceResult:
     """Drive and judge every case of every topology; every rank must call this and gets the result.
 
     ``cases(tp, gtp)`` picks the case matrix: by default the factory's own ``cases`` attribute
-    if it has one, else :func:`~harness.conformance.drive.default_cases`.
+    if it has one, else :func:`~harness.conformance.drive.default_cases`. ``dispatch`` defaults
+    to :func:`~harness.conformance.protocol.select_dispatch` ("auto": TE's file when cached).
     """
+    dispatch = dispatch or select_dispatch("auto")
     cases = cases or getattr(factory, "cases", default_cases)
     world, rank = dist.get_world_size(), dist.get_rank()
     records: list[ClauseRecord] = []
@@ -274,7 +294,13 @@ def run_conformance(
     gathered: list = [None] * world
     dist.all_gather_object(gathered, records)
     return ConformanceResult(
-        impl, dispatch.name, world, [str(t) for t in topologies], _merge(gathered)
+        impl,
+        dispatch.name,
+        world,
+        [str(t) for t in topologies],
+        _merge(gathered),
+        dispatch.source,
+        dispatch.note,
     )
 
 
@@ -283,14 +309,20 @@ def format_table(result: ConformanceResult, max_failures: int = 20) -> str:
     lines = [
         f"DistributedWeight conformance: {result.impl} (dispatch={result.dispatch}, "
         f"world={result.world_size}, topologies={', '.join(result.topologies)})",
+        f"Dispatchers: {result.dispatch_source or result.dispatch}",
+    ]
+    if result.dispatch_note:
+        lines.append(f"  {result.dispatch_note}")
+    lines += [
         "",
-        f"{'clause':<30} {'status':<6} {'pass':>5} {'fail':>5} {'skip':>5} {'error':>5}",
+        f"{'clause':<30} {'status':<6} {'via':<6} {'pass':>5} {'fail':>5} {'skip':>5} {'error':>5}",
     ]
     for clause in CLAUSES:
         statuses = [r.status for r in result.records if r.clause == clause]
         counts = [statuses.count(s) for s in ("pass", "fail", "skip", "error")]
         lines.append(
             f"{clause:<30} {result.clause_status(clause).upper():<6} "
+            f"{te_contract.via(clause, result.dispatch):<6} "
             + " ".join(f"{c:>5}" for c in counts)
         )
     notes: dict[tuple[str, str], set[str]] = {}
@@ -305,6 +337,7 @@ def format_table(result: ConformanceResult, max_failures: int = 20) -> str:
     if failures:
         lines += ["", f"Failures ({len(failures)} records):"]
         lines += [f"  {line}" for line in failure_lines(failures, max_failures)]
+    lines += ["", *te_contract.report_lines(result.dispatch)]
     verdict = "PASS" if result.passed else "FAIL"
     lines += [
         "",

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from harness.conformance.protocol import KIT_DISPATCH, te_dispatch
+from harness.conformance.protocol import DISPATCH_CHOICES, select_dispatch
 from harness.conformance.runner import Topology, default_topologies, load_factory, run_conformance
 
 COLLECTIVE_TIMEOUT_S = 120
@@ -28,7 +28,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m harness.conformance.worker")
     parser.add_argument("--impl", action="append", required=True, help="module:factory[@TxG,...]")
     parser.add_argument("--topology", action="append", default=[], help="TxG for every --impl")
-    parser.add_argument("--dispatch", choices=("kit", "te"), default="kit")
+    parser.add_argument("--dispatch", choices=DISPATCH_CHOICES, default="auto")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--json", required=True, type=Path)
     return parser.parse_args(argv)
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
         dist.init_process_group(backend, timeout=timeout)
     world = dist.get_world_size()
-    dispatch = te_dispatch() if args.dispatch == "te" else KIT_DISPATCH
+    dispatch = select_dispatch(args.dispatch)  # every rank loads and hash-checks TE's file
     results = []
     for item in args.impl:
         spec, _, topos = item.partition("@")
