@@ -20,7 +20,7 @@ from filelock import FileLock
 from harness.conformance import cli, te_source
 from harness.conformance.registry import CLAUSES
 from harness.conformance.reference import FAULTY
-from harness.conformance.runner import ConformanceResult
+from harness.conformance.kit import ConformanceResult
 from tests.test_conformance_te import te_file_or_skip
 
 REPO = Path(__file__).resolve().parents[1]

@@ -24,7 +24,7 @@ from harness.conformance.drive import Case, Observation, _capability, _passthrou
 from harness.conformance.protocol import KIT_DISPATCH, select_dispatch
 from harness.conformance.reference import reference
 from harness.conformance.registry import CLAUSES, TRACE_CLAUSES
-from harness.conformance.runner import ClauseRecord, ConformanceResult, format_table
+from harness.conformance.kit import ClauseRecord, ConformanceResult, format_table
 
 REQUIRE = "GTP_PARITY_REQUIRE_TE_FILE"
 REPO = Path(__file__).resolve().parents[1]

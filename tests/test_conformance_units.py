@@ -13,7 +13,7 @@ from harness.conformance.registry import CLAUSES
 from harness.conformance.failures import Failure, compare_tensors, failure_lines
 from harness.conformance.drive import Case, _passthrough_problems, default_cases
 from harness.conformance.protocol import KIT_DISPATCH, CollectiveRecorder, overlaps
-from harness.conformance.runner import ClauseRecord, ConformanceResult, Topology, default_topologies
+from harness.conformance.kit import ClauseRecord, ConformanceResult, Topology, default_topologies
 
 pytest_plugins = ["pytester"]
 

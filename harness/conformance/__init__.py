@@ -18,7 +18,7 @@ kit's earlier reading of the contract.
 Modules: :mod:`.layout` (shard layout, seeded data), :mod:`.protocol` (dispatchers, collective
 recorder), :mod:`.te_source` (fetching, verifying and loading TE's file), :mod:`.te_contract`
 (TE's side: the dispatcher probes, routes, disagreements, coverage), :mod:`.drive` (cases, the
-protocol walk), :mod:`.clauses` and :mod:`.te_clauses` (the checks), :mod:`.runner` (all ranks,
+protocol walk), :mod:`.clauses` and :mod:`.te_clauses` (the checks), :mod:`.kit` (all ranks,
 merged results, JSON), :mod:`.worker` (torchrun entry), :mod:`.cli` (``gtp-parity
 conformance``), :mod:`.pytest_plugin`, :mod:`.reference` (known-good and faulty implementers)
 and :mod:`.mcore` (megatron-core's ``GTPShardedParam``).

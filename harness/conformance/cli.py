@@ -28,7 +28,7 @@ from pathlib import Path
 
 from harness.conformance import te_source
 from harness.conformance.protocol import DISPATCH_CHOICES, select_dispatch
-from harness.conformance.runner import (
+from harness.conformance.kit import (
     BadSpec,
     ConformanceResult,
     Topology,

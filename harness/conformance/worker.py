@@ -2,7 +2,7 @@
 
 Initializes the default gloo process group from torchrun's environment, runs the kit for each
 ``--impl`` (optionally restricted to topologies: ``module:factory@1x2,2x2``), and has rank 0
-write a JSON list with one :class:`~harness.conformance.runner.ConformanceResult` per implementer.
+write a JSON list with one :class:`~harness.conformance.kit.ConformanceResult` per implementer.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from harness.conformance.protocol import DISPATCH_CHOICES, select_dispatch
-from harness.conformance.runner import Topology, default_topologies, load_factory, run_conformance
+from harness.conformance.kit import Topology, default_topologies, load_factory, run_conformance
 
 COLLECTIVE_TIMEOUT_S = 120
 """gloo waits this long for a peer before raising, so one stuck rank cannot hang the launch."""

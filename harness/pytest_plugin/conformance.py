@@ -54,7 +54,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if not spec:
         return
     from harness.pytest_plugin.conformance_session import ConformanceSession
-    from harness.conformance.runner import BadSpec, Topology, load_factory
+    from harness.conformance.kit import BadSpec, Topology, load_factory
 
     try:
         factory = load_factory(spec)

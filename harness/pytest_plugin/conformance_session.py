@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from harness.conformance.registry import CLAUSES
 from harness.conformance.failures import failure_lines
-from harness.conformance.runner import (
+from harness.conformance.kit import (
     ConformanceResult,
     Topology,
     default_topologies,
