@@ -156,7 +156,7 @@ def _run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jobs", type=_positive_int, default=min(2, os.cpu_count() or 1),
                    help="launches run at once (default: 2)")
     p.add_argument("--compare-jobs", type=_positive_int, default=1,
-                   help="worker processes comparing each scenario's tensors (default 1)")
+                   help="compare processes comparing each scenario's tensors (default 1)")
     p.add_argument("--fresh", action="store_true",
                    help="run every side again, even where a complete trace of the same configuration and code exists")
     _limits_option(p)

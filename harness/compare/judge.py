@@ -3,7 +3,7 @@
 Two phases, as ``torch.testing`` does: pair up what to compare (same step, kind and name;
 activations by global sample id), then measure every pair and judge it under the policy.
 Pairs are streamed (:mod:`harness.compare.tasks`): one logical tensor of each trace is assembled,
-measured and dropped at a time, in one process, ``jobs`` worker processes or torchrun's
+measured and dropped at a time, in one process, ``jobs`` compare processes or torchrun's
 ranks (:mod:`harness.compare.split`), with the same rows. Results are data: one row per
 (step, kind, tensor) in a pandas DataFrame; text and HTML are views of it. The first
 divergence and its signature come from :mod:`harness.compare.localize`, which re-reads the few
