@@ -50,7 +50,7 @@ def _cmd_run(args) -> int:
     from harness.session import run_scenarios
 
     out = _out_dir(args.out, "--out")
-    scenarios = scenario.load(args.scenario, limits=not args.no_limits)
+    scenarios = _load(args, args.scenario)
     if args.inject:
         scenarios = [_with_fault(s, args.inject, args.inject_side) for s in scenarios]
     return run_scenarios(scenarios, out, parallel=args.jobs, verbose=True, fresh=args.fresh,
@@ -83,7 +83,7 @@ def _cmd_matrix(args) -> int:
     if args.update_baseline and not args.baseline:
         raise BadInput("--update-baseline", "needs --baseline DIR to write to")
     out, report_dir = _out_dir(args.out, "--out"), _out_dir(args.report, "--report")
-    scenarios = scenario.load(args.matrix, limits=not args.no_limits)
+    scenarios = _load(args, args.matrix)
     code = run_scenarios(scenarios, out, parallel=args.jobs, verbose=True, fresh=args.fresh,
                          compare_jobs=args.compare_jobs)
     print(f"report: {report.write_index(out, report_dir)}")
@@ -151,8 +151,28 @@ def _int_at_least(low: int):
 _positive_int, _count = _int_at_least(1), _int_at_least(0)
 
 
+def _load(args, path: str) -> list:
+    """The scenarios of ``path`` with the megatron-core trees the code options name."""
+    from harness import scenario
+    from harness.scenario.code import with_code
+
+    return with_code(scenario.load(path, limits=not args.no_limits), every=args.megatron_core,
+                     reference=args.reference_code, candidate=args.candidate_code)  # fmt: skip
+
+
+def _code_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--megatron-core", metavar="SPEC",
+                   help="the megatron-core every megatron/mlm side imports: installed, a folder holding "
+                        "megatron/, or git:REPO@REV (default: as the scenario says)")  # fmt: skip
+    p.add_argument("--reference-code", metavar="SPEC", help="the reference's megatron-core (see --megatron-core)")
+    p.add_argument("--candidate-code", metavar="SPEC",
+                   help="the candidate's megatron-core; with a different --reference-code, a code comparison: "
+                        "the scenario's candidate on both trees, judged exact")  # fmt: skip
+
+
 def _run_options(p: argparse.ArgumentParser) -> None:
     """Options shared by ``run`` and ``matrix``."""
+    _code_options(p)
     p.add_argument("--jobs", type=_positive_int, default=min(2, os.cpu_count() or 1),
                    help="launches run at once (default: 2)")
     p.add_argument("--compare-jobs", type=_positive_int, default=1,
@@ -196,6 +216,60 @@ def _cmd_mutate(args) -> int:
     from harness.mutation.command import main as mutate_main
 
     return mutate_main(args)
+
+
+def _cmd_canary(args) -> int:
+    from harness.codecheck.gate import canary
+
+    return canary(args.megatron_core, _out_dir(args.out, "--out"))
+
+
+def _cmd_gate(args) -> int:
+    from harness.codecheck.gate import gate
+
+    return gate(args.matrix, args.base, args.head, _out_dir(args.out, "--out"), parallel=args.jobs,
+                limits=not args.no_limits)  # fmt: skip
+
+
+def _cmd_bisect(args) -> int:
+    from harness.codecheck.bisect import bisect
+
+    return bisect(Path(args.repo), args.old, args.new, args.scenario, _out_dir(args.out, "--out"))
+
+
+def _cmd_bisect_step(args) -> int:
+    from harness.codecheck.bisect import step
+
+    return step(Path(args.repo), args.old_verdict, args.scenario, Path(args.out))
+
+
+def _codecheck_parsers(sub) -> None:
+    """canary, gate, bisect: checks across megatron-core trees (SPEC: see --megatron-core)."""
+    c = sub.add_parser("canary", help="does the CPU layer hold on a megatron-core tree? (tiny, GTP on/off, fp32)")
+    c.add_argument("--megatron-core", metavar="SPEC", required=True, help="installed, a folder, or git:REPO@REV")
+    c.add_argument("--out", default="runs/canary")
+    c.set_defaults(fn=_cmd_canary)
+    g = sub.add_parser("gate", help="a matrix on two megatron-core trees: fail where head changes what GTP trains")
+    g.add_argument("matrix", nargs="?", default="scenarios/default.toml")
+    g.add_argument("--base", metavar="SPEC", required=True, help="the tree before the change")
+    g.add_argument("--head", metavar="SPEC", required=True, help="the tree after it")
+    g.add_argument("--out", default="runs/gate")
+    g.add_argument("--jobs", type=_positive_int, default=min(2, os.cpu_count() or 1), help="launches run at once")
+    _limits_option(g)
+    g.set_defaults(fn=_cmd_gate)
+    b = sub.add_parser("bisect", help="the first commit between OLD and NEW whose verdict differs from OLD's")
+    b.add_argument("scenario", help="a scenario file holding one scenario")
+    b.add_argument("--repo", required=True, help="a git repository holding megatron/ (a Megatron-LM clone)")
+    b.add_argument("--old", required=True, metavar="REV")
+    b.add_argument("--new", required=True, metavar="REV")
+    b.add_argument("--out", default="runs/bisect", help="one run folder per commit tested")
+    b.set_defaults(fn=_cmd_bisect)
+    s = sub.add_parser("bisect-step", help="one step of git bisect run (used by bisect)")
+    s.add_argument("scenario")
+    s.add_argument("--repo", required=True)
+    s.add_argument("--old-verdict", required=True)
+    s.add_argument("--out", required=True)
+    s.set_defaults(fn=_cmd_bisect_step)
 
 
 def _mutate_parser(sub) -> None:
@@ -278,6 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     ml.set_defaults(fn=_cmd_mlm)
 
     _mutate_parser(sub)
+    _codecheck_parsers(sub)
 
     i = sub.add_parser("inject", help="list the planted faults")
     i.add_argument("--list", action="store_true", required=True)

@@ -15,6 +15,7 @@ from harness.common.jsonio import write_json
 from harness.compare import split
 from harness.compare.outcome import compare_scenario, scenario_config
 from harness.compare.summary import ScenarioSummary, Verdict, overall
+from harness.run.code import CodeTree, check_imports, resolve_all
 from harness.run.launch import worker_env
 from harness.run.plan import execute, job_for, plan
 from harness.run.provenance import code_identity
@@ -53,6 +54,15 @@ def check_mlm_flags(scenarios: list[Scenario]) -> None:
                 check_flags(side_argv(s.model, s.data, side), f"{s.source}: [{role}].args")
 
 
+def check_trees(trees: dict[str, CodeTree], scenarios: list[Scenario]) -> None:
+    """Every tree other than the installed one imports (bad input otherwise, before launch)."""
+    for spec, tree in trees.items():
+        if tree.kind != "installed":
+            where = next((f"{s.source}: [{r}].megatron_core" for s in scenarios for r, side in s.sides.items()
+                          if side.megatron_core == spec), f"megatron_core {spec!r}")  # fmt: skip
+            check_imports(tree, where, worker_env(tree.root))
+
+
 def run_scenarios(scenarios: list[Scenario], out: Path, parallel: int = 2, verbose: bool = False,
                   fresh: bool = False, compare_jobs: int = 1) -> int:
     """Run, compare and summarize every scenario; return the exit code of the worst."""
@@ -70,7 +80,9 @@ def run_scenarios(scenarios: list[Scenario], out: Path, parallel: int = 2, verbo
         skipped.append(summary)
     scenarios = runnable
     check_mlm_flags(scenarios)
-    by_scenario = plan(scenarios, out)
+    trees = resolve_all(scenarios)
+    check_trees(trees, scenarios)
+    by_scenario = plan(scenarios, out, trees=trees)
     say(f"gtp-parity: {len(scenarios)} scenario(s), "
         f"{len({j.key for r in by_scenario.values() for j in r.values()})} distinct side(s) -> {out}")  # fmt: skip
     failures = execute(by_scenario, scenarios, out, parallel=parallel, progress=say, fresh=fresh)

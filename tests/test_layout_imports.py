@@ -25,7 +25,7 @@ STAGES: list[tuple[str, ...]] = [
     ("harness.compare",),
     ("harness.report",),
     ("harness.session",),
-    ("harness.conformance", "harness.mutation"),  # tools on the pipeline
+    ("harness.conformance", "harness.mutation", "harness.codecheck"),  # tools on the pipeline
     ("harness.pytest_plugin",),
     ("harness.cli",),
     ("harness.__main__",),

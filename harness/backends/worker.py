@@ -55,10 +55,16 @@ def run_job(job: Job, rank: int, world: int) -> None:
             mesh=mesh,
             meta={"side": side.label(), "key": job.key, "backend": side.backend,
                   "precision": side.precision, "recipe": side.recipe, "steps": side.steps,
-                  "provenance": job.provenance, "mutant": side.mutant or None,
+                  "provenance": job.provenance, "mutant": side.mutant or None, **_stand_ins(),
                   # what the update judgement names terms by (harness.compare.updates)
                   "train": {"optimizer": side.optimizer, "lr": side.lr, "weight_decay": side.weight_decay}},  # fmt: skip
         )
+
+
+def _stand_ins() -> dict:
+    """The CPU layer's stand-ins this process applied (where the megatron backends ran)."""
+    compat = sys.modules.get("harness.backends.megatron.compat")
+    return {"stand_ins": found} if compat is not None and (found := compat.applied()) else {}
 
 
 def main(argv: list[str]) -> int:

@@ -33,6 +33,7 @@ import copy
 import fnmatch
 import platform
 import queue
+import sys
 import threading
 from importlib import metadata
 from pathlib import Path
@@ -54,6 +55,9 @@ def versions() -> dict[str, str | None]:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             out[dist] = None
+    # The megatron-core this process imported may be a checkout's, not the wheel's.
+    if (info := sys.modules.get("megatron.core.package_info")) is not None:
+        out["megatron-core"] = str(info.__version__)
     return out
 
 

@@ -15,24 +15,50 @@ from harness.common.jsonio import write_json
 from harness.compare import split, steps
 from harness.compare.judge import compare
 from harness.compare.summary import ScenarioSummary, Verdict
+from harness.run.code import CodeTree, is_ancestor
 from harness.run.provenance import differences
 from harness.scenario import ComparePolicy, Expectation, Role, Scenario
 from harness.scenario.checkpoint import topology
+from harness.scenario.code import code_axes
+from harness.scenario.rules import version_key
 
 
 def scenario_config(s: Scenario) -> dict:
     """The summary's ``config``: where the scenario came from and what each side ran."""
-    return {"source": s.source, "description": s.description, **{r: side.label() for r, side in s.sides.items()},
-            "paths": {r: side.paths() for r, side in s.sides.items() if side.paths()}}
+    config = {"source": s.source, "description": s.description, **{r: side.label() for r, side in s.sides.items()},
+              "paths": {r: side.paths() for r, side in s.sides.items() if side.paths()}}
+    if code := code_axes(s):  # which megatron-core each side ran, where not the installed one
+        config["code"] = code
+    return config
 
 
-def judge_expectation(summary: ScenarioSummary, expect: Expectation | None) -> ScenarioSummary:
+def holds_fix(expect: Expectation, tree: dict | None, version: str | None) -> bool:
+    """Whether the candidate's megatron-core holds the expectation's upstream fix: its commit
+    is in the tree's history, or (a tree without a commit) its version is the fix's or later."""
+    if expect.fixed_in and tree and tree.get("commit"):
+        found = is_ancestor(CodeTree(**tree), expect.fixed_in)
+        if found is not None:
+            return found
+    if expect.fixed_in_version and version and version_key(version) is not None:
+        return version_key(version) >= version_key(expect.fixed_in_version)
+    return False
+
+
+def judge_expectation(summary: ScenarioSummary, expect: Expectation | None,
+                      fixed: bool = False) -> ScenarioSummary:
     """A failure that matches the scenario's known divergence becomes ``known-divergence``;
-    a scenario that was expected to diverge and holds, or diverges otherwise, fails."""
+    a scenario that was expected to diverge and holds, or diverges otherwise, fails. ``fixed``:
+    the candidate's tree holds the upstream fix, so parity is what is expected there."""
     if expect is None:
         return summary
-    summary = summary.with_(expect=dataclasses.asdict(expect))
+    summary = summary.with_(expect={k: v for k, v in dataclasses.asdict(expect).items()
+                                    if v is not None or k not in ("fixed_in", "fixed_in_version")})  # fmt: skip
     fd = summary.first_divergence
+    if fixed:
+        fix = expect.fixed_in or f"megatron-core {expect.fixed_in_version}"
+        if summary.verdict == Verdict.PASS:
+            return summary.with_(verdict=Verdict.FIXED, expectation=f"fixed in {fix}: parity holds on this tree")
+        return summary.with_(expectation=f"this tree holds the fix ({fix}), but it still diverges")
     if summary.verdict == Verdict.PASS:
         return summary.with_(verdict=Verdict.FAIL, expectation=(
             "expected the known divergence, but parity holds: if megatron-core fixed it, "
@@ -103,7 +129,10 @@ def compare_scenario(s: Scenario | None, paths: dict[str, Path], sdir: Path, say
             say(f"warning: {w}")
     summary = summary.with_(scenario=name, traces={r: str(p) for r, p in paths.items()})
     if s is not None:
-        summary = judge_expectation(summary.with_(axes=dict(s.axes), config=scenario_config(s)), s.expect)
+        cand = traces[Role.CANDIDATE].manifest
+        fixed = s.expect is not None and holds_fix(s.expect, (cand.get("provenance") or {}).get("megatron_core"),
+                                                   (cand.get("versions") or {}).get("megatron-core"))  # fmt: skip
+        summary = judge_expectation(summary.with_(axes=dict(s.axes), config=scenario_config(s)), s.expect, fixed)
         if s.saver is not None:
             summary = checkpoint_outcome(summary, s, results)
     write_json(sdir / "summary.json", summary.to_json())

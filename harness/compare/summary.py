@@ -30,11 +30,14 @@ class Verdict(StrEnum):
     """A run failed: nothing was compared."""
     SKIP = "skip"
     """This machine cannot run it (the reason says why)."""
+    FIXED = "fixed"
+    """A known divergence that holds parity on a tree with the upstream fix (``[expect] fixed_in``)."""
 
     @property
     def passes_gate(self) -> bool:
-        """Whether a gate lets it through: parity, or a known divergence that diverged as recorded."""
-        return self in (Verdict.PASS, Verdict.KNOWN_DIVERGENCE)
+        """Whether a gate lets it through: parity, a known divergence that diverged as recorded,
+        or one whose fix the tree holds and that holds parity there."""
+        return self in (Verdict.PASS, Verdict.KNOWN_DIVERGENCE, Verdict.FIXED)
 
 
 def overall(verdicts) -> Verdict:

@@ -96,7 +96,8 @@ def render_index(title: str, cells: list[IndexCell], verdict: str) -> str:
             verdict_here = _worst(here) if here else ""
             tds.append(f'<td class="{esc(verdict_here)}">{"".join(map(_link, here))}</td>')
         body.append(f'<tr><td class="t">{esc(r)}</td>{"".join(tds)}</tr>')
-    counts = {v: sum(c.verdict == v for c in cells) for v in (Verdict.PASS, Verdict.KNOWN_DIVERGENCE, Verdict.FAIL, Verdict.ERROR, Verdict.SKIP)}
+    shown = (Verdict.PASS, Verdict.FIXED, Verdict.KNOWN_DIVERGENCE, Verdict.FAIL, Verdict.ERROR, Verdict.SKIP)
+    counts = {v: sum(c.verdict == v for c in cells) for v in shown}
     summary = ", ".join(f"{n} {v}" for v, n in counts.items() if n)
     listing = "".join(
         f'<tr class="{esc(c.verdict)}"><td class="t"><a href="{esc(c.href)}">{esc(c.label)}</a></td>'
@@ -124,7 +125,7 @@ def _link(c: IndexCell) -> str:
 
 def _worst(cells: list[IndexCell]) -> str:
     verdicts = {c.verdict for c in cells}
-    for v in (Verdict.ERROR, Verdict.FAIL, Verdict.KNOWN_DIVERGENCE, Verdict.PASS):
+    for v in (Verdict.ERROR, Verdict.FAIL, Verdict.KNOWN_DIVERGENCE, Verdict.FIXED, Verdict.PASS):
         if v in verdicts:
             return v
     return "skip"

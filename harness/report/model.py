@@ -194,6 +194,8 @@ def verdict_line(data: ScenarioData) -> str:
                 f"{(s.expect or {}).get('reason', '')}")  # fmt: skip
     if data.verdict == Verdict.SKIP:
         return f"SKIP: {s.reason or 'not run'}"
+    if data.verdict == Verdict.FIXED:
+        return f"FIXED: all {total} comparisons hold; {s.expectation}"
     return f"ERROR: a run failed ({', '.join(s.error) or 'unknown side'}); nothing was compared"
 
 

@@ -234,7 +234,7 @@ h1{font-size:1.45em;margin:.2em 0}h2{font-size:1.15em;margin:1.4em 0 .4em;border
 code,pre,.mono{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12.5px}
 pre{background:#f6f6f6;padding:.6em;overflow:auto;white-space:pre-wrap}
 .verdict{font-size:1.1em;font-weight:600;padding:.5em .8em;border-radius:4px;margin:.4em 0}
-.pass{background:#d3f0d8;color:#124d1f}.fail{background:#fbd5d0;color:#7a1408}.error{background:#fde9b8;color:#6b4a00}.known-divergence{background:#e6dcf7;color:#3d1f78}.skip{background:#e8e8e8;color:#444}
+.pass{background:#d3f0d8;color:#124d1f}.fail{background:#fbd5d0;color:#7a1408}.error{background:#fde9b8;color:#6b4a00}.known-divergence{background:#e6dcf7;color:#3d1f78}.skip{background:#e8e8e8;color:#444}.fixed{background:#d3ecf2;color:#0b4654}
 dl.kv{display:grid;grid-template-columns:max-content 1fr;gap:.15em 1em;margin:.3em 0}dl.kv dt{color:#666}
 dl.kv dd{margin:0}.charts{display:flex;flex-wrap:wrap;gap:1em}.muted{fill:#888;color:#888}
 svg text.ct{font-weight:600;font-size:12px}svg text.tick{font-size:10.5px;fill:#444}

@@ -25,6 +25,9 @@ class Job:
     """What computes this side (:func:`harness.run.provenance.code_identity`), part of its key."""
     checkpoint_dir: str = ""
     """Where a saving side writes its checkpoint, or a resuming side reads it ("": neither)."""
+    megatron_root: str = ""
+    """The folder holding the side's megatron-core tree, first on its ranks' PYTHONPATH
+    ("": the installed one; :mod:`harness.run.code`)."""
 
     def to_json(self) -> dict:
         return {
@@ -36,6 +39,7 @@ class Job:
             "trace_dir": self.trace_dir,
             "provenance": self.provenance,
             "checkpoint_dir": self.checkpoint_dir,
+            "megatron_root": self.megatron_root,
         }
 
     @classmethod
@@ -56,4 +60,5 @@ class Job:
             trace_dir=doc["trace_dir"],
             provenance=doc.get("provenance", {}),
             checkpoint_dir=doc.get("checkpoint_dir", ""),
+            megatron_root=doc.get("megatron_root", ""),
         )

@@ -34,12 +34,13 @@ def _any_heartbeat(job: Job, world: int) -> bool:
     return any((Path(job.trace_dir) / f"rank{r}" / "progress.json").exists() for r in range(world))
 
 
-def worker_env() -> dict[str, str]:
-    """The environment every rank runs in (the side key's provenance is computed from it)."""
+def worker_env(megatron_root: str = "") -> dict[str, str]:
+    """The environment every rank runs in (the side key's provenance is computed from it);
+    ``megatron_root``: a megatron-core tree put on the path after the harness."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}  # fmt: skip
     root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), megatron_root, env.get("PYTHONPATH")]))
     return env
 
 
@@ -67,7 +68,10 @@ def launch(jobs: list[Job], *, world: int, timeout_s: dict[str, float], workdir:
     plan_path = workdir / f"plan-{name}.json"
     write_json(plan_path, {"jobs": [j.to_json() for j in jobs]})
     log_path = workdir / f"launch-{name}.log"
-    env = worker_env()
+    roots = {j.megatron_root for j in jobs}
+    if len(roots) != 1:  # one interpreter imports one megatron-core
+        raise ValueError(f"launch {name}: jobs of several megatron-core trees {sorted(roots)}")
+    env = worker_env(roots.pop())
     if world == 1:
         env.update(RANK="0", WORLD_SIZE="1")
     start = time.monotonic()

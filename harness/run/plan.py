@@ -23,6 +23,7 @@ from harness.capture import trace
 from harness.run.job import Job
 from harness.scenario.checkpoint import saver_side
 from harness.common.errors import RunFailed
+from harness.run.code import CodeTree, resolve_all
 from harness.run.launch import Interrupted, launch, worker_env
 from harness.run.provenance import code_identity
 from harness.scenario import COMPARED_ROLES, Role, Scenario
@@ -31,7 +32,8 @@ from harness.scenario import COMPARED_ROLES, Role, Scenario
 MAX_JOBS_PER_LAUNCH = 12
 
 
-def job_for(s: Scenario, role: str, traces: Path, provenance: dict, checkpoint_dir: str = "") -> Job:
+def job_for(s: Scenario, role: str, traces: Path, provenance: dict, checkpoint_dir: str = "",
+            megatron_root: str = "") -> Job:
     side = s.sides[role] if role in s.sides else saver_side(s)  # Role.SAVER
     key = side.key(s.model, s.data)
     policy = hashlib.sha256(json.dumps(dataclasses.asdict(s.capture), sort_keys=True).encode()).hexdigest()[:6]
@@ -45,23 +47,40 @@ def job_for(s: Scenario, role: str, traces: Path, provenance: dict, checkpoint_d
         trace_dir=str(traces / f"{side.label()}-{key}-{policy}-{code}"),
         provenance=provenance,
         checkpoint_dir=checkpoint_dir,
+        megatron_root=megatron_root,
     )
 
 
-def plan(scenarios: list[Scenario], out: Path, provenance: dict | None = None) -> dict[str, dict[str, Job]]:
-    """Scenario name -> role -> job (jobs shared between scenarios are the same object)."""
+def plan(scenarios: list[Scenario], out: Path, provenance: dict | None = None,
+         trees: dict[str, CodeTree] | None = None) -> dict[str, dict[str, Job]]:
+    """Scenario name -> role -> job (jobs shared between scenarios are the same object).
+
+    ``trees``: spec -> resolved megatron-core tree (:func:`harness.run.code.resolve_all`);
+    each tree's sides are keyed by the identity of the code they import. ``provenance``
+    overrides the installed tree's identity."""
     traces = out / "traces"
-    provenance = code_identity(worker_env()) if provenance is None else provenance
+    trees = resolve_all(scenarios) if trees is None else trees
+    identities: dict[str, dict] = {} if provenance is None else {"": provenance}
+
+    def code_of(s: Scenario, role: str) -> tuple[dict, str]:
+        side = s.sides[role] if role in s.sides else s.saver
+        tree = trees.get(side.megatron_core)
+        root = tree.root if tree is not None else ""
+        if root not in identities:
+            identities[root] = code_identity(worker_env(root), tree)
+        return identities[root], root
+
     jobs: dict[str, Job] = {}
     by_scenario = {}
     for s in scenarios:
         roles, ckpt = {}, ""
         if s.saver is not None:  # the checkpoint lives beside the saving side's trace
-            job = job_for(s, Role.SAVER, traces, provenance)
+            job = job_for(s, Role.SAVER, traces, *code_of(s, Role.SAVER))
             ckpt = str(Path(job.trace_dir) / "checkpoint")
             roles[Role.SAVER] = jobs.setdefault(job.key, dataclasses.replace(job, checkpoint_dir=ckpt))
         for role in COMPARED_ROLES:
-            job = job_for(s, role, traces, provenance, ckpt if role == "candidate" else "")
+            identity, root = code_of(s, role)
+            job = job_for(s, role, traces, identity, ckpt if role == "candidate" else "", root)
             roles[role] = jobs.setdefault(job.key, job)
         by_scenario[s.name] = roles
     return by_scenario
@@ -94,11 +113,13 @@ def execute(
             pending[job.key] = job
     groups = defaultdict(list)
     for job in pending.values():  # checkpoints are saved (phase 0) before sides load them
-        groups[(0 if job.side.save_step else 1, job.side.world_size)].append(job)
+        groups[(0 if job.side.save_step else 1, job.side.world_size, job.megatron_root)].append(job)
     phases = defaultdict(list)
-    for (phase, world), jobs in sorted(groups.items()):
+    trees = sorted({root for (_, _, root) in groups})  # a launch imports one megatron-core
+    for (phase, world, root), jobs in sorted(groups.items()):
         for i in range(0, len(jobs), MAX_JOBS_PER_LAUNCH):
-            tag = f"w{world}-{i // MAX_JOBS_PER_LAUNCH}" + ("-save" if phase == 0 else "")
+            code = f"-code{trees.index(root)}" if root else ""
+            tag = f"w{world}{code}-{i // MAX_JOBS_PER_LAUNCH}" + ("-save" if phase == 0 else "")
             phases[phase].append((world, jobs[i : i + MAX_JOBS_PER_LAUNCH], tag))
     failures: dict[str, str] = {}
 

@@ -140,8 +140,12 @@ def _cpu_capability() -> str:
         return "unknown"
 
 
-def code_identity(env: dict[str, str] | None = None) -> dict:
-    """What computes a side, as recorded in its trace's manifest. ``digest`` sums it up."""
+def code_identity(env: dict[str, str] | None = None, tree=None) -> dict:
+    """What computes a side, as recorded in its trace's manifest. ``digest`` sums it up.
+
+    ``tree``: the side's megatron-core (:class:`harness.run.code.CodeTree`); one other than the
+    installed wheel is named (spec, commit, dirty state, the version its own package_info.py
+    says) and its version replaces the wheel's."""
     env = dict(os.environ if env is None else env)
     path = worker_path(env)
     hashes = _FileHashes()
@@ -171,6 +175,9 @@ def code_identity(env: dict[str, str] | None = None) -> dict:
         "cpu": {"machine": platform.machine(), "capability": _cpu_capability()},
         "env": {k: v for k, v in sorted(env.items()) if k in ENV_NAMES or k.startswith(ENV_PREFIXES)},
     }
+    if tree is not None and tree.kind != "installed":
+        doc["versions"]["megatron-core"] = tree.version
+        doc["megatron_core"] = tree.to_json()
     doc["digest"] = _digest(doc)
     return doc
 
@@ -188,7 +195,7 @@ def differences(a: dict | None, b: dict | None) -> list[str]:
     if not a or not b:
         return ["one trace records no provenance"]
     out = []
-    for part in ("versions", "code", "cpu", "env"):
+    for part in ("versions", "code", "megatron_core", "cpu", "env"):
         pa, pb = a.get(part, {}), b.get(part, {})
         for key in sorted(set(pa) | set(pb)):
             if pa.get(key) != pb.get(key):

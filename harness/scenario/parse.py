@@ -22,6 +22,7 @@ from harness.scenario import checkpoint as checkpointing
 from harness.scenario import schema
 from harness.common.errors import BadInput, shown
 from harness.scenario.matrix import expand_matrix, read_toml
+from harness.scenario.code import is_code_comparison
 from harness.scenario.rules import parameter_count, validate
 # The schema's names are this module's vocabulary too: callers import them from here.
 from harness.scenario.schema import (  # noqa: F401
@@ -124,7 +125,7 @@ def parse_scenario(raw: dict, source: str, limits: bool = True) -> Scenario:
     golden_defaults = {"backend": "torch", "precision": "fp64", "world_size": 1, "tp": 1, "gtp": 1,
                        "recipe": "none", "ep": 1, "expert_gtp": 1}
     inherited = {k: v for k, v in train.items()
-                 if k not in {*golden_defaults, "dp", "inject", *MEGATRON_PATH_OPTIONS}}  # fmt: skip
+                 if k not in {*golden_defaults, "dp", "inject", "megatron_core", *MEGATRON_PATH_OPTIONS}}  # fmt: skip
     sides = {
         "reference": {**train, **raw["reference"]},
         "candidate": {**train, **raw["candidate"]},
@@ -140,12 +141,22 @@ def parse_scenario(raw: dict, source: str, limits: bool = True) -> Scenario:
         model=model,
         data=data,
         capture=_build(CapturePolicy, raw.get("capture", {}), f"{source}: [capture]"),
-        compare=_build(ComparePolicy, raw.get("compare", {}), f"{source}: [compare]"),
+        compare=_build(ComparePolicy, _code_policy(raw, sides), f"{source}: [compare]"),
         expect=_build(Expectation, raw["expect"], f"{source}: [expect]") if "expect" in raw else None,
         **sides,
     )
     validate(scenario, limits=limits)
     return scenario
+
+
+def _code_policy(raw: dict, sides: dict[str, Side]) -> dict:
+    """The ``[compare]`` table; a code comparison (reference and candidate differ in their
+    megatron-core only) is judged ``exact`` unless the table says otherwise: the same
+    computation on the same values, so any difference is the code's."""
+    table = dict(raw.get("compare", {}))
+    if "policy" not in table and is_code_comparison(sides["reference"], sides["candidate"]):
+        table["policy"] = "exact"
+    return table
 
 
 def load(path: str | Path, limits: bool = True) -> list[Scenario]:

@@ -6,6 +6,8 @@ the rule.
 
 from __future__ import annotations
 
+import re
+
 from harness.scenario import checkpoint as checkpointing
 from harness.common.errors import BadInput
 from harness.scenario.faults import check_name, check_reach
@@ -37,6 +39,7 @@ def validate(s: Scenario, limits: bool = True) -> None:
         _validate_mlm(s, side, where)
         validate_moe_side(s, name, side, where)
         _validate_pipeline(s, side, where)
+        _validate_code(side, where)
         steps[name] = side.steps
     if len(set(steps.values())) != 1:
         raise BadInput(f"{s.source}: steps", f"every side must run the same number of steps, got {steps}")
@@ -229,6 +232,18 @@ def _validate_loss_mask(s: Scenario, side: Side, where: str) -> None:
                        "(world_size 1, no recipe, fp32 or fp64)")  # fmt: skip
 
 
+def _validate_code(side: Side, where: str) -> None:
+    """The spec's form only; what it names is resolved before launch (:mod:`harness.run.code`)."""
+    spec = side.megatron_core
+    if side.backend == "torch" and spec != "installed":
+        raise BadInput(f"{where}.megatron_core", "the torch backend imports no megatron-core")
+    if not spec.strip():
+        raise BadInput(f"{where}.megatron_core", "give 'installed', a folder holding megatron/, or git:<repo>@<rev>")
+    repo = spec[4:].rpartition("@")[0] if "@" in spec[4:] else spec[4:]
+    if spec.startswith("git:") and not repo.strip():
+        raise BadInput(f"{where}.megatron_core", f"{spec!r}: git:<repo folder>@<rev> names no repository")
+
+
 def _validate_expect(s: Scenario) -> None:
     e = s.expect
     if e is None:
@@ -239,6 +254,17 @@ def _validate_expect(s: Scenario) -> None:
         raise BadInput(f"{s.source}: [expect].reason", "a known divergence states its root cause (file:function:line)")
     if e.step is not None and not 1 <= e.step <= s.reference.steps:
         raise BadInput(f"{s.source}: [expect].step", f"step {e.step} is not in 1..{s.reference.steps}")
+    if e.fixed_in is not None and not re.fullmatch(r"[0-9a-f]{7,40}", e.fixed_in):
+        raise BadInput(f"{s.source}: [expect].fixed_in", f"{e.fixed_in!r}: a commit id (7 to 40 hex digits)")
+    if e.fixed_in_version is not None and version_key(e.fixed_in_version) is None:
+        raise BadInput(f"{s.source}: [expect].fixed_in_version", f"{e.fixed_in_version!r}: a version such as 0.20.0")
+
+
+def version_key(version: str) -> tuple[int, int, int] | None:
+    """``MAJOR.MINOR.PATCH`` of a version string as a sortable tuple (a pre-release suffix is
+    ignored), or None if it is no such version."""
+    m = re.match(r"^(\d+)\.(\d+)\.(\d+)", version)
+    return tuple(int(g) for g in m.groups()) if m else None
 
 
 def _validate_capture_compare(s: Scenario) -> None:

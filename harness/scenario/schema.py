@@ -150,6 +150,10 @@ class Side:
     ``pretrain`` loop over megatron-core) or ``torch`` (the harness's plain PyTorch GPT)."""
     world_size: int = 1
     """Processes launched for this side."""
+    megatron_core: str = "installed"
+    """The megatron-core this side imports (megatron and mlm backends): ``installed`` (the
+    venv's), a folder holding ``megatron/`` (a Megatron-LM checkout), or
+    ``git:<repo folder>@<rev>`` (that revision's ``megatron/``, cached by commit id)."""
     tp: int = 1
     """Tensor-parallel size."""
     gtp: int = 1
@@ -287,7 +291,7 @@ class Side:
 # Keys of (side, model, data) added after traces were first keyed, with their defaults: a side
 # that leaves them at the default keeps the key it had before (its traces stay reusable).
 _ADDED_LATER = (
-    {"mutant": "", "save_step": 0, "load_step": 0, "resume_from": "", "ep": 1, "expert_gtp": 1,
+    {"megatron_core": "installed", "mutant": "", "save_step": 0, "load_step": 0, "resume_from": "", "ep": 1, "expert_gtp": 1,
      "pipeline_parallel": 1, "virtual_pipeline": None},
     {"num_experts": 0, "moe_topk": 2, "moe_aux_loss_coeff": 0.01},
     {"loss_mask": "none"},
@@ -353,6 +357,13 @@ class Expectation:
     """The first divergence's signature it must have (None: any)."""
     step: int | None = None
     """The step of the first divergence it must have (None: any)."""
+    fixed_in: str | None = None
+    """The commit that fixed it upstream (a Megatron-LM commit id): on a candidate tree whose
+    history holds it (``git merge-base --is-ancestor``), parity is expected instead and its
+    return reads "fixed in <commit>"."""
+    fixed_in_version: str | None = None
+    """The first megatron-core version holding the fix, for trees without a commit (the
+    installed wheel): a tree of that version or later is expected to hold parity."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -7,15 +7,19 @@ GTP's math (sharding, padding, 1/G pre-scale, reduction order, optimizer). This 
 exactly that plumbing for CPU equivalents so the real GTPShardedParam, DDP,
 finalize_model_grads and optimizer run unchanged.
 
-Active only when CUDA is unavailable, and only for the pinned megatron-core version: every
-replacement below was read against that version's source.
+Active only when CUDA is unavailable. Every replacement below was read against the source of
+the versions in :data:`READ_AGAINST`, and each is applied only where the thing it replaces
+exists (:func:`_replace`): on a tree of another version the layer runs with one warning that
+names the version and whatever it could not find, instead of accepting the tree silently.
+:func:`applied` lists the stand-ins in force, for the trace manifest.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from importlib.metadata import version
+import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -25,13 +29,15 @@ from harness.backends.megatron.collectives import (  # noqa: F401 (the collectiv
     _Done, gather_along_first_dim, reduce_scatter_along_first_dim, set_collectives,
 )
 
+READ_AGAINST = {
+    "0.19.2": "the pinned megatron-core wheel",
+    "0.20.0": "Megatron-LM main as of 2026-08-22 (d98e8a64dd)",
+}
 SUPPORTED_MCORE = "0.19.2"
 
 _installed = False
-
-
-class CompatError(RuntimeError):
-    """The CPU compatibility layer cannot be used in this environment."""
+_applied: list[str] = []
+_missing: list[str] = []
 
 
 # --- streams and events: CPU executes in program order, so ordering primitives are no-ops ---
@@ -159,14 +165,41 @@ def _type_names_as_cuda(original):
     return tensor_type
 
 
+def tree_version() -> str:
+    """The version of the megatron-core this process imports, from its own package_info."""
+    from megatron.core import package_info
+
+    return str(package_info.__version__)
+
+
 def check_version() -> str:
-    found = version("megatron-core")
-    if found != SUPPORTED_MCORE:
-        raise CompatError(
-            f"the CPU compatibility layer was written against megatron-core {SUPPORTED_MCORE}, "
-            f"found {found}; re-read its GTP plumbing before widening the pin"
-        )
+    """The imported tree's version; one warning when the layer was not read against it."""
+    found = tree_version()
+    if found not in READ_AGAINST:
+        warnings.warn(f"the CPU compatibility layer was read against megatron-core {sorted(READ_AGAINST)}, "
+                      f"this tree is {found}: each stand-in is applied only where what it replaces exists"
+                      + (f"; not found: {', '.join(_missing)}" if _missing else ""), stacklevel=2)  # fmt: skip
     return found
+
+
+def _replace(holder, attr: str, value, name: str | None = None) -> None:
+    """Replace ``holder.attr`` by ``value`` where the attribute exists, recording the stand-in;
+    a missing one is recorded as not found (the warning of :func:`check_version` names it)."""
+    label = name or f"{getattr(holder, '__name__', type(holder).__name__)}.{attr}"
+    if not hasattr(holder, attr):
+        _missing.append(label)
+        return
+    setattr(holder, attr, value)
+    _applied.append(label)
+
+
+def applied() -> dict:
+    """The stand-ins in force and those not found, with the tree's version (empty when the
+    layer is not installed: CUDA is there)."""
+    if not _installed:
+        return {}
+    return {"version": tree_version(), "read_against": sorted(READ_AGAINST), "applied": sorted(set(_applied)),
+            "not_found": sorted(set(_missing))}  # fmt: skip
 
 
 def install() -> bool:
@@ -179,21 +212,20 @@ def install() -> bool:
         return False
     if _installed:
         return True
-    check_version()
-
     cuda = torch.cuda
-    cuda.current_device = lambda: "cpu"
-    cuda.Event = _Event
-    cuda.Stream = _Stream
-    cuda.current_stream = lambda device=None: _CURRENT_STREAM
-    cuda.stream = lambda stream=None: contextlib.nullcontext()
-    cuda.synchronize = lambda device=None: None
-    cuda.empty_cache = lambda: None
-    cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
-    cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
-    # torch.manual_seed itself calls cuda.manual_seed_all: seed the CPU generator directly.
-    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
-    cuda.manual_seed_all = lambda seed: None
+    for attr, value in (
+        ("current_device", lambda: "cpu"), ("Event", _Event), ("Stream", _Stream),
+        ("current_stream", lambda device=None: _CURRENT_STREAM), ("stream", lambda stream=None: contextlib.nullcontext()),
+        ("synchronize", lambda device=None: None), ("empty_cache", lambda: None),
+        ("get_rng_state", lambda device="cuda": torch.get_rng_state()),
+        ("set_rng_state", lambda state, device="cuda": torch.set_rng_state(state)),
+        # torch.manual_seed itself calls cuda.manual_seed_all: seed the CPU generator directly.
+        ("manual_seed", lambda seed: torch.default_generator.manual_seed(int(seed))),
+        ("manual_seed_all", lambda seed: None),
+        # finalize_model_grads asks before its graph-safe paths (main); no CPU stream captures.
+        ("is_current_stream_capturing", lambda: False),
+    ):  # fmt: skip
+        _replace(cuda, attr, value, f"torch.cuda.{attr}")
     torch.Tensor.cuda = lambda self, *a, **k: self
     torch.Tensor.type = _type_names_as_cuda(torch.Tensor.type)
     if not getattr(dist._coalescing_manager, "_gtp_parity_coalescing", False):
@@ -205,35 +237,31 @@ def install() -> bool:
 
     from megatron.core.tensor_parallel import random as mrandom
 
-    mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
-        torch.get_rng_state()
-    )
-    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: (
-        torch.set_rng_state(new_state)
-    )
+    _replace(mrandom, "_get_cuda_rng_state",
+             lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state())  # fmt: skip
+    _replace(mrandom, "_set_cuda_rng_state", lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state))
 
     from megatron.core.tensor_parallel import generalized_tensor_parallelism as gtp
     from megatron.core.tensor_parallel import gtp_api
 
-    gtp.gather_along_first_dim = gather_along_first_dim
-    gtp.reduce_scatter_along_first_dim = reduce_scatter_along_first_dim
-    gtp.in_fp8_activation_recompute_phase = lambda: False
-    gtp.get_dummy_wgrad = get_dummy_wgrad
-    gtp.round_up_to_nearest_multiple = round_up_to_nearest_multiple
-    gtp.nvtx_range_push = lambda *a, **k: None
-    gtp.nvtx_range_pop = lambda *a, **k: None
-    gtp.QuantizedTensor = _NoQuantizedTensor
-    gtp.MXFP8TensorStorage = _NoQuantizedTensor
-    gtp.NVFP4TensorStorage = _NoQuantizedTensor
-    gtp.MXFP8Quantizer = _NoQuantizedTensor
-    gtp._NVFP4AllGatherAsyncHandle = _NoQuantizedTensor
-    gtp.HAVE_TE = True
-    gtp_api.HAVE_GTP = True
+    for attr, value in (
+        ("gather_along_first_dim", gather_along_first_dim), ("reduce_scatter_along_first_dim", reduce_scatter_along_first_dim),
+        ("in_fp8_activation_recompute_phase", lambda: False), ("get_dummy_wgrad", get_dummy_wgrad),
+        ("round_up_to_nearest_multiple", round_up_to_nearest_multiple),
+        ("nvtx_range_push", lambda *a, **k: None), ("nvtx_range_pop", lambda *a, **k: None),
+        ("QuantizedTensor", _NoQuantizedTensor), ("MXFP8TensorStorage", _NoQuantizedTensor),
+        ("NVFP4TensorStorage", _NoQuantizedTensor), ("MXFP8Quantizer", _NoQuantizedTensor),
+        ("_NVFP4AllGatherAsyncHandle", _NoQuantizedTensor), ("HAVE_TE", True),
+    ):  # fmt: skip
+        _replace(gtp, attr, value, f"gtp.{attr}")
+    _replace(gtp_api, "HAVE_GTP", True, "gtp_api.HAVE_GTP")
 
     from megatron.core.transformer.moe import token_dispatcher
 
     # The dispatcher imported the helper by name: its CPU tensors never became numpy split sizes.
-    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    _replace(token_dispatcher, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu,
+             "token_dispatcher.maybe_move_tensor_to_cpu")  # fmt: skip
+    check_version()
 
     _CudaToCpu().__enter__()
     _installed = True
