@@ -60,6 +60,7 @@ def _megatron_norm(script: str, timeout: float) -> tuple[float, float, list[int]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_megatron_cores_l2_norm_is_within_the_norm_bound():
     # megatron-core's own CPU fallback of the multi-tensor L2 norm, against the exact norm
     # (in a subprocess: the compat layer patches torch for the whole process).
@@ -77,6 +78,7 @@ def _same_grads(numel: int) -> tuple[Logical, float]:
     return logical, math.sqrt(float(g.double().pow(2).sum()))
 
 
+@pytest.mark.slow
 def test_grad_norm_rounding_allowance_grows_with_the_summed_elements():
     # The same gradients, two norms 1e-5 apart: rounding for a norm over 2^10 elements
     # (gamma ~ 6e-5), not for one over 16 (gamma ~ 1.5e-6).
@@ -121,6 +123,7 @@ print(json.dumps([float(norm), exact, [g.numel() for g in grads]]))
 """
 
 
+@pytest.mark.slow
 def test_megatron_cores_l2_norm_is_within_the_bound_at_model_scale():
     # megatron-core's own norm over gradients of a hidden-512, 4-layer GPT plus one tensor of
     # 2^25 elements (53M in all): within the bound, which is not vacuous there.

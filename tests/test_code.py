@@ -169,6 +169,7 @@ def test_a_scenario_file_differing_only_in_code_defaults_to_exact(tmp_path):
     assert scenario.load(tmp_path / "d.toml")[0].compare.policy == "noise-floor"  # what the file says wins
 
 
+@pytest.mark.slow
 def test_a_commit_changes_the_side_key(repo):
     path, commits = repo
     (s,) = scenario.load(ASSETS / "tiny.toml")

@@ -71,6 +71,7 @@ def test_version_guard_reads_the_imported_tree_not_the_wheels_metadata(monkeypat
         assert compat.check_version() == "0.18.0"
 
 
+@pytest.mark.slow
 def test_inactive_when_cuda_is_available():
     code = ("import torch; torch.cuda.is_available = lambda: True\n"
             "from harness.backends.megatron import compat\n"

@@ -174,6 +174,7 @@ def test_the_loaded_file_is_tes_pinned_release_and_stays_private():
     assert not [name for name in sys.modules if name.split(".")[0] == "transformer_engine"]
 
 
+@pytest.mark.slow
 def test_megatron_core_imports_after_tes_file_is_loaded():
     te_file_or_skip()
     code = (

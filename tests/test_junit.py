@@ -55,3 +55,18 @@ def test_message_matches_the_shared_one_line_text(tmp_path):
     root = ET.parse(write_junit(run, tmp_path / "j.xml")).getroot()
     summary = synthetic.scenario_summary(run, "bad", "fail", {})
     assert root.find("testsuite/testcase/failure").get("message") == divergence_line(summary)
+
+
+def test_a_fixed_divergence_is_a_passing_testcase(tmp_path):
+    """``fixed`` (a known divergence whose upstream fix the tree holds, holding parity) passes:
+    neither a failure nor an error, nor skipped as a known divergence is."""
+    from harness.report.gate import junit_tree
+    from harness.report.model import expectation_failures
+
+    doc = {"scenarios": [{"scenario": "s", "verdict": "fixed", "expectation": "fixed in c2fd8275d9: parity holds"},
+                         {"scenario": "k", "verdict": "known-divergence"}]}  # fmt: skip
+    suite = junit_tree(doc).getroot().find("testsuite")
+    fixed, known = suite.findall("testcase")
+    assert not list(fixed) and known.find("skipped") is not None
+    assert suite.get("skipped") == "1" and suite.get("errors") == "0" and suite.get("failures") == "0"
+    assert expectation_failures({"scenarios": doc["scenarios"][:1]}) == []

@@ -59,6 +59,7 @@ def test_identity_survives_regeneration_and_edits_elsewhere(tmp_path):
     assert all(shifted[i].line == first[i].line + 2 for i in first)
 
 
+@pytest.mark.slow
 def test_every_target_has_mutants():
     for module in TARGETS:
         ms = mutants_of(module, validate=False)
@@ -73,6 +74,7 @@ def test_a_mutant_gets_its_own_side_key():
     assert len(keys) == 3
 
 
+@pytest.mark.slow
 def test_a_mutant_is_applied_in_a_worker_process_and_undone(tmp_path):
     (tmp_path / "toy_gtp.py").write_text(TOY)
     before = hashlib.sha256((tmp_path / "toy_gtp.py").read_bytes()).hexdigest()
@@ -181,6 +183,7 @@ def test_a_detected_mutant_does_not_run_the_later_scenarios(tmp_path, monkeypatc
     assert len(by_id["x-survives"]["verdicts"]) == 2 and len(by_id["x-killed"]["verdicts"]) == 1
 
 
+@pytest.mark.slow
 def test_the_triage_names_mutants_of_the_installed_source():
     """Every triaged survivor is a mutant the installed megatron-core still generates (identities
     survive regeneration), with a status the score knows and a reason naming its function."""

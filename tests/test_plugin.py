@@ -107,6 +107,7 @@ def outcomes(path: Path, rank: str = "none") -> dict[str, list[list[str]]]:
     return out
 
 
+@pytest.mark.slow
 def test_options_have_ini_twins_with_one_help(project):
     out = " ".join(project.runpytest_subprocess(*plugin_args(), "--help").stdout.str().split())
     for flag, ini, text in (
@@ -118,6 +119,7 @@ def test_options_have_ini_twins_with_one_help(project):
         assert out.count(text) == 2, text
 
 
+@pytest.mark.slow
 def test_marker_and_fixture(project):
     project.makepyfile(test_marked=MARKED_TESTS)
     result = project.runpytest_subprocess(*plugin_args(), "--parity-report", "rep")
@@ -137,6 +139,7 @@ def test_marker_and_fixture(project):
     assert index.count(f'href="test_marked.py_test_marked_pass/scenarios/{SCENARIO}.html"') == 2
 
 
+@pytest.mark.slow
 def test_each_xdist_test_gets_its_own_folder(project, monkeypatch):
     project.makepyfile(test_marked=MARKED_TESTS)
     log = project.path / "runs.jsonl"
@@ -159,6 +162,7 @@ name = "fail-g{candidate.gtp}"
 """
 
 
+@pytest.mark.slow
 def test_matrix_scenarios_are_test_items(project, monkeypatch):
     project.makefile(".toml", m=MATRIX)
     project.makepyfile(test_other="def test_other():\n    pass\n")
@@ -175,6 +179,7 @@ def test_matrix_scenarios_are_test_items(project, monkeypatch):
     result.assert_outcomes(passed=1, failed=1)
 
 
+@pytest.mark.slow
 def test_bad_option_values_name_their_source(project):
     result = project.runpytest_subprocess(*plugin_args(), "--parity-matrix", "nope.toml")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
@@ -214,6 +219,7 @@ def test_zz_rank1_hangs():
 """
 
 
+@pytest.mark.multirank
 def test_under_torchrun_a_failure_on_one_rank_fails_all(project, monkeypatch):
     project.makepyfile(test_dist=DIST_TESTS)
     log = project.path / "runs.jsonl"

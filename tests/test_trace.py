@@ -174,6 +174,7 @@ def test_fingerprint_traces_compare_by_hash_and_name_the_block(tmp_path, monkeyp
     assert summary.first_divergence.tensor == "0.weight"
 
 
+@pytest.mark.slow
 def test_tensors_swapped_inside_a_file_are_refused(tmp_path, capsys):
     """Two same-shaped tensors swapped in a safetensors file pass every shape check; the
     content hash recorded at capture names the altered tensor."""

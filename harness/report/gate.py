@@ -79,7 +79,7 @@ def junit_tree(doc: dict, suite: str = "gtp-parity", run_name: str = "run") -> E
             # A known divergence is not a pass: reported like an expected failure, with its cause.
             el = ET.SubElement(case, "skipped", type=str(s["verdict"]), message=_clean(divergence_line(s)))
             el.text = _clean((s.get("expect") or {}).get("reason", "") or s.get("reason", "") or "")
-        elif s.get("verdict") != Verdict.PASS:
+        elif s.get("verdict") not in (Verdict.PASS, Verdict.FIXED):  # fixed: parity, as its tree's fix says
             el = ET.SubElement(case, "error", message=_clean(divergence_line(s)), type="run-failed")
             el.text = _clean("\n\n".join(f"{role}:\n{msg}" for role, msg in (s.get("error") or {}).items()))
     ET.indent(root)
