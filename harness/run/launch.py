@@ -37,8 +37,10 @@ def _any_heartbeat(job: Job, world: int) -> bool:
 def worker_env(megatron_root: str = "") -> dict[str, str]:
     """The environment every rank runs in (the side key's provenance is computed from it);
     ``megatron_root``: a megatron-core tree put on the path after the harness."""
+    # PYTHONSAFEPATH: the current folder is not put first on the ranks' path, so a run started
+    # inside a Megatron-LM checkout imports the side's megatron-core, not the checkout's.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}  # fmt: skip
+           "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "PYTHONSAFEPATH": "1"}  # fmt: skip
     root = Path(__file__).resolve().parents[2]
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), megatron_root, env.get("PYTHONPATH")]))
     return env
