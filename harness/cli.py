@@ -46,15 +46,48 @@ def _cmd_inject(args) -> int:
 
 
 def _cmd_run(args) -> int:
-    from harness import scenario
     from harness.session import run_scenarios
 
     out = _out_dir(args.out, "--out")
+    return run_scenarios(_scenarios(args), out, parallel=args.jobs, verbose=True, fresh=args.fresh,
+                         compare_jobs=args.compare_jobs)
+
+
+def _scenarios(args) -> list:
+    from harness import scenario
+
     scenarios = _load(args, args.scenario)
     if args.inject:
         scenarios = [_with_fault(s, args.inject, args.inject_side) for s in scenarios]
-    return run_scenarios(scenarios, out, parallel=args.jobs, verbose=True, fresh=args.fresh,
-                         compare_jobs=args.compare_jobs)
+    return scenarios
+
+
+def _cmd_plan(args) -> int:
+    from harness.run.nodes import parse_endpoint
+    from harness.session import plan_launches
+
+    out = _out_dir(args.out, "--out")
+    if args.rdzv_endpoint:
+        parse_endpoint(args.rdzv_endpoint)
+    code = plan_launches(_scenarios(args), out, nnodes=args.nnodes, endpoint=args.rdzv_endpoint, fresh=args.fresh)
+    same = [*(f"--inject {f}" for f in args.inject), *(["--inject-side", args.inject_side] if args.inject else []),
+            *(["--no-limits"] if args.no_limits else [])]  # fmt: skip
+    print("\nthen, once every trace is complete (it reuses them and compares):\n  "
+          + " ".join(["gtp-parity", "collect", args.scenario, *same, "--out", args.out]))
+    return code
+
+
+def _cmd_launch(args) -> int:
+    from harness.session import launch_plan
+
+    return launch_plan(args.plan, args.nnodes, args.node_rank, args.rdzv_endpoint)
+
+
+def _cmd_collect(args) -> int:
+    from harness.session import run_scenarios
+
+    return run_scenarios(_scenarios(args), _out_dir(args.out, "--out"), verbose=True,
+                         compare_jobs=args.compare_jobs, collect=True)  # fmt: skip
 
 
 def _with_fault(s, names: list[str], role: str):
@@ -156,8 +189,9 @@ def _load(args, path: str) -> list:
     from harness import scenario
     from harness.scenario.code import with_code
 
-    return with_code(scenario.load(path, limits=not args.no_limits), every=args.megatron_core,
-                     reference=args.reference_code, candidate=args.candidate_code)  # fmt: skip
+    return with_code(scenario.load(path, limits=not args.no_limits), every=getattr(args, "megatron_core", None),
+                     reference=getattr(args, "reference_code", None),
+                     candidate=getattr(args, "candidate_code", None))  # fmt: skip
 
 
 def _code_options(p: argparse.ArgumentParser) -> None:
@@ -288,18 +322,49 @@ def _mutate_parser(sub) -> None:
     mu.set_defaults(fn=_cmd_mutate)
 
 
+def _scenario_args(p: argparse.ArgumentParser) -> None:
+    """What names a scenario's sides (their keys): ``plan``, ``collect`` and ``run`` agree on them."""
+    p.add_argument("scenario", help="scenario or matrix TOML file")
+    p.add_argument("--out", default="runs/latest", help="output folder (default: runs/latest)")
+    p.add_argument("--inject", action="append", default=[], metavar="FAULT",
+                   help="plant a fault in the candidate (see `gtp-parity inject --list`)")
+    p.add_argument("--inject-side", default="candidate", choices=["reference", "candidate"])
+
+
+def _node_parsers(sub) -> None:
+    pl = sub.add_parser("plan", help="write the launch plans of a scenario and print what each node runs (no launch)")
+    _scenario_args(pl)
+    pl.add_argument("--nnodes", type=_positive_int, default=1, help="nodes each launch is spread over (default 1)")
+    pl.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="node rank 0's address and a free port")
+    pl.add_argument("--fresh", action="store_true", help="plan every side again, even those with a complete trace")
+    _limits_option(pl)
+    pl.set_defaults(fn=_cmd_plan)
+
+    la = sub.add_parser("launch", help="run this node's share of a planned launch under torchrun, watched")
+    la.add_argument("plan", help="a launch plan written by `gtp-parity plan` (RUN/launches/plan-*.json)")
+    la.add_argument("--nnodes", type=_positive_int, default=1, help="nodes the launch is spread over (default 1)")
+    la.add_argument("--node-rank", type=_count, default=0, help="this node's rank, 0 .. nnodes-1 (default 0)")
+    la.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="node rank 0's address and a free port (c10d)")
+    la.set_defaults(fn=_cmd_launch)
+
+    co = sub.add_parser("collect", help="compare a planned scenario's complete traces; launch nothing")
+    _scenario_args(co)
+    co.add_argument("--compare-jobs", type=_positive_int, default=1,
+                    help="compare processes comparing each scenario's tensors (default 1)")
+    _limits_option(co)
+    co.set_defaults(fn=_cmd_collect)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="gtp-parity", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     r = sub.add_parser("run", help="run a scenario (or matrix) file and compare its sides")
-    r.add_argument("scenario", help="scenario or matrix TOML file")
-    r.add_argument("--out", default="runs/latest", help="output folder (default: runs/latest)")
-    r.add_argument("--inject", action="append", default=[], metavar="FAULT",
-                   help="plant a fault in the candidate (see `gtp-parity inject --list`)")
-    r.add_argument("--inject-side", default="candidate", choices=["reference", "candidate"])
+    _scenario_args(r)
     _run_options(r)
     r.set_defaults(fn=_cmd_run)
+
+    _node_parsers(sub)
 
     m = sub.add_parser("matrix", help="run a matrix, write the HTML report and JUnit, gate on parity")
     m.add_argument("matrix", nargs="?", default="scenarios/default.toml",

@@ -10,14 +10,16 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from harness.common.errors import EXIT_PARITY_FAIL, EXIT_PASS, EXIT_RUN_FAILED, RunFailed
+from harness.common.errors import EXIT_PARITY_FAIL, EXIT_PASS, EXIT_RUN_FAILED, BadInput, RunFailed
 from harness.common.jsonio import write_json
 from harness.compare import split
 from harness.compare.outcome import compare_scenario, scenario_config
 from harness.compare.summary import ScenarioSummary, Verdict, overall
 from harness.run.code import CodeTree, check_imports, resolve_all
-from harness.run.launch import worker_env
-from harness.run.plan import execute, job_for, plan
+from harness.run.job import Job
+from harness.run.launch import launch, mark_interrupted, worker_env
+from harness.run.nodes import Nodes, node_commands, read_plan
+from harness.run.plan import clear_incomplete, execute, job_for, launches, pending_jobs, plan, write_plans
 from harness.run.provenance import code_identity
 from harness.scenario import Role, Scenario
 
@@ -63,9 +65,18 @@ def check_trees(trees: dict[str, CodeTree], scenarios: list[Scenario]) -> None:
             check_imports(tree, where, worker_env(tree.root))
 
 
+def plan_checked(scenarios: list[Scenario], out: Path) -> dict[str, dict[str, Job]]:
+    """The scenarios' jobs, every megatron-core tree resolved and imported once first."""
+    trees = resolve_all(scenarios)
+    check_trees(trees, scenarios)
+    return plan(scenarios, out, trees=trees)
+
+
 def run_scenarios(scenarios: list[Scenario], out: Path, parallel: int = 2, verbose: bool = False,
-                  fresh: bool = False, compare_jobs: int = 1) -> int:
-    """Run, compare and summarize every scenario; return the exit code of the worst."""
+                  fresh: bool = False, compare_jobs: int = 1, collect: bool = False) -> int:
+    """Run, compare and summarize every scenario; return the exit code of the worst.
+    ``collect``: launch nothing, compare the traces already complete (``gtp-parity collect``:
+    sides run by ``gtp-parity plan``'s launches); a side without one is an error naming why."""
     say = print if verbose else (lambda *a, **k: None)
     out.mkdir(parents=True, exist_ok=True)
     skipped, runnable = [], []
@@ -80,12 +91,10 @@ def run_scenarios(scenarios: list[Scenario], out: Path, parallel: int = 2, verbo
         skipped.append(summary)
     scenarios = runnable
     check_mlm_flags(scenarios)
-    trees = resolve_all(scenarios)
-    check_trees(trees, scenarios)
-    by_scenario = plan(scenarios, out, trees=trees)
+    by_scenario = plan_checked(scenarios, out)
     say(f"gtp-parity: {len(scenarios)} scenario(s), "
         f"{len({j.key for r in by_scenario.values() for j in r.values()})} distinct side(s) -> {out}")  # fmt: skip
-    failures = execute(by_scenario, scenarios, out, parallel=parallel, progress=say, fresh=fresh)
+    failures = execute(by_scenario, scenarios, out, parallel=parallel, progress=say, fresh=fresh, collect=collect)
     worst = EXIT_PASS
     results = []
     for s in scenarios:
@@ -112,6 +121,55 @@ def run_scenarios(scenarios: list[Scenario], out: Path, parallel: int = 2, verbo
     write_json(out / "summary.json", {"scenarios": [r.to_json() for r in results],
                                       "verdict": overall(r.verdict for r in results)})  # fmt: skip
     return worst
+
+
+def plan_launches(scenarios: list[Scenario], out: Path, nnodes: int = 1, endpoint: str | None = None,
+                  fresh: bool = False, say=print) -> int:  # fmt: skip
+    """``gtp-parity plan``: write the launch plans of every side without a complete trace under
+    ``out/launches`` (paths made absolute: every node reads them) and print what runs each;
+    launch nothing. Incomplete traces of those sides are removed, as ``run`` would."""
+    out = out.resolve()
+    scenarios = [s for s in scenarios if skip_reason(s) is None]
+    check_mlm_flags(scenarios)
+    by_scenario = plan_checked(scenarios, out)
+    pending = pending_jobs(by_scenario, fresh=fresh, progress=say)
+    batches = launches(by_scenario, scenarios, pending)
+    clear_incomplete(pending.values())
+    paths = write_plans(batches, out)
+    say(f"gtp-parity: {len(scenarios)} scenario(s), {len(pending)} side(s) to run in {len(batches)} launch(es), "
+        f"one after another -> {out}")  # fmt: skip
+    root = Path(__file__).resolve().parents[1]
+    for b, path in zip(batches, paths):
+        where, lines = node_commands(b.name, path, b.world, nnodes, endpoint, root)
+        say(f"\nlaunch {b.name}: {len(b.jobs)} side(s), world {b.world}, {where}; any one of:")
+        for how, line in lines:
+            say(f"  # {how}\n  {line}")
+    return EXIT_PASS
+
+
+def launch_plan(path: str, nnodes: int = 1, node_rank: int = 0, endpoint: str | None = None, say=print) -> int:
+    """``gtp-parity launch PLAN``: run this node's share of a planned launch under torchrun,
+    watched as ``run`` watches its launches (timeouts, heartbeats, failures named by node and
+    rank). Bad flags are refused before anything starts."""
+    doc = read_plan(path)
+    nodes = Nodes.of(nnodes, node_rank, endpoint, doc["world"])
+    try:
+        jobs = [Job.from_json(j) for j in doc["jobs"]]
+        timeout_s = {k: float(v) for k, v in doc.get("timeout_s", {}).items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise BadInput(path, f"not a launch plan: a malformed job ({type(e).__name__}: {e})") from None
+    plan_path = Path(path).resolve()
+    try:
+        wall = launch(jobs, world=doc["world"], timeout_s=timeout_s, workdir=plan_path.parent, name=doc["name"],
+                      nodes=nodes, plan=plan_path)  # fmt: skip
+    except KeyboardInterrupt:  # the launch's ranks are already ended (launch's finally)
+        mark_interrupted(jobs, doc["world"])
+        raise
+    on = f" (node {node_rank} of {nnodes})" if nnodes > 1 else ""
+    say(f"launch {doc['name']}{on}: {len(jobs)} side(s) on {doc['world']} rank(s) in {wall:.1f} s")
+    for job in jobs:
+        say(f"  {job.side.label()}: {job.trace_dir}")
+    return EXIT_PASS
 
 
 def compare_traces(ref: Path, cand: Path, golden: Path | None, out: Path,

@@ -1,15 +1,20 @@
-"""The per-rank entry point: ``python -m harness.backends.worker PLAN`` under torchrun (or alone, world 1).
+"""The per-rank entry point: ``python -m harness.backends.worker PLAN`` under torchrun, under
+SLURM's ``srun`` (rank, world size and local rank from SLURM's variables, the store at
+``MASTER_ADDR:MASTER_PORT``: :func:`harness.run.nodes.rank_env`), or alone (world 1).
 
 A plan is a JSON list of jobs of one world size. The worker runs them in sequence in this
 one process (launch cost dominates small runs), resetting megatron-core's state between
 them. A job whose trace is already complete is skipped, so equal sides are run once.
 
-On an exception the rank writes ``rank{r}/error.json`` (rank, step, phase, traceback) in the
-job's trace before exiting non-zero; the launcher turns it into a message.
+On an exception the rank writes ``rank{r}/error.json`` (rank, node, step, traceback) in the
+job's trace before exiting non-zero; the launcher turns it into a message. On a machine with
+CUDA each rank binds ``cuda:<local rank>`` and the process group sends CUDA tensors over NCCL
+(CPU tensors over gloo); on CPU it is gloo alone, as it always was.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import sys
@@ -22,6 +27,7 @@ import torch.distributed as dist
 from harness import backends
 from harness.backends import data as data_mod
 from harness.run.job import Job
+from harness.run.nodes import RankEnv, rank_env
 from harness.capture.api import Capture
 from harness.common.mesh import Mesh
 from harness.scenario.parse import CapturePolicy, DataConfig, ModelConfig, Side
@@ -29,18 +35,18 @@ from harness.capture.trace import is_complete
 from harness.common.jsonio import write_json
 
 
-def run_job(job: Job, rank: int, world: int) -> None:
+def run_job(job: Job, rank: int, world: int, node: int = 0) -> None:
     trace_dir = Path(job.trace_dir)
     side = job.side
     coord = data_mod.coord(rank, side)
     mesh = Mesh.of_side(side).sizes()  # with the pipeline axis where there is one
-    cap = Capture(trace_dir, rank=rank, world_size=world, coord=coord, mesh=mesh, policy=job.capture)
+    cap = Capture(trace_dir, rank=rank, world_size=world, coord=coord, mesh=mesh, policy=job.capture, node=node)
     try:
         backends.run(job, cap)
     except BaseException as e:
         write_json(
             trace_dir / f"rank{rank}" / "error.json",
-            {"rank": rank, "step": cap.step, "error": f"{type(e).__name__}: {e}",
+            {"rank": rank, "node": node, "step": cap.step, "error": f"{type(e).__name__}: {e}",
              "traceback": traceback.format_exc()},  # fmt: skip
         )
         raise
@@ -67,25 +73,49 @@ def _stand_ins() -> dict:
     return {"stand_ins": found} if compat is not None and (found := compat.applied()) else {}
 
 
+def process_group_backend(local_rank: int) -> str:
+    """gloo on CPU; where CUDA is usable, bind ``cuda:<local rank>`` and route CUDA tensors
+    over NCCL (the backends' CPU tensors, the golden's, still go over gloo)."""
+    if not torch.cuda.is_available():
+        return "gloo"
+    torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    return "cpu:gloo,cuda:nccl"
+
+
+def init_group(who: RankEnv, jobs: list[Job], timeout_s: float) -> None:
+    backend = process_group_backend(who.local_rank)
+    if who.world > 1 and who.launcher == "slurm":
+        # srun started the ranks: rank 0 hosts the store at MASTER_ADDR:MASTER_PORT (env://),
+        # and a rank that never comes ends the wait after the plan's longest budget.
+        dist.init_process_group(backend, rank=who.rank, world_size=who.world,
+                                timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
+    elif who.world > 1:
+        dist.init_process_group(backend, rank=who.rank, world_size=who.world)  # torchrun's store
+    elif any(j.side.backend in ("megatron", "mlm") for j in jobs):
+        # One rank needs no rendezvous: an in-process store, no port to collide on.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
 def main(argv: list[str]) -> int:
     plan = json.loads(Path(argv[0]).read_text())
     jobs = [Job.from_json(j) for j in plan["jobs"]]
-    rank = int(os.environ.get("RANK", 0))
-    world = int(os.environ.get("WORLD_SIZE", 1))
+    try:
+        who = rank_env(dict(os.environ), plan.get("world", jobs[0].side.world_size))
+        for job in jobs:
+            if job.side.world_size != who.world:
+                raise ValueError(f"job {job.key} needs world size {job.side.world_size}, launched with {who.world}")
+    except ValueError as e:
+        print(f"harness.backends.worker: {e}", file=sys.stderr)
+        return 2
+    rank, world = who.rank, who.world
     torch.set_num_threads(1)  # ranks share the cores; one thread keeps CPU GEMMs deterministic
     torch.use_deterministic_algorithms(True)
-    if world > 1:
-        dist.init_process_group("gloo", rank=rank, world_size=world)  # torchrun's store
-    elif any(j.side.backend in ("megatron", "mlm") for j in jobs):
-        # One rank needs no rendezvous: an in-process store, no port to collide on.
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    init_group(who, jobs, max(plan.get("timeout_s", {}).values(), default=600.0) + 180.0)
     try:
         for job in jobs:
-            if job.side.world_size != world:
-                raise ValueError(f"job {job.key} needs world size {job.side.world_size}, launched with {world}")
             if is_complete(job.trace_dir):
                 continue
-            run_job(job, rank, world)
+            run_job(job, rank, world, who.node)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

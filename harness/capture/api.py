@@ -137,9 +137,12 @@ class Capture:
         coord: Mapping[str, int],
         mesh: Mapping[str, int],
         policy: CapturePolicy = CapturePolicy(),
+        node: int | None = None,
     ):
         self.dir = Path(trace_dir)
         self.rank, self.world_size = rank, world_size
+        self.node = node
+        """The node (machine) this rank runs on, named in its heartbeat (None: not recorded)."""
         self.coord, self.mesh, self.policy = dict(coord), dict(mesh), policy
         self.rank_dir = self.dir / f"rank{rank}"
         self.rank_dir.mkdir(parents=True, exist_ok=True)
@@ -279,7 +282,8 @@ class Capture:
 
     def progress(self, phase: str) -> None:
         """Heartbeat read by the launcher to name the last step a hung or crashed rank reached."""
-        write_json(self.rank_dir / "progress.json", {"rank": self.rank, "step": self.step, "phase": phase})
+        beat = {"rank": self.rank, "step": self.step, "phase": phase}
+        write_json(self.rank_dir / "progress.json", beat if self.node is None else {**beat, "node": self.node})
 
     def end_step(self) -> None:
         """Hand the step's copies to the writer thread: it fingerprints or hashes them, writes

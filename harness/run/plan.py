@@ -23,8 +23,9 @@ from harness.capture import trace
 from harness.run.job import Job
 from harness.scenario.checkpoint import saver_side
 from harness.common.errors import RunFailed
+from harness.common.jsonio import write_json
 from harness.run.code import CodeTree, resolve_all
-from harness.run.launch import Interrupted, launch, worker_env
+from harness.run.launch import Interrupted, describe_pending, launch, worker_env, write_plan
 from harness.run.provenance import code_identity
 from harness.scenario import COMPARED_ROLES, Role, Scenario
 
@@ -86,20 +87,20 @@ def plan(scenarios: list[Scenario], out: Path, provenance: dict | None = None,
     return by_scenario
 
 
-def execute(
-    by_scenario: dict[str, dict[str, Job]],
-    scenarios: list[Scenario],
-    out: Path,
-    parallel: int = 2,
-    progress=print,
-    fresh: bool = False,
-) -> dict[str, str]:
-    """Run every job whose trace is not complete (every job if ``fresh``). Return job key ->
-    error message for failed ones."""
-    timeout = {}
-    for s in scenarios:
-        for job in by_scenario[s.name].values():
-            timeout[job.key] = max(timeout.get(job.key, 0.0), s.timeout_s)
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """Jobs of one world size that run in one torchrun launch (or one launch over nodes)."""
+
+    name: str
+    world: int
+    phase: int
+    """0: it saves checkpoints, and runs before every phase-1 launch (which may load them)."""
+    jobs: list[Job]
+    timeout_s: dict[str, float]
+
+
+def pending_jobs(by_scenario: dict[str, dict[str, Job]], fresh: bool = False, progress=print) -> dict[str, Job]:
+    """Key -> job of every job whose trace is not complete (every job if ``fresh``)."""
     pending = {}
     for roles in by_scenario.values():
         for job in roles.values():
@@ -108,36 +109,84 @@ def execute(
             if not fresh and trace.is_complete(job.trace_dir):
                 progress(f"  reused {job.side.label()}: {job.trace_dir} (same configuration and code)")
                 continue
-            # An incomplete trace left by an earlier failed run is not resumed.
-            shutil.rmtree(job.trace_dir, ignore_errors=True)
             pending[job.key] = job
+    return pending
+
+
+def launches(by_scenario: dict[str, dict[str, Job]], scenarios: list[Scenario],
+             pending: dict[str, Job]) -> list[Launch]:  # fmt: skip
+    """The pending jobs grouped into launches, in the order they must run (savers first)."""
+    timeout = {}
+    for s in scenarios:
+        for job in by_scenario[s.name].values():
+            timeout[job.key] = max(timeout.get(job.key, 0.0), s.timeout_s)
     groups = defaultdict(list)
     for job in pending.values():  # checkpoints are saved (phase 0) before sides load them
         groups[(0 if job.side.save_step else 1, job.side.world_size, job.megatron_root)].append(job)
-    phases = defaultdict(list)
+    out = []
     trees = sorted({root for (_, _, root) in groups})  # a launch imports one megatron-core
     for (phase, world, root), jobs in sorted(groups.items()):
         for i in range(0, len(jobs), MAX_JOBS_PER_LAUNCH):
             code = f"-code{trees.index(root)}" if root else ""
             tag = f"w{world}{code}-{i // MAX_JOBS_PER_LAUNCH}" + ("-save" if phase == 0 else "")
-            phases[phase].append((world, jobs[i : i + MAX_JOBS_PER_LAUNCH], tag))
+            batch = jobs[i : i + MAX_JOBS_PER_LAUNCH]
+            out.append(Launch(tag, world, phase, batch, {j.key: timeout[j.key] for j in batch}))
+    return out
+
+
+def clear_incomplete(jobs) -> None:
+    """An incomplete trace left by an earlier failed run is not resumed: remove it."""
+    for job in jobs:
+        shutil.rmtree(job.trace_dir, ignore_errors=True)
+
+
+def write_plans(batches: list[Launch], out: Path) -> list[Path]:
+    """Write every launch's plan under ``out/launches`` (read by every rank of every node), and
+    ``out/launches/plans.json`` listing them in the order they run; return the plans' paths."""
+    paths = [write_plan(out / "launches" / f"plan-{b.name}.json", b.jobs, world=b.world, name=b.name,
+                        timeout_s=b.timeout_s) for b in batches]  # fmt: skip
+    write_json(out / "launches" / "plans.json", {"launches": [
+        {"name": b.name, "world": b.world, "phase": b.phase, "plan": str(p),
+         "sides": [{"side": j.side.label(), "key": j.key, "trace_dir": j.trace_dir} for j in b.jobs]}
+        for b, p in zip(batches, paths)]})  # fmt: skip
+    return paths
+
+
+def execute(
+    by_scenario: dict[str, dict[str, Job]],
+    scenarios: list[Scenario],
+    out: Path,
+    parallel: int = 2,
+    progress=print,
+    fresh: bool = False,
+    collect: bool = False,
+) -> dict[str, str]:
+    """Run every job whose trace is not complete (every job if ``fresh``). Return job key ->
+    error message for failed ones. ``collect``: launch nothing; every job without a complete
+    trace fails, its message saying why (not run, or how far its ranks got)."""
+    pending = pending_jobs(by_scenario, fresh=fresh and not collect, progress=progress)
+    if collect:
+        return {key: describe_pending(job, job.side.world_size) for key, job in pending.items()}
+    clear_incomplete(pending.values())
+    phases = defaultdict(list)
+    for b in launches(by_scenario, scenarios, pending):
+        phases[b.phase].append(b)
     failures: dict[str, str] = {}
 
     stop = threading.Event()
 
-    def one(batch):
-        world, jobs, name = batch
+    def one(b: Launch):
         if stop.is_set():
             return
         try:
-            wall = launch(jobs, world=world, timeout_s={j.key: timeout[j.key] for j in jobs},
-                          workdir=out / "launches", name=name, stop=stop)
-            progress(f"  launch {name}: {len(jobs)} side(s) on {world} rank(s) in {wall:.1f} s")
+            wall = launch(b.jobs, world=b.world, timeout_s=b.timeout_s, workdir=out / "launches", name=b.name,
+                          stop=stop)  # fmt: skip
+            progress(f"  launch {b.name}: {len(b.jobs)} side(s) on {b.world} rank(s) in {wall:.1f} s")
         except Interrupted:
             pass
         except RunFailed as e:
-            progress(f"  launch {name} FAILED: {e}")
-            for j in jobs:
+            progress(f"  launch {b.name} FAILED: {e}")
+            for j in b.jobs:
                 if not trace.is_complete(j.trace_dir):
                     failures[j.key] = str(e)
 
