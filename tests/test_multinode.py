@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 
 from harness.capture import trace
-from harness.run.launch import worker_env
 from helpers import ASSETS, ROOT
 
 pytestmark = pytest.mark.multirank

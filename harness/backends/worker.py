@@ -30,7 +30,6 @@ from harness.run.job import Job
 from harness.run.nodes import RankEnv, rank_env
 from harness.capture.api import Capture
 from harness.common.mesh import Mesh
-from harness.scenario.parse import CapturePolicy, DataConfig, ModelConfig, Side
 from harness.capture.trace import is_complete
 from harness.common.jsonio import write_json
 

@@ -20,7 +20,6 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from dataclasses import asdict
 from pathlib import Path
 
 from harness.run.job import Job

@@ -11,7 +11,6 @@ compares with any side of the same model.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from harness.scenario import rules
 from harness.backends.mlm.args import check_flags

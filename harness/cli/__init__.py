@@ -13,13 +13,10 @@ import sys
 import threading
 from pathlib import Path
 
+from harness.cli import trees
+from harness.cli.args import Parser, count, limits_option, non_negative, out_dir, positive_int
 from harness.common.errors import EXIT_BAD_INPUT, BadInput, HarnessError
 from harness.scenario.parse import POLICIES
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse exits 2 on bad arguments, which is our bad-input code
-        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _cmd_validate(args) -> int:
@@ -48,14 +45,12 @@ def _cmd_inject(args) -> int:
 def _cmd_run(args) -> int:
     from harness.session import run_scenarios
 
-    out = _out_dir(args.out, "--out")
+    out = out_dir(args.out, "--out")
     return run_scenarios(_scenarios(args), out, parallel=args.jobs, verbose=True, fresh=args.fresh,
                          compare_jobs=args.compare_jobs)
 
 
 def _scenarios(args) -> list:
-    from harness import scenario
-
     scenarios = _load(args, args.scenario)
     if args.inject:
         scenarios = [_with_fault(s, args.inject, args.inject_side) for s in scenarios]
@@ -66,7 +61,7 @@ def _cmd_plan(args) -> int:
     from harness.run.nodes import parse_endpoint
     from harness.session import plan_launches
 
-    out = _out_dir(args.out, "--out")
+    out = out_dir(args.out, "--out")
     if args.rdzv_endpoint:
         parse_endpoint(args.rdzv_endpoint)
     code = plan_launches(_scenarios(args), out, nnodes=args.nnodes, endpoint=args.rdzv_endpoint, fresh=args.fresh)
@@ -86,7 +81,7 @@ def _cmd_launch(args) -> int:
 def _cmd_collect(args) -> int:
     from harness.session import run_scenarios
 
-    return run_scenarios(_scenarios(args), _out_dir(args.out, "--out"), verbose=True,
+    return run_scenarios(_scenarios(args), out_dir(args.out, "--out"), verbose=True,
                          compare_jobs=args.compare_jobs, collect=True)  # fmt: skip
 
 
@@ -96,26 +91,14 @@ def _with_fault(s, names: list[str], role: str):
     return plant([s], names, role, where="--inject", side_where="--inject-side")[0]
 
 
-def _out_dir(path: str, flag: str) -> Path:
-    """An output folder: it may exist (runs are resumed), but must not be a file."""
-    out = Path(path)
-    if out.exists() and not out.is_dir():
-        raise BadInput(flag, f"{path} exists and is not a folder")
-    for parent in out.parents:
-        if parent.exists() and not parent.is_dir():
-            raise BadInput(flag, f"{parent} is not a folder")
-    return out
-
-
 def _cmd_matrix(args) -> int:
     from harness import report
-    from harness import scenario
     from harness.common.errors import EXIT_PARITY_FAIL
     from harness.session import run_scenarios
 
     if args.update_baseline and not args.baseline:
         raise BadInput("--update-baseline", "needs --baseline DIR to write to")
-    out, report_dir = _out_dir(args.out, "--out"), _out_dir(args.report, "--report")
+    out, report_dir = out_dir(args.out, "--out"), out_dir(args.report, "--report")
     scenarios = _load(args, args.matrix)
     code = run_scenarios(scenarios, out, parallel=args.jobs, verbose=True, fresh=args.fresh,
                          compare_jobs=args.compare_jobs)
@@ -138,7 +121,7 @@ def _cmd_report(args) -> int:
 
     if not (Path(args.run) / "summary.json").is_file():
         raise BadInput(args.run, "not a run folder (no summary.json)")
-    print(f"report: {report.write_index(Path(args.run), _out_dir(args.out, '--out'))}")
+    print(f"report: {report.write_index(Path(args.run), out_dir(args.out, '--out'))}")
     if args.junit:
         print(f"junit: {report.write_junit(Path(args.run), Path(args.junit))}")
     return 0
@@ -151,37 +134,9 @@ def _cmd_compare(args) -> int:
     chosen = {k: getattr(args, k) for k in ("policy", "k", "k_first_step", "floor")}
     chosen = {k: v for k, v in chosen.items() if v is not None}
     golden = Path(args.golden) if args.golden else None
-    return compare_traces(Path(args.reference), Path(args.candidate), golden, _out_dir(args.out, "--out"),
+    return compare_traces(Path(args.reference), Path(args.candidate), golden, out_dir(args.out, "--out"),
                           ComparePolicy(**chosen) if chosen else None, verify=not args.no_verify,
                           jobs=args.jobs)  # fmt: skip
-
-
-def _non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
-
-
-def _int_at_least(low: int):
-    """An argparse type: an integer >= ``low``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
-        return value
-
-    return parse
-
-
-_positive_int, _count = _int_at_least(1), _int_at_least(0)
 
 
 def _load(args, path: str) -> list:
@@ -207,18 +162,13 @@ def _code_options(p: argparse.ArgumentParser) -> None:
 def _run_options(p: argparse.ArgumentParser) -> None:
     """Options shared by ``run`` and ``matrix``."""
     _code_options(p)
-    p.add_argument("--jobs", type=_positive_int, default=min(2, os.cpu_count() or 1),
+    p.add_argument("--jobs", type=positive_int, default=min(2, os.cpu_count() or 1),
                    help="launches run at once (default: 2)")
-    p.add_argument("--compare-jobs", type=_positive_int, default=1,
+    p.add_argument("--compare-jobs", type=positive_int, default=1,
                    help="compare processes comparing each scenario's tensors (default 1)")
     p.add_argument("--fresh", action="store_true",
                    help="run every side again, even where a complete trace of the same configuration and code exists")
-    _limits_option(p)
-
-
-def _limits_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--no-limits", action="store_true",
-                   help="lift the size limits on models, steps and world sizes (see README: Reliability)")
+    limits_option(p)
 
 
 def _cmd_mlm(args) -> int:
@@ -228,7 +178,7 @@ def _cmd_mlm(args) -> int:
     flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
     if not flags:
         raise BadInput("gtp-parity mlm", "give the pretrain_gpt.py flags after --")
-    path = run_mlm_command(flags, args.nproc, _out_dir(args.out, "--out"), args.timeout)
+    path = run_mlm_command(flags, args.nproc, out_dir(args.out, "--out"), args.timeout)
     t = trace.read(path)
     rows = sorted((s["step"], s["name"], s["value"]) for s in t.scalars if s["rank"] == 0
                   and s["name"] in ("reduced_loss", "grad_norm", "lr_logged"))  # fmt: skip
@@ -252,69 +202,15 @@ def _cmd_mutate(args) -> int:
     return mutate_main(args)
 
 
-def _cmd_canary(args) -> int:
-    from harness.codecheck.gate import canary
-
-    return canary(args.megatron_core, _out_dir(args.out, "--out"))
-
-
-def _cmd_gate(args) -> int:
-    from harness.codecheck.gate import gate
-
-    return gate(args.matrix, args.base, args.head, _out_dir(args.out, "--out"), parallel=args.jobs,
-                limits=not args.no_limits)  # fmt: skip
-
-
-def _cmd_bisect(args) -> int:
-    from harness.codecheck.bisect import bisect
-
-    return bisect(Path(args.repo), args.old, args.new, args.scenario, _out_dir(args.out, "--out"))
-
-
-def _cmd_bisect_step(args) -> int:
-    from harness.codecheck.bisect import step
-
-    return step(Path(args.repo), args.old_verdict, args.scenario, Path(args.out))
-
-
-def _codecheck_parsers(sub) -> None:
-    """canary, gate, bisect: checks across megatron-core trees (SPEC: see --megatron-core)."""
-    c = sub.add_parser("canary", help="does the CPU layer hold on a megatron-core tree? (tiny, GTP on/off, fp32)")
-    c.add_argument("--megatron-core", metavar="SPEC", required=True, help="installed, a folder, or git:REPO@REV")
-    c.add_argument("--out", default="runs/canary")
-    c.set_defaults(fn=_cmd_canary)
-    g = sub.add_parser("gate", help="a matrix on two megatron-core trees: fail where head changes what GTP trains")
-    g.add_argument("matrix", nargs="?", default="scenarios/default.toml")
-    g.add_argument("--base", metavar="SPEC", required=True, help="the tree before the change")
-    g.add_argument("--head", metavar="SPEC", required=True, help="the tree after it")
-    g.add_argument("--out", default="runs/gate")
-    g.add_argument("--jobs", type=_positive_int, default=min(2, os.cpu_count() or 1), help="launches run at once")
-    _limits_option(g)
-    g.set_defaults(fn=_cmd_gate)
-    b = sub.add_parser("bisect", help="the first commit between OLD and NEW whose verdict differs from OLD's")
-    b.add_argument("scenario", help="a scenario file holding one scenario")
-    b.add_argument("--repo", required=True, help="a git repository holding megatron/ (a Megatron-LM clone)")
-    b.add_argument("--old", required=True, metavar="REV")
-    b.add_argument("--new", required=True, metavar="REV")
-    b.add_argument("--out", default="runs/bisect", help="one run folder per commit tested")
-    b.set_defaults(fn=_cmd_bisect)
-    s = sub.add_parser("bisect-step", help="one step of git bisect run (used by bisect)")
-    s.add_argument("scenario")
-    s.add_argument("--repo", required=True)
-    s.add_argument("--old-verdict", required=True)
-    s.add_argument("--out", required=True)
-    s.set_defaults(fn=_cmd_bisect_step)
-
-
 def _mutate_parser(sub) -> None:
     mu = sub.add_parser("mutate", help="mutation campaign over megatron-core's GTP code: the harness's detection power")
     mu.add_argument("--target", action="append", metavar="MODULE", help="module of the GTP path (default: all)")
     mu.add_argument("--matrix", help="scenarios each mutant runs (default: scenarios/mutate.toml)")
-    mu.add_argument("--budget", type=_count, default=150,
+    mu.add_argument("--budget", type=count, default=150,
                     help="mutants to run, spread over files and operators (default 150; 0: all)")
     mu.add_argument("--mutant", action="append", metavar="ID", help="run these mutants only (repeatable)")
-    mu.add_argument("--timeout", type=_non_negative, default=90.0, help="seconds per mutant side (default 90)")
-    mu.add_argument("--per-launch", type=_positive_int, default=12, help="mutant sides per launch (default 12)")
+    mu.add_argument("--timeout", type=non_negative, default=90.0, help="seconds per mutant side (default 90)")
+    mu.add_argument("--per-launch", type=positive_int, default=12, help="mutant sides per launch (default 12)")
     mu.add_argument("--retriage", action="store_true",
                     help="apply the triage file (harness/mutation/triage.toml) to the campaign in --out again (no run)")
     mu.add_argument("--show", metavar="ID", help="print a mutant's diff and the localization it got")
@@ -334,30 +230,30 @@ def _scenario_args(p: argparse.ArgumentParser) -> None:
 def _node_parsers(sub) -> None:
     pl = sub.add_parser("plan", help="write the launch plans of a scenario and print what each node runs (no launch)")
     _scenario_args(pl)
-    pl.add_argument("--nnodes", type=_positive_int, default=1, help="nodes each launch is spread over (default 1)")
+    pl.add_argument("--nnodes", type=positive_int, default=1, help="nodes each launch is spread over (default 1)")
     pl.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="node rank 0's address and a free port")
     pl.add_argument("--fresh", action="store_true", help="plan every side again, even those with a complete trace")
-    _limits_option(pl)
+    limits_option(pl)
     pl.set_defaults(fn=_cmd_plan)
 
     la = sub.add_parser("launch", help="run this node's share of a planned launch under torchrun, watched")
     la.add_argument("plan", help="a launch plan written by `gtp-parity plan` (RUN/launches/plan-*.json)")
-    la.add_argument("--nnodes", type=_positive_int, default=1, help="nodes the launch is spread over (default 1)")
-    la.add_argument("--node-rank", type=_count, default=0, help="this node's rank, 0 .. nnodes-1 (default 0)")
+    la.add_argument("--nnodes", type=positive_int, default=1, help="nodes the launch is spread over (default 1)")
+    la.add_argument("--node-rank", type=count, default=0, help="this node's rank, 0 .. nnodes-1 (default 0)")
     la.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="node rank 0's address and a free port (c10d)")
     la.set_defaults(fn=_cmd_launch)
 
     co = sub.add_parser("collect", help="compare a planned scenario's complete traces; launch nothing")
     _scenario_args(co)
-    co.add_argument("--compare-jobs", type=_positive_int, default=1,
+    co.add_argument("--compare-jobs", type=positive_int, default=1,
                     help="compare processes comparing each scenario's tensors (default 1)")
-    _limits_option(co)
+    limits_option(co)
     co.set_defaults(fn=_cmd_collect)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="gtp-parity", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p = Parser(prog="gtp-parity", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     r = sub.add_parser("run", help="run a scenario (or matrix) file and compare its sides")
     _scenario_args(r)
@@ -389,10 +285,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--golden")
     c.add_argument("--out", default="runs/compare")
     c.add_argument("--policy", choices=sorted(POLICIES), help="judge under this policy (default noise-floor)")
-    c.add_argument("--k", type=_non_negative, help="noise-floor k (default 4)")
-    c.add_argument("--k-first-step", type=_non_negative, help="noise-floor k at step 1 (default: k)")
-    c.add_argument("--floor", type=_non_negative, help="noise-floor floor in eps x max|golden| (default 8)")
-    c.add_argument("--jobs", type=_positive_int, default=1,
+    c.add_argument("--k", type=non_negative, help="noise-floor k (default 4)")
+    c.add_argument("--k-first-step", type=non_negative, help="noise-floor k at step 1 (default: k)")
+    c.add_argument("--floor", type=non_negative, help="noise-floor floor in eps x max|golden| (default 8)")
+    c.add_argument("--jobs", type=positive_int, default=1,
                    help="compare processes measuring the tensors (default 1); under torchrun the ranks share them")
     c.add_argument("--no-verify", action="store_true",
                    help="skip checking each tensor against the content hash recorded when it was written")
@@ -400,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("validate", help="validate scenario files without running them")
     v.add_argument("scenarios", nargs="+")
-    _limits_option(v)
+    limits_option(v)
     v.set_defaults(fn=_cmd_validate)
 
     k = sub.add_parser("conformance", help="check a DistributedWeight implementer (see --help)",
@@ -410,14 +306,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     ml = sub.add_parser("mlm", help="run a Megatron-LM pretrain_gpt.py command line with capture on",
                         description="gtp-parity mlm [--nproc N] [--out DIR] -- <pretrain_gpt.py flags>")
-    ml.add_argument("--nproc", type=_positive_int, default=1, help="ranks (torchrun --nproc-per-node)")
+    ml.add_argument("--nproc", type=positive_int, default=1, help="ranks (torchrun --nproc-per-node)")
     ml.add_argument("--out", default="runs/mlm", help="output folder; the trace is under OUT/traces")
-    ml.add_argument("--timeout", type=_non_negative, default=600.0, help="seconds for the run (default 600)")
+    ml.add_argument("--timeout", type=non_negative, default=600.0, help="seconds for the run (default 600)")
     ml.add_argument("flags", nargs=argparse.REMAINDER, help="-- then the pretrain_gpt.py flags")
     ml.set_defaults(fn=_cmd_mlm)
 
     _mutate_parser(sub)
-    _codecheck_parsers(sub)
+    trees.add_parsers(sub)
 
     i = sub.add_parser("inject", help="list the planted faults")
     i.add_argument("--list", action="store_true", required=True)
