@@ -242,18 +242,6 @@ def test_code_against_code_localizes_the_planted_edit(repo, tmp_path):
     assert set(doc["config"]["code"]) == {"reference", "candidate"}
 
 
-@pytest.mark.multirank
-def test_bisect_names_the_commit_that_changed_the_verdict(repo, tmp_path, capsys):
-    path, commits = repo
-    out = tmp_path / "bisect"
-    assert cli.main(["bisect", str(ASSETS / "tiny.toml"), "--repo", str(path), "--old", commits[0],
-                     "--new", commits[3], "--out", str(out)]) == 0  # fmt: skip
-    text = capsys.readouterr().out
-    assert f"first changed commit: {commits[2][:10]} commit 2" in text
-    assert "verdict: pass at" in text and "-> fail at" in text and "(ratio-G)" in text
-    assert not _git(path, "worktree", "list").count("\n")  # the scratch worktree is gone
-
-
 def test_the_bisect_scenario_is_the_matrix_entry_without_its_expectation():
     (alone,) = scenario.load(Path(__file__).parents[1] / "scenarios" / "bisect_shared_buffer.toml")
     entry = next(s for s in scenario.load(Path(__file__).parents[1] / "scenarios" / "gtp_paths.toml")

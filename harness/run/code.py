@@ -86,7 +86,9 @@ def installed_root() -> Path | None:
 
 
 def _git(repo: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
+    # Under `git bisect run` git exports GIT_DIR and friends: they would point at the bisect's worktree.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, env=env)
 
 
 def _commit_of(repo: Path, rev: str, where: str) -> str:
