@@ -242,6 +242,21 @@ def test_code_against_code_localizes_the_planted_edit(repo, tmp_path):
     assert set(doc["config"]["code"]) == {"reference", "candidate"}
 
 
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_bisect_names_the_commit_that_removed_the_prescale(repo, tmp_path, capsys):
+    """good, unrelated, bad, unrelated: bisect over the four commits, GTP on vs off on
+    ``tiny``, names the third commit, with both verdicts and the failing side's divergence."""
+    path, commits = repo
+    argv = ["bisect", str(ASSETS / "tiny.toml"), "--repo", str(path), "--old", commits[0],
+            "--new", commits[3], "--out", str(tmp_path / "bisect")]  # fmt: skip
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert f"first changed commit: {commits[2][:10]} commit 2" in printed
+    assert "verdict: pass at" in printed and f"-> fail at {commits[2][:10]}" in printed
+    assert "first divergence of the failing side: step 1 backward main_grad" in printed
+
+
 def test_the_bisect_scenario_is_the_matrix_entry_without_its_expectation():
     (alone,) = scenario.load(Path(__file__).parents[1] / "scenarios" / "bisect_shared_buffer.toml")
     entry = next(s for s in scenario.load(Path(__file__).parents[1] / "scenarios" / "gtp_paths.toml")

@@ -87,6 +87,8 @@ def bisect(repo: Path, old: str, new: str, scenario_file: str, out: Path) -> int
     if not found:
         raise HarnessError(f"git bisect ended without a first changed commit:\n{run.stdout[-2000:]}{run.stderr[-1000:]}")
     first = found.group(1)
+    steps = re.findall(r"^bisect step .*$", run.stdout, re.M)
+    print("\n".join(steps))
     subject = _git(repo, "log", "-1", "--format=%s", first)
     at = verdict_at(repo, first, scenario_file, out)  # cached: the step ran it
     failing = next((d for d in (ends["old"], at) if d.get("first_divergence")), None)
@@ -96,7 +98,7 @@ def bisect(repo: Path, old: str, new: str, scenario_file: str, out: Path) -> int
         fd = failing["first_divergence"]
         print(f"first divergence of the failing side: step {fd['step']} {fd['phase']} {fd['kind']} {fd['tensor']} "
               f"({fd['signature']})")  # fmt: skip
-    print(f"bisect took {time.monotonic() - start:.0f} s")
+    print(f"bisect took {time.monotonic() - start:.0f} s ({len(steps)} steps and the two ends)")
     return 0
 
 
