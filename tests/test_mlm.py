@@ -159,3 +159,19 @@ def test_mlm_side_rules(tmp_path, edit, where):
     with pytest.raises(BadInput) as e:
         scenario.load(tmp_path / "s.toml")
     assert where in str(e.value)
+
+
+def test_a_source_tree_borrows_the_wheels_helpers_build_only_for_the_same_source(tmp_path):
+    """A checkout has helpers.cpp but no build: the wheel's build serves where the source is
+    byte for byte the wheel's, and an edited source is refused with how to build it."""
+    from harness.backends.mlm.compat import wheel_build_of_same_source
+    from harness.run.code import installed_root
+
+    wheel = installed_root() / "megatron" / "core" / "datasets"
+    tree = tmp_path / "datasets"
+    tree.mkdir()
+    (tree / "helpers.cpp").write_bytes((wheel / "helpers.cpp").read_bytes())
+    assert callable(wheel_build_of_same_source(tree, wheel).build_sample_idx_int32)
+    (tree / "helpers.cpp").write_bytes((wheel / "helpers.cpp").read_bytes() + b"// edited\n")
+    with pytest.raises(ModuleNotFoundError, match=f"make -C {tree}"):
+        wheel_build_of_same_source(tree, wheel)

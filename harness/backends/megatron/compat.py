@@ -192,6 +192,11 @@ def _replace(holder, attr: str, value, name: str | None = None) -> None:
     _applied.append(label)
 
 
+def record_stand_in(label: str) -> None:
+    """Record a stand-in applied outside :func:`_replace` (the manifest lists it)."""
+    _applied.append(label)
+
+
 def applied() -> dict:
     """The stand-ins in force and those not found, with the tree's version (empty when the
     layer is not installed: CUDA is there)."""

@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -40,13 +44,40 @@ def _on_one_device(fn):
     return wrapper
 
 
+HELPERS = "megatron.core.datasets.helpers_cpp"
+
+
 def _import_dataset_helpers():
     # initialize._compile_dependencies runs `make` in megatron/core/datasets; the wheel ships
     # the built helpers_cpp extension and no Makefile: importing it is the check.
-    import importlib
+    try:
+        importlib.import_module(HELPERS)
+    except ModuleNotFoundError:
+        import megatron.core.datasets as datasets
 
-    importlib.import_module("megatron.core.datasets.helpers_cpp")
+        from harness.run.code import installed_root
+
+        wheel = (installed_root() or Path("/nonexistent")) / "megatron" / "core" / "datasets"
+        module = wheel_build_of_same_source(Path(datasets.__file__).parent, wheel)
+        sys.modules[HELPERS] = datasets.helpers_cpp = module
+        compat.record_stand_in(f"{HELPERS}: the installed wheel's build of the same helpers.cpp")
     dist.barrier()
+
+
+def wheel_build_of_same_source(tree: Path, wheel: Path):
+    """A source tree (a checkout, a revision) holds ``tree/helpers.cpp`` but not its build.
+    Where that file is byte for byte the installed wheel's, the wheel's build is that source's
+    build: the module loaded from it. Otherwise the tree must be built; the error says how."""
+    built = sorted(wheel.glob("helpers_cpp*.so"))
+    source, theirs = tree / "helpers.cpp", wheel / "helpers.cpp"
+    if not (built and source.is_file() and theirs.is_file() and source.read_bytes() == theirs.read_bytes()):
+        raise ModuleNotFoundError(
+            f"{HELPERS} is not built in {tree} and its helpers.cpp is not the installed wheel's: "
+            f"build it (make -C {tree})", name=HELPERS)  # fmt: skip
+    spec = importlib.util.spec_from_file_location(HELPERS, built[0])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def install_training() -> bool:
