@@ -104,3 +104,31 @@ def test_clean_bf16_produces_no_update_or_precision_signature(tmp_path):
         fd = s.get("first_divergence") or {}
         assert fd.get("signature") not in NEW_SIGNATURES, fd
         assert s["verdict"] == "pass", s
+
+
+def test_extra_rounding_names_the_narrower_dtype_and_the_rounded_side():
+    """fp32 sums of two bf16 terms against the same sums rounded to bf16 (a reduce-scatter in
+    bf16): each value differs by at most half a bf16 ULP, and only one side is bf16-exact."""
+    from harness.compare.signatures import extra_rounding
+
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(64, 48, generator=g).bfloat16().float() for _ in range(2))
+    exact = a + b  # exact in fp32: two bf16 values of nearby exponents
+    rounded = exact.bfloat16().float()
+    found = extra_rounding(exact, rounded)
+    assert found["dtype"] == "bfloat16" and found["rounded"] == "candidate" and found["pattern"] == "exact"
+    assert found["elements"] == int((exact != rounded).sum()) and found["median_ulps"] <= 0.5
+    assert extra_rounding(rounded, exact)["rounded"] == "reference"
+    # rounded partial sums added in fp32 (a bf16 reduce-scatter, then an fp32 all-reduce)
+    c, d = (torch.randn(64, 48, generator=g).bfloat16().float() for _ in range(2))
+    fp32, partial = exact + (c + d), rounded + (c + d).bfloat16().float()
+    found = extra_rounding(fp32, partial)
+    assert (found["dtype"], found["pattern"], found["rounded"]) == ("bfloat16", "ulp-scale", "candidate")
+    # fp16 has 3 more mantissa bits: rounding to it is not bf16's pattern and is named as fp16
+    assert extra_rounding(exact, exact.half().float())["dtype"] == "float16"
+    # not it: both sides bf16-exact, or a difference larger than a few bf16 ULPs
+    assert extra_rounding(rounded, (rounded * 1.5).bfloat16().float()) is None
+    assert extra_rounding(exact, (exact * 1.01).bfloat16().float()) is None
+    assert extra_rounding(exact, exact + 1e-7) is None
+    # fp32 noise of another summation order: far below a bf16 ULP
+    assert extra_rounding(fp32, (a + c) + (b + d)) is None

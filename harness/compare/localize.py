@@ -48,6 +48,8 @@ SIGNATURES = {
     "update-term": "the optimizer step's update (after - before) differs from the reference's by "
                    "a structure: a factor (an LR multiplier, a clip factor) or a term such as "
                    "-lr*wd*param (weight decay)",
+    "extra-rounding": "one side is the other rounded once more to a narrower dtype (named): a "
+                      "reduction or accumulation in bf16/fp16 where the other keeps fp32",
     "mismatch": "values differ beyond the policy with no recognised pattern",
     "gemm-consumed-foreign-weight": "a GEMM consumed another parameter's weight: a GTP gather buffer "
                                     "was reused before the GEMM read it",
@@ -206,6 +208,12 @@ def summarize(df: pd.DataFrame, logical: dict, traces: dict, policy, recipe: str
         # A whole-tensor pattern: every rank holding the tensor shows it, not only the worst one.
         ranks = sorted(int(r) for r in traces["candidate"].coords())
     explanation = SIGNATURES.get(sig, "")
+    if sig == "extra-rounding":
+        er = extra["extra_rounding"]
+        how = ("the other side rounded to it" if er["pattern"] == "exact" else
+               f"off by {er['median_ulps']:.2g} {er['dtype']} ULP (median): partial sums rounded to it")  # fmt: skip
+        explanation = (f"the {er['rounded']} was rounded once more to {er['dtype']} ({er['elements']} elements "
+                       f"differ, {how}): a reduction or accumulation in {er['dtype']} where the other keeps fp32")  # fmt: skip
     if consumed := consumed_foreign(traces["candidate"], step):
         extra = {**extra, "consumed": consumed["events"]}
         # Another parameter's weight in a GEMM explains whatever diverged after it; a weight
@@ -332,6 +340,8 @@ def _signature(first: dict, df: pd.DataFrame, logical: dict, mesh: dict, key,
     perm = signatures.permuted_blocks(r, c, mesh, tol, owner["layout"] if owner else None)
     if perm:
         return "permuted-blocks", {"permutation": perm}
+    if rounded := signatures.extra_rounding(r, c):
+        return "extra-rounding", {"extra_rounding": rounded}
     if first.get("policy") == "noise-floor" and ctx.precision_mechanism:
         rtol, atol = tolerances(recipe, c.dtype)
         if within_tolerance(r, c, rtol, atol):

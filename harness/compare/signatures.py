@@ -2,7 +2,8 @@
 
 Each function answers one question of :mod:`harness.compare.localize` about a failing pair: is the
 candidate the reference scaled by a parallel size (``ratio``), with GTP's dim-0 shard blocks
-permuted (``permuted_blocks``), or with zero rows inserted (``inserted_zero_rows``)?
+permuted (``permuted_blocks``), with zero rows inserted (``inserted_zero_rows``), or rounded once
+more to a narrower dtype (``extra_rounding``)?
 """
 
 from __future__ import annotations
@@ -79,3 +80,62 @@ def inserted_zero_rows(ref: torch.Tensor, cand: torch.Tensor) -> dict | None:
     p = int((cand[i:] == 0).reshape(cand.shape[0] - i, -1).all(1).long().cumprod(0).sum())  # zero run at i
     ok = p and torch.equal(cand[i + p:], ref[i:ref.shape[0] - p]) and bool((ref[i:i + p] != 0).any())
     return {"row": i, "count": p} if ok else None
+
+
+NARROWER = (torch.bfloat16, torch.float16)
+EXTRA_ROUNDING_ULPS = 2
+"""How far (in ULPs of the narrower dtype) a side rounded once more may be from the other: one
+rounding is half an ULP; a sum of a few terms each rounded to the narrower dtype stays within 2."""
+ULP_SCALE = (1 / 8, 1.0)
+"""The window of the median difference, in ULPs of the narrower dtype, that names it when
+roundings to it happened inside a sum (partial sums rounded, then added in fp32): below, the
+noise of a wider dtype (fp32 reordering is ~2^-16 bf16 ULP); above, a wrong value. bf16's and
+fp16's windows do not overlap (fp16 has 3 more mantissa bits)."""
+
+
+def extra_rounding(ref: torch.Tensor, cand: torch.Tensor) -> dict | None:
+    """Was one side rounded (once more) to bf16 or fp16 on the way? Two patterns:
+
+    - ``exact``: every value of one side is representable in the narrower dtype, the other's are
+      not, and they differ by at most :data:`EXTRA_ROUNDING_ULPS` of its ULPs: the candidate (or
+      the reference) is the other rounded to it;
+    - ``ulp-scale``: the rounding happened to partial sums later summed in the wide dtype, so
+      neither side is representable, but the differing elements' median difference is a
+      fraction of the narrower dtype's ULP (:data:`ULP_SCALE`); the side with more values
+      representable in it is named as the rounded one.
+
+    Returns {"dtype", "rounded": "candidate" / "reference", "pattern", "elements",
+    "median_ulps"} or None.
+    """
+    if ref.shape != cand.shape or ref.dtype != cand.dtype or not ref.is_floating_point() or torch.equal(ref, cand):
+        return None
+    both = torch.isfinite(ref) & torch.isfinite(cand)
+    r, c = ref[both].double(), cand[both].double()
+    differ = r != c
+    if not bool(differ.any()):
+        return None
+    for narrow in NARROWER:
+        if torch.finfo(narrow).bits >= torch.finfo(ref.dtype).bits:
+            continue
+        ulps = (c - r).abs()[differ] / _ulp(torch.maximum(r.abs(), c.abs())[differ], narrow)
+        found = {"dtype": str(narrow).replace("torch.", ""), "elements": int(differ.sum()),
+                 "median_ulps": float(ulps.median())}  # fmt: skip
+        exact = {name: _representable(x, narrow) for name, x in (("reference", ref), ("candidate", cand))}
+        if exact["reference"] != exact["candidate"] and float(ulps.max()) <= EXTRA_ROUNDING_ULPS:
+            return {**found, "rounded": "candidate" if exact["candidate"] else "reference", "pattern": "exact"}
+        if ULP_SCALE[0] <= found["median_ulps"] <= ULP_SCALE[1]:
+            share = {name: float((x.to(narrow).double() == x).double().mean()) for name, x in (("reference", r), ("candidate", c))}
+            return {**found, "rounded": max(share, key=share.get), "pattern": "ulp-scale"}
+    return None
+
+
+def _representable(x: torch.Tensor, narrow: torch.dtype) -> bool:
+    finite = x[torch.isfinite(x)]
+    return torch.equal(finite.to(narrow).to(x.dtype), finite)
+
+
+def _ulp(magnitude: torch.Tensor, narrow: torch.dtype) -> torch.Tensor:
+    """The narrower dtype's ULP at each magnitude (at its smallest normal's below that)."""
+    mantissa_bits = {torch.bfloat16: 7, torch.float16: 10}[narrow]
+    _, exponent = torch.frexp(magnitude.clamp_min(torch.finfo(narrow).tiny))  # m 2^e, m in [0.5, 1)
+    return torch.ldexp(torch.ones_like(magnitude), exponent - 1 - mantissa_bits)
