@@ -59,14 +59,16 @@ def monkeypatch_module():
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory, cache) -> tuple[Path, list[str]]:
-    """good, unrelated, bad (no 1/G pre-scale), unrelated: the four commit ids."""
+    """good, unrelated, bad (no 1/G pre-scale), unrelated, good again: the five commit ids."""
     path = _copy_installed(tmp_path_factory.mktemp("mlm"))
     _git(path, "init", "-q", "-b", "main")
     commits = []
-    for i, edit in enumerate(["", "# an unrelated edit\n", None, "# another unrelated edit\n"]):
+    for i, edit in enumerate(["", "# an unrelated edit\n", None, "# another unrelated edit\n", "restore"]):
         gtp = path / GTP_FILE
         text = gtp.read_text()
-        if edit is None:
+        if edit == "restore":
+            text, edit = text.replace("pass  # planted: the 1/G pre-scale removed", PRESCALE), ""
+        elif edit is None:
             assert text.count(PRESCALE) == 1, "megatron-core's pre-scale line moved: re-read the planted edit"
             text = text.replace(PRESCALE, "pass  # planted: the 1/G pre-scale removed")
         gtp.write_text(text + edit if edit else text)
@@ -244,17 +246,19 @@ def test_code_against_code_localizes_the_planted_edit(repo, tmp_path):
 
 @pytest.mark.multirank
 @pytest.mark.slow
-def test_bisect_names_the_commit_that_removed_the_prescale(repo, tmp_path, capsys):
-    """good, unrelated, bad, unrelated: bisect over the four commits, GTP on vs off on
-    ``tiny``, names the third commit, with both verdicts and the failing side's divergence."""
+def test_bisect_names_the_commit_that_broke_parity_and_the_one_that_restored_it(repo, tmp_path, capsys):
+    """good, unrelated, bad, unrelated, good again; GTP on vs off on ``tiny``: from the first to
+    the fourth commit bisect names the third (parity broken), from the third to the fifth the
+    fifth (parity restored), each with both verdicts and the failing side's divergence."""
     path, commits = repo
-    argv = ["bisect", str(ASSETS / "tiny.toml"), "--repo", str(path), "--old", commits[0],
-            "--new", commits[3], "--out", str(tmp_path / "bisect")]  # fmt: skip
-    assert cli.main(argv) == 0
-    printed = capsys.readouterr().out
-    assert f"first changed commit: {commits[2][:10]} commit 2" in printed
-    assert "verdict: pass at" in printed and f"-> fail at {commits[2][:10]}" in printed
-    assert "first divergence of the failing side: step 1 backward main_grad" in printed
+    for old, new, first, verdicts in ((0, 3, 2, ("pass", "fail")), (2, 4, 4, ("fail", "pass"))):
+        argv = ["bisect", str(ASSETS / "tiny.toml"), "--repo", str(path), "--old", commits[old],
+                "--new", commits[new], "--out", str(tmp_path / "bisect")]  # fmt: skip
+        assert cli.main(argv) == 0
+        printed = capsys.readouterr().out
+        assert f"first changed commit: {commits[first][:10]} commit {first}" in printed
+        assert f"verdict: {verdicts[0]} at {commits[old]} -> {verdicts[1]} at {commits[first][:10]}" in printed
+        assert "first divergence of the failing side: step 1 backward main_grad" in printed
 
 
 def test_the_bisect_scenario_is_the_matrix_entry_without_its_expectation():
