@@ -30,15 +30,12 @@ SIDES = {"gtp-off": (1, True), "gtp2-prefetch-on": (2, True), "gtp2-prefetch-off
 LAYERS, HIDDEN, FFN, HEADS, VOCAB, SEQ, MBS, MICRO = 4, 64, 80, 4, 72, 16, 1, 4
 
 
-def _side(gtp: int, prefetch: bool) -> dict:
-    import torch.distributed as dist
+def _build(gtp: int, prefetch: bool):
+    """Two model chunks per rank (``vp_stage`` 0 and 1), each wrapped in megatron-core's DDP."""
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import (
-        DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads,
-    )  # fmt: skip
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import generalized_tensor_parallelism as gtp_impl
     from megatron.core.tensor_parallel import gtp_api
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -74,6 +71,11 @@ def _side(gtp: int, prefetch: bool) -> dict:
                                               disable_bucketing=bool(chunks)))  # fmt: skip
     if gtp > 1:
         gtp_api.classify_gtp_remat_chains(chunks)
+    return cfg, chunks
+
+
+def _global_names(chunks) -> dict:
+    """id(param) -> (name with the global layer number, param): chunks number their layers from 0."""
     names = {}
     for c in chunks:
         offsets = {j: layer.layer_number - 1 for j, layer in enumerate(c.module.decoder.layers)}
@@ -83,9 +85,14 @@ def _side(gtp: int, prefetch: bool) -> dict:
                 j, rest = n[len("decoder.layers."):].split(".", 1)
                 n = f"decoder.layers.{offsets[int(j)]}.{rest}"
             names[id(p)] = (n, p)
-    weights = {n: logical(p, p.data) for n, p in names.values()}
+    return names
 
-    handouts, cls = [], gtp_impl.GTPShardedParam
+
+def _record_handouts(names: dict, weights: dict, handouts: list):
+    """Wrap GTP's forward hand-out: note each weight that is not its own; returns the undo."""
+    from megatron.core.tensor_parallel import generalized_tensor_parallelism as gtp_impl
+
+    cls = gtp_impl.GTPShardedParam
     original = cls.all_gather_and_prefetch
 
     def record(param, fwd=True, nvtx_label=None):
@@ -100,6 +107,22 @@ def _side(gtp: int, prefetch: bool) -> dict:
         return out
 
     cls.all_gather_and_prefetch = record
+    return lambda: setattr(cls, "all_gather_and_prefetch", original)
+
+
+def _side(gtp: int, prefetch: bool) -> dict:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from harness.backends.megatron import compat
+
+    cfg, chunks = _build(gtp, prefetch)
+    names = _global_names(chunks)
+    weights = {n: logical(p, p.data) for n, p in names.values()}
+    handouts = []
+    undo = _record_handouts(names, weights, handouts)
     data_rank, data_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     tokens = torch.randint(0, VOCAB, (data_size, MICRO, MBS, SEQ + 1), generator=torch.Generator().manual_seed(7))[data_rank]
     mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), 1)
@@ -125,7 +148,7 @@ def _side(gtp: int, prefetch: bool) -> dict:
             num_microbatches=MICRO, seq_length=SEQ, micro_batch_size=MBS, forward_only=False,
         )  # fmt: skip
     finally:
-        cls.all_gather_and_prefetch = original
+        undo()
     total = torch.stack(totals).sum(0) if totals else torch.zeros(2)
     dist.all_reduce(total)  # the last stage's ranks hold the losses
     grads = {n: logical(p, p.main_grad) for n, p in names.values()}
