@@ -295,11 +295,13 @@ class Recorder:
         return wrapper
 
     def _on_gather(self, original):
-        def wrapper(param, async_op, fwd, nvtx_label=None):
-            out, handle = original(param, async_op, fwd, nvtx_label)
+        def wrapper(param, async_op, fwd, nvtx_label=None, **kw):
+            # main adds recompute= / recompute_prev= (the recompute chain's own buffers)
+            out, handle = original(param, async_op, fwd, nvtx_label, **kw)
             self.gathers.append({
                 "index": len(self.gathers), "after_use": len(self.uses) - 1,
-                "param": self.names.get(id(param), "?"), "into": "fwd" if fwd else "bwd",
+                "param": self.names.get(id(param), "?"),
+                "into": "recompute" if kw.get("recompute") else "fwd" if fwd else "bwd",
                 "async": bool(async_op), "buffer": out.data_ptr(),
                 "in_backward": torch._C._current_graph_task_id() != -1,
             })  # fmt: skip
@@ -425,11 +427,15 @@ def run_side(run: Run, instrument: bool = True) -> dict:
 
 
 def _flag_recompute_phase():
+    """TE's recompute phase on while autograd runs (the recompute), under both of the names
+    GTP calls it by (main calls ``in_activation_recompute_phase``, an alias bound at import)."""
     from megatron.core.tensor_parallel import generalized_tensor_parallelism as gtp
 
-    original = gtp.in_fp8_activation_recompute_phase
-    gtp.in_fp8_activation_recompute_phase = lambda: torch._C._current_graph_task_id() != -1
-    return lambda: setattr(gtp, "in_fp8_activation_recompute_phase", original)
+    names = [n for n in ("in_fp8_activation_recompute_phase", "in_activation_recompute_phase") if hasattr(gtp, n)]
+    originals = {n: getattr(gtp, n) for n in names}
+    for n in names:
+        setattr(gtp, n, lambda: torch._C._current_graph_task_id() != -1)
+    return lambda: [setattr(gtp, n, f) for n, f in originals.items()]
 
 
 def _force_sync_gathers():

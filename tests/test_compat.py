@@ -78,3 +78,56 @@ def test_inactive_when_cuda_is_available():
             "assert compat.install() is False and torch.cuda.Event is not compat._Event")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120,
                    env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+# Megatron-LM main's tree, for the stand-ins main needs beyond the wheel (a git:REPO@REV spec or
+# a folder; the default is the local mirror where there is one).
+MAIN_TREE = os.environ.get("GTP_PARITY_MAIN_TREE", "git:/work/.mirror/NVIDIA+Megatron-LM/repo@d98e8a64dd")
+
+# Imports GTP through the compat layer and prints what GTP's recompute-phase test answers and which
+# of its module-level names are still TE's absent-module stubs (MagicMock) after install.
+_PROBE = """
+import json
+import unittest.mock
+import torch
+from harness.backends.megatron import compat
+compat.install()
+from megatron.core.tensor_parallel import generalized_tensor_parallelism as gtp
+answers = {n: repr(getattr(gtp, n)()) for n in ("in_fp8_activation_recompute_phase", "in_activation_recompute_phase")
+           if hasattr(gtp, n)}
+stubs = sorted(n for n, v in vars(gtp).items() if isinstance(v, unittest.mock.MagicMock))
+print(json.dumps({"version": compat.tree_version(), "answers": answers, "stubs": stubs}))
+"""
+
+
+def _tree_root(spec: str) -> Path | None:
+    if spec == "installed":
+        return None
+    from harness.run import code
+
+    repo = spec[len("git:"):].rpartition("@")[0] if spec.startswith("git:") else spec
+    if not Path(repo).is_dir():
+        pytest.skip(f"no Megatron-LM tree at {repo} (set GTP_PARITY_MAIN_TREE)")
+    return Path(code.resolve(spec, "test").root)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["installed", MAIN_TREE], ids=["wheel", "main"])
+def test_gtp_runs_outside_te_recompute_phase_on_every_tree(spec):
+    # main binds TE's in_fp8_activation_recompute_phase once more at import, as
+    # in_activation_recompute_phase, and calls only that name: without TE it is a MagicMock whose
+    # call is truthy, so with only the TE name answered every gather was taken for a recompute's
+    # (the forward left its prefetch chain, and _all_gather_weight skipped ensure_params_ready,
+    # main's fix for overlap_param_gather). Both names must answer False, and no name GTP calls
+    # may be left a stub.
+    root = _tree_root(spec)
+    path = os.pathsep.join(str(p) for p in (root, ROOT) if p is not None)
+    proc = subprocess.run([sys.executable, "-c", _PROBE], cwd=ROOT, timeout=240, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": path, "PYTHONSAFEPATH": "1"})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    probe = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert probe["answers"] and set(probe["answers"].values()) == {"False"}, probe
+    # te/tex are module handles read only on quantized paths; everything else must be replaced.
+    assert set(probe["stubs"]) <= {"te", "tex"}, probe
+    if root is not None:
+        assert probe["version"] == "0.20.0" and "in_activation_recompute_phase" in probe["answers"], probe

@@ -44,15 +44,31 @@ def holds_fix(expect: Expectation, tree: dict | None, version: str | None) -> bo
     return False
 
 
+def holds_commit(commit: str | None, tree: dict | None) -> bool:
+    """Whether the candidate's tree has ``commit`` in its history (a tree without a commit, the
+    installed wheel, holds none)."""
+    if commit and tree and tree.get("commit"):
+        return bool(is_ancestor(CodeTree(**tree), commit))
+    return False
+
+
 def judge_expectation(summary: ScenarioSummary, expect: Expectation | None,
-                      fixed: bool = False) -> ScenarioSummary:
+                      fixed: bool = False, introduced: bool = True) -> ScenarioSummary:
     """A failure that matches the scenario's known divergence becomes ``known-divergence``;
     a scenario that was expected to diverge and holds, or diverges otherwise, fails. ``fixed``:
-    the candidate's tree holds the upstream fix, so parity is what is expected there."""
+    the candidate's tree holds the upstream fix, so parity is what is expected there (or, with
+    ``diverges_after_fix``, that other signature). ``introduced``: the tree holds the commit
+    that introduced the divergence (``introduced_in``); where it does not, parity is expected."""
     if expect is None:
         return summary
+    optional = ("fixed_in", "fixed_in_version", "diverges_after_fix", "introduced_in")
     summary = summary.with_(expect={k: v for k, v in dataclasses.asdict(expect).items()
-                                    if v is not None or k not in ("fixed_in", "fixed_in_version")})  # fmt: skip
+                                    if v is not None or k not in optional})  # fmt: skip
+    if not introduced:
+        held = "parity holds" if summary.verdict == Verdict.PASS else "but it diverges"
+        return summary.with_(expectation=f"introduced in {expect.introduced_in}, which this tree does not hold: {held}")
+    if fixed and expect.diverges_after_fix:
+        expect, fixed = dataclasses.replace(expect, signature=expect.diverges_after_fix), False
     fd = summary.first_divergence
     if fixed:
         fix = expect.fixed_in or f"megatron-core {expect.fixed_in_version}"
@@ -132,7 +148,10 @@ def compare_scenario(s: Scenario | None, paths: dict[str, Path], sdir: Path, say
         cand = traces[Role.CANDIDATE].manifest
         fixed = s.expect is not None and holds_fix(s.expect, (cand.get("provenance") or {}).get("megatron_core"),
                                                    (cand.get("versions") or {}).get("megatron-core"))  # fmt: skip
-        summary = judge_expectation(summary.with_(axes=dict(s.axes), config=scenario_config(s)), s.expect, fixed)
+        introduced = s.expect is None or s.expect.introduced_in is None or holds_commit(
+            s.expect.introduced_in, (cand.get("provenance") or {}).get("megatron_core"))  # fmt: skip
+        summary = judge_expectation(summary.with_(axes=dict(s.axes), config=scenario_config(s)), s.expect, fixed,
+                                    introduced)  # fmt: skip
         if s.saver is not None:
             summary = checkpoint_outcome(summary, s, results)
     write_json(sdir / "summary.json", summary.to_json())

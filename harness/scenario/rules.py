@@ -258,6 +258,10 @@ def _validate_expect(s: Scenario) -> None:
         raise BadInput(f"{s.source}: [expect].fixed_in", f"{e.fixed_in!r}: a commit id (7 to 40 hex digits)")
     if e.fixed_in_version is not None and version_key(e.fixed_in_version) is None:
         raise BadInput(f"{s.source}: [expect].fixed_in_version", f"{e.fixed_in_version!r}: a version such as 0.20.0")
+    if e.introduced_in is not None and not re.fullmatch(r"[0-9a-f]{7,40}", e.introduced_in):
+        raise BadInput(f"{s.source}: [expect].introduced_in", f"{e.introduced_in!r}: a commit id (7 to 40 hex digits)")
+    if e.diverges_after_fix is not None and e.fixed_in is None and e.fixed_in_version is None:
+        raise BadInput(f"{s.source}: [expect].diverges_after_fix", "needs the fix it follows (fixed_in or fixed_in_version)")
 
 
 def version_key(version: str) -> tuple[int, int, int] | None:

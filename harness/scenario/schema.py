@@ -364,6 +364,12 @@ class Expectation:
     fixed_in_version: str | None = None
     """The first megatron-core version holding the fix, for trees without a commit (the
     installed wheel): a tree of that version or later is expected to hold parity."""
+    diverges_after_fix: str | None = None
+    """The signature a tree holding the fix shows instead of parity: the fix changed the
+    divergence rather than removing it (the reason says what such a tree shows, and why)."""
+    introduced_in: str | None = None
+    """The commit that introduced the divergence (a Megatron-LM commit id): a candidate tree
+    whose history lacks it, or has none (the installed wheel), is expected to hold parity."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

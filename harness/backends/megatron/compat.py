@@ -93,6 +93,12 @@ def get_dummy_wgrad(shape, dtype, zero=False):
     return torch.zeros(shape, dtype=dtype)
 
 
+def not_in_recompute_phase():
+    """TE's ``in_fp8_activation_recompute_phase()`` outside ``te_checkpoint``'s recompute: no
+    CPU run enters TE's recompute phase (megatron-core's own checkpoint never does)."""
+    return False
+
+
 def round_up_to_nearest_multiple(value, multiple):
     return ((value + multiple - 1) // multiple) * multiple
 
@@ -250,7 +256,10 @@ def install() -> bool:
 
     for attr, value in (
         ("gather_along_first_dim", gather_along_first_dim), ("reduce_scatter_along_first_dim", reduce_scatter_along_first_dim),
-        ("in_fp8_activation_recompute_phase", lambda: False), ("get_dummy_wgrad", get_dummy_wgrad),
+        ("in_fp8_activation_recompute_phase", not_in_recompute_phase),
+        # main binds TE's function once more at import, under the name its call sites use
+        # (a MagicMock without TE: always truthy, every gather taken as a recompute's).
+        ("in_activation_recompute_phase", not_in_recompute_phase), ("get_dummy_wgrad", get_dummy_wgrad),
         ("round_up_to_nearest_multiple", round_up_to_nearest_multiple),
         ("nvtx_range_push", lambda *a, **k: None), ("nvtx_range_pop", lambda *a, **k: None),
         ("QuantizedTensor", _NoQuantizedTensor), ("MXFP8TensorStorage", _NoQuantizedTensor),
