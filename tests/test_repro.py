@@ -18,11 +18,11 @@ FC1 = "decoder.layers.{}.mlp.linear_fc1.weight"
 FC2 = "decoder.layers.{}.mlp.linear_fc2.weight"
 
 
-def _run(script: str, sides: list[str], tmp: Path) -> list[dict]:
+def _run(script: str, sides: list[str], tmp: Path, flag: str = "--sides") -> list[dict]:
     out = tmp / f"{Path(script).stem}.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "repro" / script), "--json", str(out), "--sides", ",".join(sides)],
+        [sys.executable, str(ROOT / "repro" / script), "--json", str(out), flag, ",".join(sides)],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -112,3 +112,23 @@ def test_per_token_loss_through_gtp_recipe_is_bitwise_gtp_off(per_token):
         side = rank["gtp2-config-and-gtp-recipe"]
         assert side["gtp_config_per_token_loss"] is True
         assert side["first_grad_diff_vs_gtp-off"] is None and not side["wrong_gemms"]
+
+
+def test_expert_grads_are_g_times_too_large_at_ep2_without_expert_gtp(tmp_path):
+    """FINDINGS G on the wheel: EP 2, expert GTP off, dense GTP 2 gives every expert main_grad
+    scaled by one factor, G = 2 (closer to 2 than to 1 or 4, one factor: the residual test of
+    the ratio signature); EP 1 with dense GTP only holds parity on the wheel (G' is main's)."""
+    cases = _run("moe_expert_grad_scale.py", ["ep2-egtpoff-gtp2", "ep1-egtpoff-gtp2"], tmp_path, flag="--cases")
+    for rank in cases["ep2-egtpoff-gtp2"]:
+        assert abs(rank["ratio"] - 2) < 0.5 and rank["residual"] < 0.05, rank
+    for rank in cases["ep1-egtpoff-gtp2"]:
+        assert abs(rank["ratio"] - 1) < 0.25 and rank["residual"] < 0.05 and not rank["expert_buffer"], rank
+
+
+def test_interleaved_prefetch_hands_a_chunk_another_layers_weight(tmp_path):
+    """FINDINGS row 8 on the wheel: with GTP 2 and prefetch on, some forward hand-out under the
+    interleaved schedule holds another layer's weight; GTP off hands out none."""
+    ranks = _run("gtp_vpp_prefetch_chain.py", ["gtp-off", "gtp2-prefetch-on"], tmp_path)
+    assert not any(r["gtp-off"]["wrong_handouts"] for r in ranks)
+    wrong = [h for r in ranks for h in r["gtp2-prefetch-on"]["wrong_handouts"]]
+    assert wrong and all(h["param"] not in h["holds"] for h in wrong), wrong
