@@ -117,7 +117,11 @@ def extra_rounding(ref: torch.Tensor, cand: torch.Tensor) -> dict | None:
     for narrow in NARROWER:
         if torch.finfo(narrow).bits >= torch.finfo(ref.dtype).bits:
             continue
-        ulps = (c - r).abs()[differ] / _ulp(torch.maximum(r.abs(), c.abs())[differ], narrow)
+        magnitude = torch.maximum(r.abs(), c.abs())[differ]
+        info = torch.finfo(narrow)
+        if bool(((magnitude < info.tiny) | (magnitude > info.max)).any()):
+            continue  # outside its normal range a value rounded to it would be flushed or overflow
+        ulps = (c - r).abs()[differ] / _ulp(magnitude, narrow)
         found = {"dtype": str(narrow).replace("torch.", ""), "elements": int(differ.sum()),
                  "median_ulps": float(ulps.median())}  # fmt: skip
         exact = {name: _representable(x, narrow) for name, x in (("reference", ref), ("candidate", cand))}
@@ -135,7 +139,7 @@ def _representable(x: torch.Tensor, narrow: torch.dtype) -> bool:
 
 
 def _ulp(magnitude: torch.Tensor, narrow: torch.dtype) -> torch.Tensor:
-    """The narrower dtype's ULP at each magnitude (at its smallest normal's below that)."""
+    """The narrower dtype's ULP at each magnitude of its normal range."""
     mantissa_bits = {torch.bfloat16: 7, torch.float16: 10}[narrow]
-    _, exponent = torch.frexp(magnitude.clamp_min(torch.finfo(narrow).tiny))  # m 2^e, m in [0.5, 1)
+    _, exponent = torch.frexp(magnitude)  # m 2^e, m in [0.5, 1)
     return torch.ldexp(torch.ones_like(magnitude), exponent - 1 - mantissa_bits)
