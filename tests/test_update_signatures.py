@@ -132,6 +132,10 @@ def test_extra_rounding_names_the_narrower_dtype_and_the_rounded_side():
     assert extra_rounding(exact, exact + 1e-7) is None
     # fp32 noise of another summation order: far below a bf16 ULP
     assert extra_rounding(fp32, (a + c) + (b + d)) is None
+    # rounded partial sums, but a few elements wrong by their own size (misplaced ranges)
+    broken = partial.clone()
+    broken[:4] = -broken[:4]
+    assert extra_rounding(fp32, broken) is None
     # wrong rows of values below fp16's normal range (Adam's second moments, ~1e-8): not fp16's ULPs
     small = exact.double().abs() * 1e-8
     assert extra_rounding(small, torch.cat([small[:32], small[33:], small[32:33]])) is None

@@ -91,6 +91,11 @@ ULP_SCALE = (1 / 8, 1.0)
 roundings to it happened inside a sum (partial sums rounded, then added in fp32): below, the
 noise of a wider dtype (fp32 reordering is ~2^-16 bf16 ULP); above, a wrong value. bf16's and
 fp16's windows do not overlap (fp16 has 3 more mantissa bits)."""
+PARTIAL_SUM_ULPS = 8
+"""The most any differing element may be off under ``ulp-scale``, in ULPs of the narrower dtype at
+the larger of its magnitude and the tensor's RMS: a rounded partial sum is off by half an ULP of
+its own magnitude, which near cancellation is the terms' (about the tensor's scale), not the
+result's; a wrong value is off by its own size (hundreds of ULPs)."""
 
 
 def extra_rounding(ref: torch.Tensor, cand: torch.Tensor) -> dict | None:
@@ -101,8 +106,9 @@ def extra_rounding(ref: torch.Tensor, cand: torch.Tensor) -> dict | None:
       the reference) is the other rounded to it;
     - ``ulp-scale``: the rounding happened to partial sums later summed in the wide dtype, so
       neither side is representable, but the differing elements' median difference is a
-      fraction of the narrower dtype's ULP (:data:`ULP_SCALE`); the side with more values
-      representable in it is named as the rounded one.
+      fraction of the narrower dtype's ULP (:data:`ULP_SCALE`) and none is off by more than
+      :data:`PARTIAL_SUM_ULPS` at the tensor's scale; the side with more values representable
+      in it is named as the rounded one.
 
     Returns {"dtype", "rounded": "candidate" / "reference", "pattern", "elements",
     "median_ulps"} or None.
@@ -127,7 +133,9 @@ def extra_rounding(ref: torch.Tensor, cand: torch.Tensor) -> dict | None:
         exact = {name: _representable(x, narrow) for name, x in (("reference", ref), ("candidate", cand))}
         if exact["reference"] != exact["candidate"] and float(ulps.max()) <= EXTRA_ROUNDING_ULPS:
             return {**found, "rounded": "candidate" if exact["candidate"] else "reference", "pattern": "exact"}
-        if ULP_SCALE[0] <= found["median_ulps"] <= ULP_SCALE[1]:
+        scale = max(float(r.pow(2).mean().sqrt()), float(c.pow(2).mean().sqrt()))
+        worst = float(((c - r).abs()[differ] / _ulp(magnitude.clamp_min(scale), narrow)).max())
+        if ULP_SCALE[0] <= found["median_ulps"] <= ULP_SCALE[1] and worst <= PARTIAL_SUM_ULPS:
             share = {name: float((x.to(narrow).double() == x).double().mean()) for name, x in (("reference", r), ("candidate", c))}
             return {**found, "rounded": max(share, key=share.get), "pattern": "ulp-scale"}
     return None
