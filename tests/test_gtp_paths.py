@@ -8,6 +8,7 @@ import dataclasses
 import json
 import xml.etree.ElementTree as ET
 
+import pandas as pd
 import pytest
 import torch
 
@@ -53,6 +54,17 @@ def test_paths_that_hold_pass_and_known_divergences_are_named(paths):
         assert s["verdict"] == "known-divergence", (name, s.get("expectation"))
         assert fd["step"] == s["expect"]["step"] and fd["signature"] == signature and text in fd["explanation"]
         assert "generalized_tensor_parallelism.py" in s["expect"]["reason"]
+
+
+@pytest.mark.multirank
+def test_grad_reduce_in_bf16_reaches_ddp(paths):
+    """grad_reduce_in_fp32 = false: DDP keeps main_grad (and reduces it) in bf16 on both sides,
+    where every other bf16 side's main_grads are fp32."""
+    _, by_name, out = paths
+    assert by_name["grad-reduce-bf16"]["verdict"] == "pass"
+    rows = pd.read_csv(out / "scenarios" / "grad-reduce-bf16" / "results.csv")
+    grads = rows[rows["kind"] == "main_grad"]
+    assert len(grads) and set(grads["dtype"]) == {"bfloat16"}
 
 
 @pytest.mark.multirank

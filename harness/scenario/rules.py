@@ -189,6 +189,11 @@ def _validate_paths(s: Scenario, side: Side, where: str) -> None:
         for key in MEGATRON_PATH_OPTIONS:
             if getattr(side, key) != getattr(defaults, key):
                 raise BadInput(f"{where}.{key}", f"only the megatron backend takes this option (backend {side.backend!r})")
+    if not side.grad_reduce_in_fp32 and side.backend not in ("megatron", "mlm"):
+        raise BadInput(f"{where}.grad_reduce_in_fp32", f"a DDP option: megatron and mlm backends only (backend {side.backend!r})")
+    if not side.grad_reduce_in_fp32 and side.precision != "bf16":
+        # fp32 params keep fp32 main_grads either way: the option would change nothing.
+        raise BadInput(f"{where}.grad_reduce_in_fp32", f"false takes effect only with precision bf16 (got {side.precision!r})")
     if side.sequence_parallel and side.tp == 1:
         raise BadInput(f"{where}.sequence_parallel", "needs TP > 1 (it shards the sequence over TP)")
     if side.sequence_parallel and s.model.seq_length * s.data.micro_batch_size % side.tp:

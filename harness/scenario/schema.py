@@ -216,6 +216,9 @@ class Side:
     over TP along the sequence; LayerNorm grads are all-reduced over TP in finalize."""
     overlap_grad_reduce: bool = False
     """DDP overlaps its grad reduce-scatters / all-reduces with backward (bucketed)."""
+    grad_reduce_in_fp32: bool = True
+    """DDP's ``grad_reduce_in_fp32``: main_grad, its accumulation and its reductions in fp32;
+    false: in the params' dtype (bf16 runs only; Megatron-LM's ``--grad-reduce-in-bf16``)."""
     bucket_size: int | None = None
     """DDP bucket size in elements (small: several buckets); None: megatron-core's default."""
     overlap_param_gather: bool = False
@@ -283,16 +286,18 @@ class Side:
 
     def paths(self) -> dict[str, Any]:
         """The megatron-core code paths this side takes off the plainest one: each of
-        :data:`MEGATRON_PATH_OPTIONS` not at its default (what a report says was exercised)."""
+        :data:`MEGATRON_PATH_OPTIONS` and DDP's grad dtype not at its default (what a report says
+        was exercised)."""
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        return {k: getattr(self, k) for k in MEGATRON_PATH_OPTIONS if getattr(self, k) != defaults[k]}
+        return {k: getattr(self, k) for k in (*MEGATRON_PATH_OPTIONS, "grad_reduce_in_fp32")
+                if getattr(self, k) != defaults[k]}  # fmt: skip
 
 
 # Keys of (side, model, data) added after traces were first keyed, with their defaults: a side
 # that leaves them at the default keeps the key it had before (its traces stay reusable).
 _ADDED_LATER = (
     {"megatron_core": "installed", "mutant": "", "save_step": 0, "load_step": 0, "resume_from": "", "ep": 1, "expert_gtp": 1,
-     "pipeline_parallel": 1, "virtual_pipeline": None},
+     "pipeline_parallel": 1, "virtual_pipeline": None, "grad_reduce_in_fp32": True},
     {"num_experts": 0, "moe_topk": 2, "moe_aux_loss_coeff": 0.01},
     {"loss_mask": "none"},
 )  # fmt: skip

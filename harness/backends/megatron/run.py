@@ -96,7 +96,7 @@ def _build(job: Job):
     config = _transformer_config(job)
     mesh = mesh_of(side)
     coord = data_mod.coord(dist.get_rank(), side)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=side.overlap_grad_reduce,
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=side.grad_reduce_in_fp32, overlap_grad_reduce=side.overlap_grad_reduce,
                                                bucket_size=side.bucket_size,
                                                use_distributed_optimizer=side.distributed_optimizer,
                                                overlap_param_gather=side.overlap_param_gather)  # fmt: skip

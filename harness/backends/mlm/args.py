@@ -51,6 +51,8 @@ def side_argv(model: ModelConfig, data: DataConfig, side: Side) -> list[str]:
         argv.append("--untie-embeddings-and-output-weights")
     if side.precision == "bf16":
         argv.append("--bf16")
+        if not side.grad_reduce_in_fp32:
+            argv.append("--grad-reduce-in-bf16")
     if side.data == "mock":
         argv.append("--mock-data")
     return argv + list(side.args)
