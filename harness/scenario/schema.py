@@ -217,8 +217,7 @@ class Side:
     overlap_grad_reduce: bool = False
     """DDP overlaps its grad reduce-scatters / all-reduces with backward (bucketed)."""
     grad_reduce_in_fp32: bool = True
-    """DDP's ``grad_reduce_in_fp32``: main_grad, its accumulation and its reductions in fp32;
-    false: in the params' dtype (bf16 runs only; Megatron-LM's ``--grad-reduce-in-bf16``)."""
+    """DDP's main_grad and its reductions in fp32; false: in bf16 (``--grad-reduce-in-bf16``)."""
     bucket_size: int | None = None
     """DDP bucket size in elements (small: several buckets); None: megatron-core's default."""
     overlap_param_gather: bool = False
@@ -285,12 +284,10 @@ class Side:
         return f"{self.backend}-w{self.world_size}-tp{self.tp}{pp}-{gtp}{experts}-{self.precision}{recipe}"
 
     def paths(self) -> dict[str, Any]:
-        """The megatron-core code paths this side takes off the plainest one: each of
-        :data:`MEGATRON_PATH_OPTIONS` and DDP's grad dtype not at its default (what a report says
-        was exercised)."""
+        """The code paths this side takes off the plainest one (what a report says was exercised)."""
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        return {k: getattr(self, k) for k in (*MEGATRON_PATH_OPTIONS, "grad_reduce_in_fp32")
-                if getattr(self, k) != defaults[k]}  # fmt: skip
+        keys = (*MEGATRON_PATH_OPTIONS, "grad_reduce_in_fp32")
+        return {k: getattr(self, k) for k in keys if getattr(self, k) != defaults[k]}
 
 
 # Keys of (side, model, data) added after traces were first keyed, with their defaults: a side
@@ -370,11 +367,9 @@ class Expectation:
     """The first megatron-core version holding the fix, for trees without a commit (the
     installed wheel): a tree of that version or later is expected to hold parity."""
     diverges_after_fix: str | None = None
-    """The signature a tree holding the fix shows instead of parity: the fix changed the
-    divergence rather than removing it (the reason says what such a tree shows, and why)."""
+    """The signature a tree holding the fix shows instead of parity (the fix changed it)."""
     introduced_in: str | None = None
-    """The commit that introduced the divergence (a Megatron-LM commit id): a candidate tree
-    whose history lacks it, or has none (the installed wheel), is expected to hold parity."""
+    """The commit that brought it: a tree without it (the installed wheel too) holds parity."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
