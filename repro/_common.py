@@ -63,6 +63,8 @@ class Run:
     # path, tensor_parallel.checkpoint, leaves it False on a GPU too)
     iterations: int = 1  # forward/backward passes (no optimizer step: same weights each time);
     # the second pass is the first to use links and chains built lazily by the first
+    bf16: bool = False  # bf16 params and activations (Float16Module, as training wraps them);
+    # main_grad stays fp32 (DDP grad_reduce_in_fp32)
     model: Model = field(default_factory=Model)
 
 
@@ -122,6 +124,7 @@ def build(run: Run):
         gtp_api.configure_gtp_remat_from_recipe(calculate_per_token_loss=run.per_token_loss_gtp)
         gtp.update_gtp_config(weight_prefetch=run.weight_prefetch)
     m = run.model
+    dtype = torch.bfloat16 if run.bf16 else torch.float32
     recompute = dict(recompute_granularity="full", recompute_method="uniform",
                      recompute_num_layers=1) if run.recompute else {}  # fmt: skip
     config = TransformerConfig(
@@ -130,7 +133,7 @@ def build(run: Run):
         tensor_parallel_num_weight_shards=run.tp * run.gtp, use_cpu_initialization=True,
         hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False,
         gradient_accumulation_fusion=False, attention_softmax_in_fp32=True,
-        params_dtype=torch.float32, pipeline_dtype=torch.float32, init_method_std=0.05,
+        bf16=run.bf16, params_dtype=dtype, pipeline_dtype=dtype, init_method_std=0.05,
         deterministic_mode=True, sequence_parallel=run.sequence_parallel,
         calculate_per_token_loss=run.per_token_loss, **recompute,
     )  # fmt: skip
@@ -143,14 +146,25 @@ def build(run: Run):
         )  # fmt: skip
     finally:
         undo()
+    if run.bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
     if run.gtp > 1:
         gtp_api.classify_gtp_remat_chains(ddp)
     return config, ddp
 
 
+def unwrapped_name(name: str) -> str:
+    """A parameter's name without the DDP / Float16Module wrappers' ``module.`` prefixes."""
+    while name.startswith("module."):
+        name = name[len("module."):]
+    return name
+
+
 def names_of(ddp) -> dict[int, str]:
-    return {id(p): n.removeprefix("module.") for n, p in ddp.named_parameters()}
+    return {id(p): unwrapped_name(n) for n, p in ddp.named_parameters()}
 
 
 # --- logical (TP-local, unpadded) views of GTP shards ------------------------------------
@@ -175,7 +189,7 @@ def logical_grads(ddp) -> dict[str, torch.Tensor]:
 
 
 def _named(ddp):
-    return [(n.removeprefix("module."), p) for n, p in ddp.named_parameters()]
+    return [(unwrapped_name(n), p) for n, p in ddp.named_parameters()]
 
 
 def grad_norm(ddp, grads: dict[str, torch.Tensor]) -> float:
@@ -194,6 +208,20 @@ def grad_norm(ddp, grads: dict[str, torch.Tensor]) -> float:
 # --- one training step through megatron-core's schedule ----------------------------------
 
 
+def token_sum_loss(totals: list):
+    """megatron-core's schedule's ``loss_func``: returns (sum of the per-token losses, tokens),
+    which the schedule divides by the tokens unless ``calculate_per_token_loss``; appends
+    ``[sum, tokens]`` of each micro-batch to ``totals`` (the caller's token mean over ranks)."""
+
+    def loss_func(output_tensor):
+        loss = output_tensor.float().sum()
+        n = torch.tensor(output_tensor.numel(), dtype=torch.int)
+        totals.append(torch.stack([loss.detach(), n.float()]))
+        return loss, n, {"lm loss": totals[-1]}
+
+    return loss_func
+
+
 def step(config, ddp, run: Run) -> float:
     """Forward + backward + finalize_model_grads on this rank's micro-batch; returns the
     token-mean loss over the data-distribution group (GTP peers are distinct data ranks)."""
@@ -210,13 +238,7 @@ def step(config, ddp, run: Run) -> float:
     mask = torch.triu(torch.ones(1, 1, m.seq_length, m.seq_length, dtype=torch.bool), 1)
     positions = torch.arange(m.seq_length)[None].expand(m.micro_batch_size, -1)
     totals = []
-
-    def loss_func(output_tensor):
-        loss = output_tensor.float().sum()
-        n = torch.tensor(output_tensor.numel(), dtype=torch.int)
-        totals.append(torch.stack([loss.detach(), n.float()]))
-        # (sum, tokens): the schedule divides by the tokens unless calculate_per_token_loss
-        return loss, n, {"lm loss": totals[-1]}
+    loss_func = token_sum_loss(totals)
 
     def forward_step(data_iterator, model):
         return model(inputs, positions, mask, labels=labels), loss_func
@@ -511,23 +533,66 @@ def _on_rank(rank, world, sides, extend):
     return summary
 
 
-def cli(doc: str, title: str, sides: tuple, world: int, argv=None, extend=None) -> list[dict]:
-    """Parse ``--json`` / ``--sides``, run the chosen sides on ``world`` ranks, print rank 0's
-    summary, return every rank's. ``extend(runs, results, summary)`` may add per-side fields."""
+def use_megatron_tree(spec: str) -> str:
+    """Put the megatron-core tree ``spec`` names first on the import path, of this process and
+    of the ranks it spawns: a folder holding ``megatron/`` (a Megatron-LM checkout, a ``git
+    archive`` of one) or ``git:<repo>@<rev>`` (materialized once, as the harness's
+    ``--megatron-core``). Must run before anything imports ``megatron``. Returns the folder."""
+    from harness.run import code
+
+    if "megatron" in sys.modules:
+        raise RuntimeError("megatron is imported already: choose the tree before importing it")
+    root = code.resolve(spec, "--megatron").root
+    if not root:  # "installed"
+        return ""
+    sys.path.insert(0, root)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [root, str(ROOT), os.environ.get("PYTHONPATH")]))
+    return root
+
+
+def megatron_banner() -> str:
+    """Which megatron-core this process imports: version and folder."""
+    import megatron.core
+    from megatron.core import package_info
+
+    return f"megatron-core {package_info.__version__} ({Path(megatron.core.__file__).parent.parent.parent})"
+
+
+def parse_args(doc: str, labels, argv=None, flag: str = "--sides",
+               what: str = "labels to run (the first is the baseline)"):  # fmt: skip
+    """The reproducers' command line: ``--json OUT``, ``flag`` (comma-separated, out of
+    ``labels``; an unknown one exits 2) and ``--megatron TREE`` (:func:`use_megatron_tree`,
+    applied here). Returns the namespace, with the chosen labels as ``chosen``."""
     import argparse
 
+    labels = list(labels)
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--json", type=Path, help="write every rank's summary here")
-    ap.add_argument("--sides", help="comma-separated labels to run (the first is the baseline); "
-                    f"default all: {','.join(s.label for s in sides)}")  # fmt: skip
+    ap.add_argument(flag, dest="chosen", help=f"comma-separated {what}; default all: {','.join(labels)}")
+    ap.add_argument("--megatron", metavar="TREE",
+                    help="run this megatron-core instead of the installed one: a folder holding "
+                    "megatron/, or git:<repo>@<rev>")  # fmt: skip
     args = ap.parse_args(argv)
-    chosen = sides
-    if args.sides:
-        by_label = {s.label: s for s in sides}
-        unknown = [x for x in args.sides.split(",") if x not in by_label]
-        if unknown:
-            ap.error(f"--sides: unknown label(s) {unknown}; known: {sorted(by_label)}")
-        chosen = tuple(by_label[x] for x in args.sides.split(","))
+    args.chosen = args.chosen.split(",") if args.chosen else labels
+    unknown = [x for x in args.chosen if x not in labels]
+    if unknown:
+        ap.error(f"{flag}: unknown label(s) {unknown}; known: {labels}")
+    if args.megatron:
+        from harness.common.errors import BadInput
+
+        try:
+            use_megatron_tree(args.megatron)
+        except BadInput as e:
+            ap.error(str(e))
+    return args
+
+
+def cli(doc: str, title: str, sides: tuple, world: int, argv=None, extend=None) -> list[dict]:
+    """Parse the command line (:func:`parse_args`), run the chosen sides on ``world`` ranks, print
+    rank 0's summary, return every rank's. ``extend(runs, results, summary)`` may add per-side fields."""
+    by_label = {s.label: s for s in sides}
+    args = parse_args(doc, by_label, argv)
+    chosen = tuple(by_label[x] for x in args.chosen)
     results = spawn(_on_rank, world, chosen, extend)
     print_summary(title, results[0])
     if args.json:

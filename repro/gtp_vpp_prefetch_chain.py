@@ -10,12 +10,11 @@ hand-out is checked when GTP returns it, so it follows program order (no timing)
 prefetched for the next chunk's first GEMM was overwritten by an interleaved micro-batch's gather
 into the same buffer before that GEMM ran.
 
-    export PYTHONPATH=$PWD; .venv/bin/python repro/gtp_vpp_prefetch_chain.py [--sides a,b] [--json OUT]
+    export PYTHONPATH=$PWD; .venv/bin/python repro/gtp_vpp_prefetch_chain.py [--sides a,b] [--json OUT] [--megatron TREE]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from repro._common import logical, spawn  # noqa: E402
+from repro._common import logical, megatron_banner, parse_args, spawn, token_sum_loss  # noqa: E402
 
 SIDES = {"gtp-off": (1, True), "gtp2-prefetch-on": (2, True), "gtp2-prefetch-off": (2, False)}
 LAYERS, HIDDEN, FFN, HEADS, VOCAB, SEQ, MBS, MICRO = 4, 64, 80, 4, 72, 16, 1, 4
@@ -128,12 +127,7 @@ def _side(gtp: int, prefetch: bool) -> dict:
     mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), 1)
     positions = torch.arange(SEQ)[None].expand(MBS, -1)
     totals = []
-
-    def loss_func(output_tensor):
-        loss = output_tensor.float().sum()
-        n = torch.tensor(output_tensor.numel(), dtype=torch.int)
-        totals.append(torch.stack([loss.detach(), n.float()]))
-        return loss, n, {"lm loss": totals[-1]}
+    loss_func = token_sum_loss(totals)
 
     def forward_step(data_iterator, model):
         b = next(data_iterator)
@@ -172,17 +166,10 @@ def _rank(rank: int, world: int, sides: list) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sides", help=f"comma-separated (the first is the baseline); default all: {','.join(SIDES)}")
-    ap.add_argument("--json", type=Path, help="write every rank's summary here")
-    args = ap.parse_args(argv)
-    sides = args.sides.split(",") if args.sides else list(SIDES)
-    if unknown := [s for s in sides if s not in SIDES]:
-        ap.error(f"--sides: unknown {unknown}; known: {list(SIDES)}")
-    from megatron.core import package_info
-
+    args = parse_args(__doc__, SIDES, argv)
+    sides = args.chosen
     per_rank = spawn(_rank, 4, sides)
-    print(f"== megatron-core {package_info.__version__}: PP 2 x VPP 2, GTP 2 vs off, world 4 ==")
+    print(f"== {megatron_banner()}: PP 2 x VPP 2, GTP 2 vs off, world 4 ==")
     for s in sides:
         rows = [r[s] for r in per_rank]
         worst = max(rows, key=lambda x: x["worst_rel_diff"])

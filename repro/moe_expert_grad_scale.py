@@ -16,12 +16,11 @@ non-GTP params, and for experts over the expert GTP group). Right only where EG 
 wheel (0.19.2) EP 1 experts stay in the dense buffers (``use_expert_pgs`` ignores expert GTP);
 on main (abf04f46e3) they move to the expert topology whenever EG != G, and hit the factor.
 
-    export PYTHONPATH=$PWD; .venv/bin/python repro/moe_expert_grad_scale.py [--cases a,b] [--json OUT]
+    export PYTHONPATH=$PWD; .venv/bin/python repro/moe_expert_grad_scale.py [--cases a,b] [--json OUT] [--megatron TREE]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -30,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from repro._common import spawn  # noqa: E402
+from repro._common import megatron_banner, parse_args, spawn  # noqa: E402
 
 # label: (world, EP, expert GTP, dense GTP)
 CASES = {
@@ -125,17 +124,9 @@ def _verdict(rel: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", help=f"comma-separated; default all: {','.join(CASES)}")
-    ap.add_argument("--json", type=Path, help="write every rank's summary here")
-    args = ap.parse_args(argv)
-    cases = args.cases.split(",") if args.cases else list(CASES)
-    unknown = [c for c in cases if c not in CASES]
-    if unknown:
-        ap.error(f"--cases: unknown {unknown}; known: {list(CASES)}")
-    from megatron.core import package_info
-
-    print(f"megatron-core {package_info.__version__}: routed experts' main_grad vs the same EP with every GTP off")
+    args = parse_args(__doc__, CASES, argv, flag="--cases", what="layouts")
+    cases = args.chosen
+    print(f"{megatron_banner()}: routed experts' main_grad vs the same EP with every GTP off")
     results = {}
     for world in sorted({CASES[c][0] for c in cases}):
         chosen = [c for c in cases if CASES[c][0] == world]

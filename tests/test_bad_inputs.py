@@ -81,6 +81,16 @@ SCENARIOS = [
      "train..lr", "not a path into the scenario"),
     ("matrix-duplicate-names", '[matrix]\nbase = "base.toml"\nname = "same"\n[matrix.axes]\n"train.lr" = [0.1, 0.2]\n',
      "[matrix].name", "duplicate name"),
+    ("matrix-when-not-list", '[matrix]\nbase = "base.toml"\nwhen = 5\n[matrix.axes]\n"train.lr" = [0.1]\n',
+     "[[matrix.when]]", "list of tables"),
+    ("matrix-when-unknown-axis", '[matrix]\nbase = "base.toml"\n[matrix.axes]\n"train.lr" = [0.1]\n'
+     '[[matrix.when]]\naxes = { "train.seed" = "1" }\nexpect = { signature = "mismatch" }\n',
+     "[[matrix.when]][0].axes.train.seed", "not an axis"),
+    ("matrix-when-unknown-label", '[matrix]\nbase = "base.toml"\n[matrix.axes]\n"train.lr" = [0.1]\n'
+     '[[matrix.when]]\naxes = { "train.lr" = "0.2" }\nexpect = { signature = "mismatch" }\n',
+     "[[matrix.when]][0].axes.train.lr", "labels must be among"),
+    ("matrix-when-sets-nothing", '[matrix]\nbase = "base.toml"\n[matrix.axes]\n"train.lr" = [0.1]\n'
+     '[[matrix.when]]\naxes = { "train.lr" = "0.1" }\n', "[[matrix.when]][0]", "must set scenario tables"),
     ("matrix-unknown-key", '[matrix]\nbase = "base.toml"\nbases = 1\n[matrix.axes]\n"train.lr" = [0.1]\n',
      "[matrix].bases", "unknown key"),
     ("matrix-name-is-path", '[matrix]\nbase = "base.toml"\nname = "{x}"\n[matrix.axes]\n'

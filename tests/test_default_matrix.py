@@ -3,7 +3,7 @@
 import pytest
 
 from harness import scenario
-from tests.helpers import ROOT, assert_grads_differ_by_order_only, results, run
+from tests.helpers import ROOT, assert_grads_differ_by_order_only, results, run, summary
 
 pytestmark = pytest.mark.multirank
 
@@ -18,8 +18,11 @@ def default_run(tmp_path_factory):
 def test_no_false_alarm(default_run):
     out, code, doc = default_run
     bad = {s["scenario"]: s.get("first_divergence") or s.get("error") for s in doc["scenarios"]
-           if s["verdict"] != "pass"}
+           if s["verdict"] not in ("pass", "known-divergence")}
     assert not bad, bad
+    # megatron-core 0.19.2's bf16 GTP wgrad reduce-scatter: known divergences tied to the code.
+    known = {s["scenario"] for s in doc["scenarios"] if s["verdict"] == "known-divergence"}
+    assert known == {f"{t}-bf16-{o}" for t in ("tp1-gtp2", "tp1-gtp4", "tp2-gtp2", "tp2-gtp4") for o in ("adam", "sgd")}
     assert code == 0 and len(doc["scenarios"]) == 20
     for s in doc["scenarios"]:
         checked = s["checked"]
@@ -46,12 +49,20 @@ def test_gtp_on_vs_off_fp32_per_tensor(default_run, name):
     assert assert_grads_differ_by_order_only(out, sc) == len(step1[step1["kind"] == "main_grad"]) > 0
 
 
-def test_bf16_gtp_reduce_scatter_rounds_in_bf16(default_run):
+@pytest.mark.parametrize("name", ["tp1-gtp2-bf16-sgd", "tp2-gtp4-bf16-adam"])
+def test_bf16_gtp_reduce_scatter_rounds_in_bf16(default_run, name):
     """megatron-core 0.19.2 reduce-scatters GTP wgrads in bf16 when params are bf16: the
-    main_grad of a GTP weight differs from GTP off by about half a bf16 ULP (2^15 fp32 ULPs),
-    while replicated params (reduced in fp32) do not; the noise floor still accepts it."""
-    df = results(default_run[0], "tp1-gtp2-bf16-sgd")
+    main_grad of a GTP weight differs from GTP off by up to half a bf16 ULP (2^15 fp32 ULPs),
+    far beyond the bound of its fp32 sum; replicated params (reduced in fp32) stay within it.
+    The noise floor alone accepts every one of them."""
+    s = summary(default_run[0], name)
+    assert s["verdict"] == "known-divergence" and s["first_divergence"]["signature"] == "extra-rounding"
+    df = results(default_run[0], name)
     grads = df[(df["step"] == 1) & (df["kind"] == "main_grad")]
-    gtp = grads[grads["tensor"].str.contains("linear_|word_embeddings|output_layer")]
-    assert gtp["max_ulp"].max() >= 2**14
-    assert grads["passed"].all()
+    assert set(grads["expectation"]) == {"bounded"} and grads["policy_passed"].all()
+    gtp = grads["tensor"].str.contains("linear_|word_embeddings|output_layer")
+    assert grads[gtp]["max_ulp"].max() >= 2**14 and not grads[gtp]["passed"].any()
+    assert grads[~gtp]["passed"].all()
+    # Nothing before the main_grads is claimed more than it holds: the forward is bitwise.
+    fwd = df[(df["step"] == 1) & df["kind"].isin(["activation", "logits", "loss", "materialized"])]
+    assert set(fwd["expectation"]) == {"bitwise"} and fwd["passed"].all()

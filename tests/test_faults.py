@@ -10,12 +10,13 @@ import pytest
 
 from harness import cli
 from harness import scenario
-from harness.scenario.faults import MOE_FAULTS
+from harness.scenario.faults import MOE_FAULTS, PRECISION_FAULTS
 from harness.backends.faults import CATALOG
 from tests.helpers import ASSETS, ROOT, run, summary
 
 # The faults the megatron fault matrix plants (the FP8 one is planted in tests/test_fp8.py).
-PLANTED = sorted({f for s in scenario.load(ASSETS / "faults.toml") for f in s.candidate.inject})
+MENDS = {"backport-gtp-wgrad-fp32", "patch-gtp-embedding-wgrad-fp32"}  # no faults: the baseline of a bf16 one
+PLANTED = sorted({f for s in scenario.load(ASSETS / "faults.toml") for f in s.candidate.inject} - MENDS)
 # The optimizer param-group faults need weight decay: tests/test_update_signatures.py plants them.
 UPDATE_FAULTS = sorted({f for s in scenario.load(ASSETS / "update_faults.toml") for f in s.candidate.inject})
 
@@ -33,9 +34,11 @@ def fault_run(tmp_path_factory):
 def test_every_megatron_fault_is_planted():
     # The MoE faults need an MoE model: tests/test_moe.py plants them; the FP8 fault is planted in
     # tests/test_fp8.py, the pipeline one in tests/test_pipeline.py, the checkpoint one in
-    # tests/test_checkpoint.py.
+    # tests/test_checkpoint.py; the precision faults (one bf16 rounding each, and the backport they
+    # are planted against) in tests/test_expectations.py, whose per-tensor expectations catch them.
     assert set(PLANTED) | set(UPDATE_FAULTS) == (set(CATALOG) - {"fp8-unreduced-amax", "pp-swap-microbatch-grads",
-                                                                 "ckpt-pad-rows-as-data"} - set(MOE_FAULTS))
+                                                                 "ckpt-pad-rows-as-data"} - set(MOE_FAULTS)
+                                                 - set(PRECISION_FAULTS))
 
 
 @pytest.mark.parametrize("fault", PLANTED)

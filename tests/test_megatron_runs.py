@@ -144,8 +144,8 @@ def test_seed_configuration_runs_three_finite_steps(seed_run):
 
 def test_compare_holds_one_pair_of_logical_tensors_at_a_time(tiny_traces, monkeypatch):
     """The compare streams: whenever a logical tensor is assembled, at most two others are
-    alive (the reference's and candidate's of the same key, when the golden's is built), not
-    the traces' tens of tensors; and the verdict is the run's."""
+    alive (the reference's and candidate's of the same key, when the golden's or a main_grad's
+    recorded terms are built), not the traces' tens of tensors; and the verdict is the run's."""
     import weakref
 
     from harness.compare import assemble as assemble_mod

@@ -50,9 +50,11 @@ def _files(path):
     return sorted(p.relative_to(path) for p in path.rglob("*.safetensors"))
 
 
-def test_seed_passes_with_step_table(mlm_run):
+def test_seed_diverges_as_recorded_with_step_table(mlm_run):
+    # Megatron-LM's loop on 0.19.2 shows the bf16 GTP reduce-scatter's extra rounding, as recorded.
     s = summary(mlm_run, SEED)
-    assert s["verdict"] == "pass", s["first_divergence"]
+    assert s["verdict"] == "known-divergence", s["first_divergence"]
+    assert (s["first_divergence"]["step"], s["first_divergence"]["kind"]) == (1, "main_grad")
     df = results(mlm_run, SEED)
     step0 = df[df["step"] == 0]
     assert len(step0) == 21 and step0["bitwise_equal"].all()  # every parameter, cut from the canonical weights

@@ -18,14 +18,15 @@ FC1 = "decoder.layers.{}.mlp.linear_fc1.weight"
 FC2 = "decoder.layers.{}.mlp.linear_fc2.weight"
 
 
-def _run(script: str, sides: list[str], tmp: Path, flag: str = "--sides") -> list[dict]:
+def _run(script: str, sides: list[str], tmp: Path, flag: str = "--sides", returncode: int = 0,
+         extra: tuple[str, ...] = ()) -> list[dict]:  # fmt: skip
     out = tmp / f"{Path(script).stem}.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "repro" / script), "--json", str(out), flag, ",".join(sides)],
+        [sys.executable, str(ROOT / "repro" / script), "--json", str(out), flag, ",".join(sides), *extra],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == returncode, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
 
 
@@ -132,3 +133,49 @@ def test_interleaved_prefetch_hands_a_chunk_another_layers_weight(tmp_path):
     assert not any(r["gtp-off"]["wrong_handouts"] for r in ranks)
     wrong = [h for r in ranks for h in r["gtp2-prefetch-on"]["wrong_handouts"]]
     assert wrong and all(h["param"] not in h["holds"] for h in wrong), wrong
+
+
+# Megatron-LM main for the reproducers that also show what main fixed (a git:REPO@REV spec or a
+# folder holding megatron/; the default is the local mirror where there is one).
+MAIN_TREE = os.environ.get("GTP_PARITY_MAIN_TREE", "git:/work/.mirror/NVIDIA+Megatron-LM/repo@d98e8a64dd")
+
+
+def _rounded_once_more(weight: dict) -> bool:
+    """GTP's main_grad is the GTP-off one rounded to bf16 (never equal to it, at most half a bf16
+    ULP off), and the reduce-scatter's inputs summed in fp32 are the GTP-off main_grad: the two
+    runs computed the same per-rank wgrads and only the reduction's dtype differs."""
+    return (weight["rs_dtype"] == "bfloat16" and not weight["bitwise"] and weight["equals_off_rounded_to_bf16"]
+            and weight["rs_inputs_summed_equal_off"] and weight["max_bf16_ulps"] == 0.5)  # fmt: skip
+
+
+def test_gtp_wgrad_reduce_scatter_rounds_bf16_on_the_wheel(tmp_path):
+    """FINDINGS I on the wheel: bf16 params, fp32 main_grad, TP1 x GTP2 vs off: every GTP weight's
+    wgrad is reduce-scattered in bf16, so each main_grad is exactly the GTP-off one rounded to
+    bf16 (the linear weights and the word embedding alike); replicated params and loss bitwise.
+    The script exits 1 because some main_grad is not bitwise."""
+    ranks = _run("gtp_wgrad_rs_bf16.py", ["gtp-off", "gtp2"], tmp_path, returncode=1)
+    for rank in ranks:
+        assert len(set(rank["loss"].values())) == 1 and rank["replicated_bitwise"], rank["loss"]
+        assert set(rank["groups"]) == {"linear", "embedding"}
+        for group in rank["groups"].values():
+            assert not group["bitwise"] and group["exact_extra_rounding"], group
+        assert len(rank["groups"]["linear"]["weights"]) == 9  # 2 x (qkv, proj, fc1, fc2) + output layer
+        bad = {n: w for n, w in rank["weights"].items() if not _rounded_once_more(w)}
+        assert not bad, bad
+
+
+@pytest.mark.slow
+def test_gtp_wgrad_reduce_scatter_on_main_fixed_for_linears_only(tmp_path):
+    """FINDINGS I on Megatron-LM main (d98e8a64dd): e5542e85f2 widens the linear layers' wgrad
+    to main_grad's dtype (fp32 reduce-scatter, main_grad bitwise GTP off); the word embedding's
+    wgrad (GTPEmbeddingWeight.backward) still reduce-scatters in bf16: rounded once more."""
+    repo = MAIN_TREE[len("git:"):].rpartition("@")[0] if MAIN_TREE.startswith("git:") else MAIN_TREE
+    if not Path(repo).is_dir():
+        pytest.skip(f"no Megatron-LM tree at {repo} (set GTP_PARITY_MAIN_TREE)")
+    ranks = _run("gtp_wgrad_rs_bf16.py", ["gtp-off", "gtp2"], tmp_path, returncode=1,
+                 extra=("--megatron", MAIN_TREE))  # fmt: skip
+    for rank in ranks:
+        assert rank["groups"]["linear"]["bitwise"], rank["groups"]["linear"]
+        assert all(rank["weights"][n]["rs_dtype"] == "float32" for n in rank["groups"]["linear"]["weights"])
+        assert rank["groups"]["embedding"]["exact_extra_rounding"]
+        assert _rounded_once_more(rank["weights"]["embedding.word_embeddings.weight"])

@@ -22,6 +22,11 @@ def patch(obj: Any, attr: str, value: Any) -> Any:
     return old
 
 
+def on_undo(undo: Callable[[], None]) -> None:
+    """Run ``undo`` with the patches' undo (a hook handle's ``remove``, say), in stack order."""
+    _UNDO.append(undo)
+
+
 def undo_all() -> None:
     while _UNDO:
         _UNDO.pop()()

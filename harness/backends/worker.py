@@ -14,6 +14,8 @@ CUDA each rank binds ``cuda:<local rank>`` and the process group sends CUDA tens
 
 from __future__ import annotations
 
+import dataclasses
+
 import datetime
 import json
 import os
@@ -62,7 +64,9 @@ def run_job(job: Job, rank: int, world: int, node: int = 0) -> None:
                   "precision": side.precision, "recipe": side.recipe, "steps": side.steps,
                   "provenance": job.provenance, "mutant": side.mutant or None, **_stand_ins(),
                   # what the update judgement names terms by (harness.compare.updates)
-                  "train": {"optimizer": side.optimizer, "lr": side.lr, "weight_decay": side.weight_decay}},  # fmt: skip
+                  "train": {"optimizer": side.optimizer, "lr": side.lr, "weight_decay": side.weight_decay},
+                  # what the comparison derives each tensor's expectation from (harness.compare.expectations)
+                  "config": {**dataclasses.asdict(side), "micro_batches": side.num_microbatches(job.data)}},  # fmt: skip
         )
 
 

@@ -170,6 +170,8 @@ class Capture:
             family = "optimizer"
         if family in ("param_before", "materialized"):
             family = "param"
+        if family == "grad_terms":  # what the main_grad's bound needs (harness.backends.megatron.terms)
+            family = "main_grad"
         if family not in self.policy.kinds:
             return False
         if step not in (None, 0) and self.policy.steps is not None and step not in self.policy.steps:

@@ -103,6 +103,7 @@ def _cmd_matrix(args) -> int:
     code = run_scenarios(scenarios, out, parallel=args.jobs, verbose=True, fresh=args.fresh,
                          compare_jobs=args.compare_jobs)
     print(f"report: {report.write_index(out, report_dir)}")
+    print(f"compared tensors judged by expectation: {report.run_expectations(out)}")
     junit = Path(args.junit) if args.junit else report_dir / "junit.xml"
     print(f"junit: {report.write_junit(out, junit)}")
     if args.update_baseline:

@@ -97,3 +97,20 @@ def norm_rel_error(largest_tensor: int, tensors: int, ranks: int,
     at any size, probabilistic where the deterministic bound is the looser
     (:func:`gamma_at_scale`)."""
     return gamma_at_scale(norm_roundings(largest_tensor, tensors, ranks), dtype)
+
+
+def sum_reorder_bound(n_terms: int, abs_terms, dtype: torch.dtype = torch.float32):
+    """Largest difference between two computations of one sum of ``n_terms`` terms in two
+    orders and groupings, from ``abs_terms``, the measured ``sum |x_i|`` (element-wise), in
+    the accumulation ``dtype``.
+
+    Each side: at most ``n - 1`` additions and ``n`` scalings of a term or a partial sum (a
+    pre-scale by 1/G, DDP's 1/DP; exact where they are powers of two, counted anyway), so each
+    is within ``gamma_(2n) sum |x_i|`` of the exact sum (Higham, Lemma 3.1 with section 4.2);
+    two sides, twice that. The measured ``abs_terms`` is itself a sum of ``n`` terms read as
+    the rounded accumulation's increments (each within ``u`` of its partial sum, at most
+    ``sum |x_i|``), which :func:`harness.backends.megatron.terms` sums in fp64: it is at least
+    ``(1 - gamma_n) sum |x_i|``, and the bound divides by that factor.
+    """
+    g = gamma(2 * max(n_terms, 1), dtype)
+    return 2 * g * abs_terms / (1 - gamma(max(n_terms, 1), dtype))

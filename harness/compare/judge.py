@@ -43,7 +43,7 @@ from typing import NamedTuple
 import pandas as pd
 import torch
 
-from harness.compare import bounds, localize
+from harness.compare import bounds, expectations, localize
 from harness.compare import tasks
 from harness.compare import split
 from harness.capture.fingerprint import BLOCK_DIGESTS, DIGESTS
@@ -104,9 +104,12 @@ def _needs(policy: ComparePolicy, step: int, golden, recipe: str, dtype: torch.d
     return golden, tolerances(recipe, dtype if dtype in DTYPE_TOLS else torch.float32)
 
 
-def pair_row(task: tasks.Task, logical: dict, policy: ComparePolicy, recipe: str = "none"):
+def pair_row(task: tasks.Task, logical: dict, policy: ComparePolicy, recipe: str = "none",
+             terms: int | None = None):
     """Assemble, measure and judge one pair task: (its row or None, the sum of squared
-    differences of a main_grad or None). The tensors are dropped on return."""
+    differences of a main_grad or None). The tensors are dropped on return. ``terms``: the
+    count of terms of a main_grad's data-parallel sum, where a side recorded their magnitudes
+    (:func:`harness.compare.expectations.terms_count`)."""
     ref, cand, golden = logical["reference"], logical["candidate"], logical.get("golden")
     step, kind, name = key = task.key
     if key in ref.samples:
@@ -118,8 +121,11 @@ def pair_row(task: tasks.Task, logical: dict, policy: ComparePolicy, recipe: str
         r, c = torch.stack([rs[i] for i in ids]), torch.stack([cs[i] for i in ids])
         g = torch.stack([gs[i] for i in ids]) if all(i in gs for i in ids) else None
         del rs, cs, gs
+        bounded = {}
     else:
         ids, r, c = None, ref.tensors[key], cand.tensors[key]
+        # before the golden's is built: a pair holds at most three logical tensors at once
+        bounded = expectations.terms_check(logical, key, r, c, terms) if kind == "main_grad" else {}
         g = golden.tensors[task.golden_key] if task.golden_key is not None else None
     if r.shape != c.shape:
         return {"step": step, "kind": kind, "tensor": name, "passed": False, "policy": "shape",
@@ -136,14 +142,20 @@ def pair_row(task: tasks.Task, logical: dict, policy: ComparePolicy, recipe: str
         m.update(ref_err_golden=stats.rms("ref"), cand_err_golden=stats.rms("cand"))
     return {"step": step, "kind": kind, "tensor": name, "passed": j.passed, "policy": j.policy,
             "bound": j.bound, "dtype": str(c.dtype).replace("torch.", ""),
-            "shape": list(r.shape), "sample_ids": ids, **m}, sq_diff  # fmt: skip
+            "shape": list(r.shape), "sample_ids": ids, **m, **bounded}, sq_diff  # fmt: skip
 
 
 def part_of(traces: dict[str, Trace], policy: ComparePolicy, part: int, parts: int) -> tasks.Part:
     """Measure this process's share (``part`` of ``parts``) of a compare's tasks."""
     logical = {role: LazyLogical(t) for role, t in traces.items()}
     share = tasks.partition(tasks.collect(logical), logical, parts)[part]
-    return tasks.run(share, logical, functools.partial(pair_row, policy=policy, recipe=recipe_of(traces)))
+    return tasks.run(share, logical, _pair(traces, policy))
+
+
+def _pair(traces: dict[str, Trace], policy: ComparePolicy):
+    """The pair measurement of a compare of ``traces`` (the same in every process)."""
+    return functools.partial(pair_row, policy=policy, recipe=recipe_of(traces),
+                             terms=expectations.terms_count(traces))  # fmt: skip
 
 
 class Comparison(NamedTuple):
@@ -173,8 +185,7 @@ def compare(traces: dict[str, Trace], policy: ComparePolicy | None = None, jobs:
     elif jobs > 1:
         parts = split.over_processes(traces, policy, jobs)
     else:
-        parts = [tasks.run(list(enumerate(tasks.collect(logical))), logical,
-                           functools.partial(pair_row, policy=policy, recipe=recipe))]  # fmt: skip
+        parts = [tasks.run(list(enumerate(tasks.collect(logical))), logical, _pair(traces, policy))]
     rows, sq_diff = tasks.merge(parts, logical["candidate"])
     ref, cand = logical["reference"], logical["candidate"]
     rows += compare_fingerprints(ref, cand, traces)
@@ -182,7 +193,7 @@ def compare(traces: dict[str, Trace], policy: ComparePolicy | None = None, jobs:
     worlds = (traces["reference"].world_size, traces["candidate"].world_size)
     rows += _grad_norm_consistency(scalars, ref, cand, policy, worlds, sq_diff)
     rows += input_rows(ref, cand)
-    df = pd.DataFrame(rows)
+    df = expectations.judge_rows(pd.DataFrame(rows), traces, policy)
     return Comparison(localize.summarize(df, logical, traces, policy, recipe=recipe), localize.order(df))
 
 

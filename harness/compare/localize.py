@@ -50,6 +50,10 @@ SIGNATURES = {
                    "-lr*wd*param (weight decay)",
     "extra-rounding": "one side is the other rounded once more to a narrower dtype (named): a "
                       "reduction or accumulation in bf16/fp16 where the other keeps fp32",
+    "not-bitwise": "the same operations on the same values (a bitwise expectation) gave other bits, with no "
+                   "recognised pattern: an operation added, reordered or run in another kernel",
+    "beyond-sum-bound": "a sum of the same terms differs by more than any order of summing them allows "
+                        "(a bounded expectation): a term lost, added or rounded",
     "mismatch": "values differ beyond the policy with no recognised pattern",
     "gemm-consumed-foreign-weight": "a GEMM consumed another parameter's weight: a GTP gather buffer "
                                     "was reused before the GEMM read it",
@@ -162,8 +166,10 @@ def summarize(df: pd.DataFrame, logical: dict, traces: dict, policy, recipe: str
     checked = {k: int(n) for k, n in df.groupby("kind").size().items()} if not df.empty else {}
     failing = df[~df["passed"].astype(bool)] if not df.empty else df
     invariants = {"replica": cand.replica_violations, "padding": cand.padding_violations}
+    expected = {k: int(n) for k, n in df.groupby("expectation").size().items()} \
+        if "expectation" in df.columns else {}  # fmt: skip
     doc = ScenarioSummary.of(
-        verdict=Verdict.PASS, first_divergence=None, checked=checked,
+        verdict=Verdict.PASS, first_divergence=None, checked=checked, expectations=expected,
         policy={"name": policy.policy, "k": policy.k, "k_first_step": policy.k_first_step, "floor": policy.floor},
         invariants=invariants, failing=int(len(failing)))  # fmt: skip
     # Candidate invariant violations are divergences of their own, placed in causal order.
@@ -346,5 +352,9 @@ def _signature(first: dict, df: pd.DataFrame, logical: dict, mesh: dict, key,
         rtol, atol = tolerances(recipe, c.dtype)
         if within_tolerance(r, c, rtol, atol):
             return "precision-loss", {"tolerance": {"rtol": rtol, "atol": atol, "recipe": recipe}}
-    return "mismatch", {}
+    return _EXPECTATION_BROKEN.get(first.get("policy"), "mismatch"), {}
+
+
+# A broken expectation without a recognised pattern still says which one broke.
+_EXPECTATION_BROKEN = {"bitwise": "not-bitwise", "bounded": "beyond-sum-bound"}
 

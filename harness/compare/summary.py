@@ -164,6 +164,8 @@ class ScenarioSummary(_Given):
     first_divergence: FirstDivergence | None = None
     checked: dict[str, int] = field(default_factory=dict)
     """Comparisons per kind."""
+    expectations: dict[str, int] = field(default_factory=dict)
+    """Comparisons per expectation: bitwise, bounded, noise-floor (harness.compare.expectations)."""
     failing: int | None = None
     policy: dict = field(default_factory=dict)
     invariants: dict[str, list] = field(default_factory=dict)
@@ -212,6 +214,7 @@ class ResultRow:
     tensor: str
     passed: bool | None = None
     policy: str | None = None
+    expectation: str | None = None
     bitwise_equal: bool | None = None
     dtype: str | None = None
     rel_l2: float | None = None

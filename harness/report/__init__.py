@@ -12,12 +12,13 @@ tensor is loaded, nothing is recomputed.
 """
 
 from harness.report.gate import compare_to_baseline, update_baseline, write_junit
-from harness.report.index import write_index, write_scenario_page
+from harness.report.index import run_expectations, write_index, write_scenario_page
 from harness.report.model import divergence_line
 
 __all__ = [
     "compare_to_baseline",
     "divergence_line",
+    "run_expectations",
     "update_baseline",
     "write_index",
     "write_junit",

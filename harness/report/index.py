@@ -10,12 +10,12 @@ from __future__ import annotations
 import itertools
 import json
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from urllib.parse import quote
 
 from harness.common.errors import BadInput
-from harness.report.model import divergence_line, load_scenario, worst_metric
+from harness.report.model import divergence_line, expectation_share, load_scenario, worst_metric
 from harness.compare.summary import ScenarioSummary, Verdict, as_summary
 from harness.report.page import document, render_scenario
 from harness.report.svg import esc
@@ -38,6 +38,8 @@ class IndexCell:
     """Where the run came from when several are merged (the pytest plugin: the test's id)."""
     paths: str = ""
     """The megatron-core code paths the sides took off the plainest one (``Side.paths``)."""
+    expectations: dict = field(default_factory=dict)
+    """Compared tensors per expectation (bitwise, bounded, noise-floor)."""
 
     @property
     def label(self) -> str:
@@ -102,17 +104,23 @@ def render_index(title: str, cells: list[IndexCell], verdict: str) -> str:
     listing = "".join(
         f'<tr class="{esc(c.verdict)}"><td class="t"><a href="{esc(c.href)}">{esc(c.label)}</a></td>'
         f'<td class="t">{esc(c.verdict)}</td><td class="t mono">{esc(c.paths)}</td>'
-        f'<td class="t mono">{esc(c.line)}</td></tr>'
+        f'<td class="t">{esc(expectation_share(c.expectations))}</td><td class="t mono">{esc(c.line)}</td></tr>'
         for c in cells
     )
+    total: dict[str, int] = {}
+    for c in cells:
+        for k, n in c.expectations.items():
+            total[k] = total.get(k, 0) + int(n)
     html = "".join([
         f"<h1>{esc(title)}</h1>",
         f'<p class="verdict {esc(verdict)}" id="verdict">',
         f"{esc(verdict.upper())}: {len(cells)} scenario(s), {esc(summary)}</p>",
+        f'<p id="expectations">compared tensors judged by expectation: {esc(expectation_share(total))}</p>',
         f'<h2>Matrix</h2><table class="grid" id="matrix"><thead><tr>{head}</tr></thead>',
         f'<tbody>{"".join(body)}</tbody></table>',
         '<h2>Scenarios</h2><table class="grid" id="scenarios"><thead><tr><th class="t">scenario</th>',
-        '<th class="t">verdict</th><th class="t">paths exercised</th><th class="t">first divergence</th></tr></thead>',
+        '<th class="t">verdict</th><th class="t">paths exercised</th><th class="t">judged by expectation</th>',
+        '<th class="t">first divergence</th></tr></thead>',
         f"<tbody>{listing}</tbody></table>",
     ])  # fmt: skip
     return document(f"{verdict.upper()} {title} - gtp-parity", html)
@@ -155,7 +163,8 @@ def write_index(run_dir: Path, report_dir: Path) -> Path:
         page.write_text(render_scenario(data), encoding="utf-8")
         cells.append(IndexCell(name=name, verdict=data.verdict, worst=worst_metric(data),
                                href=f"scenarios/{quote(name)}.html", axes=dict(s.get("axes") or {}),
-                               line=divergence_line(data.summary), paths=paths_line(data.summary)))  # fmt: skip
+                               line=divergence_line(data.summary), paths=paths_line(data.summary),
+                               expectations=dict(data.summary.expectations)))  # fmt: skip
     if (report_dir / "summary.json").resolve() != (run_dir / "summary.json").resolve():
         shutil.copyfile(run_dir / "summary.json", report_dir / "summary.json")
     (report_dir / CELLS_FILE).write_text(json.dumps([asdict(c) for c in cells], indent=1))
@@ -163,6 +172,15 @@ def write_index(run_dir: Path, report_dir: Path) -> Path:
     index.write_text(render_index(f"gtp-parity run {run_dir.name}", cells, str(doc.get("verdict", "error"))),
                      encoding="utf-8")  # fmt: skip
     return index
+
+
+def run_expectations(run_dir: Path) -> str:
+    """The share of a run's compared tensors per expectation, over its scenarios."""
+    total: dict[str, int] = {}
+    for s in _read_run_summary(Path(run_dir) / "summary.json")["scenarios"]:
+        for k, n in (s.get("expectations") or {}).items():
+            total[k] = total.get(k, 0) + int(n)
+    return expectation_share(total)
 
 
 def paths_line(summary: ScenarioSummary | dict) -> str:

@@ -177,6 +177,18 @@ def expectation_failures(summary: dict, expect: str = "pass", signature: str | N
     return out
 
 
+EXPECTATIONS = ("bitwise", "bounded", "noise-floor")
+
+
+def expectation_share(counts: dict) -> str:
+    """``bitwise 52% (120), bounded 9% (21), noise-floor 39% (90)`` of the compared tensors."""
+    total = sum(int(n) for n in counts.values())
+    if not total:
+        return "none recorded"
+    names = [k for k in EXPECTATIONS if k in counts] + sorted(set(counts) - set(EXPECTATIONS))
+    return ", ".join(f"{k} {100 * int(counts[k]) / total:.0f}% ({int(counts[k])})" for k in names)
+
+
 def verdict_line(data: ScenarioData) -> str:
     """The verdict in one sentence."""
     s = data.summary

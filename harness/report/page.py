@@ -29,12 +29,13 @@ from harness.report.svg import blocks_svg, esc, heatmap_svg, line_chart
 
 TABLE_COLUMNS = [
     ("step", "step"), ("phase", "phase"), ("kind", "kind"), ("tensor", "tensor"), ("passed", "ok"),
-    ("policy", "policy"), ("dtype", "dtype"), ("shape", "shape"), ("max_abs", "max abs"),
+    ("expectation", "expectation"), ("expectation_reason", "why"), ("policy", "policy"), ("dtype", "dtype"), ("shape", "shape"), ("max_abs", "max abs"),
     ("max_rel", "max rel"), ("max_ulp", "max ULP"), ("p99_ulp", "p99 ULP"), ("rel_l2", "rel L2"),
     ("cosine", "cosine"), ("mismatched", "mismatched"), ("ref_err_golden", "ref err vs golden"),
     ("cand_err_golden", "cand err vs golden"), ("bound", "bound"), ("worst_index", "worst index"),
 ]  # fmt: skip
-TEXT_COLUMNS = {"phase", "kind", "tensor", "policy", "dtype", "shape", "worst_index"}
+TEXT_COLUMNS = {"phase", "kind", "tensor", "expectation", "expectation_reason", "policy", "dtype", "shape",
+                "worst_index"}  # fmt: skip
 HEAT_NOTES = {
     "golden": "the largest ratio, among the cell's tensors, of the candidate's error against the golden to "
               "the reference's (1: the candidate is as close to the truth as the reference), log scale from "
@@ -190,6 +191,7 @@ def _provenance(data: ScenarioData) -> str:
         ("policy", _listing(s.policy.items())),
         ("matrix axes", _listing((k, f"= {v}") for k, v in s.axes.items())),
         ("checked", _listing(sorted(s.checked.items()))),
+        ("judged by expectation", _listing(sorted(s.expectations.items()))),
     ]
     columns = ("side", "label", "mesh (tp, gtp, dp)", "world", "python", "torch", "megatron-core",
                "transformer-engine", "trace")  # fmt: skip

@@ -75,7 +75,7 @@ CATALOG: dict[str, Fault] = {
             "microbatch-grad-overwrite", "stale or clobbered buffer",
             "each micro-batch's gradient overwrites main_grad instead of adding to it: only the "
             "step's last micro-batch counts",
-            {"step": 1, "kind": "main_grad", "tensor": "*", "signature": "mismatch"},
+            {"step": 1, "kind": "main_grad", "tensor": "*", "signature": "beyond-sum-bound"},
         ),
         Fault(
             "gtp-update-no-weight-decay", "optimizer param groups",
@@ -119,7 +119,7 @@ CATALOG: dict[str, Fault] = {
             # The optimizer's view of the gradient is misplaced first: the captured main_grad is
             # put together from the ranges the optimizer owns.
             {"step": 1, "phase": "backward", "kind": "main_grad", "tensor": "decoder.layers.0.mlp.linear_fc1.weight",
-             "signature": "mismatch"},
+             "signature": "beyond-sum-bound"},
         ),
         Fault(
             "ckpt-pad-rows-as-data", "padding",
@@ -224,6 +224,8 @@ def check_reach(name: str, side, data=None) -> str | None:
         # Interleaved, the first stage's later model chunks send input gradients back: holding a
         # backward would hold the schedule's p2p.
         return f"{name!r} is planted on the 1F1B schedule only (virtual_pipeline unset)"
+    if name in PRECISION_FAULTS and (problem := _precision_reach(name, side, data)):
+        return problem
     if side.backend == "torch" and name not in TORCH_FAULTS:
         return f"{name!r} is not implemented by the torch backend; it implements {sorted(TORCH_FAULTS)}"
     if side.backend == "mlm" and name not in MLM_FAULTS:
@@ -258,3 +260,67 @@ MOE_FAULTS: dict[str, Fault] = {
     ]
 }
 CATALOG.update(MOE_FAULTS)
+
+
+# The precision bug class: one bf16 rounding where megatron-core keeps fp32 (megatron backend).
+# ``backport-gtp-wgrad-fp32`` and ``patch-gtp-embedding-wgrad-fp32`` are no faults: Megatron-LM's fix and the
+# embedding's proposed one, the baseline the precision faults show against on the 0.19.2 wheel.
+PRECISION_FAULTS: dict[str, Fault] = {
+    f.name: f
+    for f in [
+        Fault(
+            "backport-gtp-wgrad-fp32", "backport",
+            "Megatron-LM e5542e85f2 (#6624) on an older tree: GTP's wgrad is reduce-scattered in main_grad's dtype",
+            {"step": None, "kind": "main_grad", "tensor": "*.weight", "signature": "none"},  # planted: bitwise
+        ),
+        Fault(
+            "patch-gtp-embedding-wgrad-fp32", "proposed fix",
+            "the word embedding's GTP wgrad reduce-scattered in main_grad's dtype, as repro/FINDINGS.md (I) "
+            "proposes (still bf16 on Megatron-LM main d98e8a64dd)",
+            {"step": None, "kind": "main_grad", "tensor": "embedding.word_embeddings.weight", "signature": "none"},
+        ),
+        Fault(
+            "gtp-rs-bf16", "extra rounding",
+            "GTP's wgrad reduce-scatter runs in bf16 although main_grad is fp32 (the 0.19.2 wheel's own "
+            "behaviour for bf16 params: planted on top of backport-gtp-wgrad-fp32)",
+            {"step": 1, "phase": "backward", "kind": "main_grad", "tensor": "*.weight", "signature": "extra-rounding"},
+        ),
+        Fault(
+            "distopt-grad-rs-bf16", "extra rounding",
+            "the distributed optimizer's DDP grad reduce-scatter runs in bf16 although grad_reduce_in_fp32 "
+            "keeps the buffer fp32",
+            {"step": 1, "phase": "backward", "kind": "main_grad", "tensor": "*", "signature": "extra-rounding"},
+        ),
+        Fault(
+            "microbatch-accum-bf16", "extra rounding",
+            "the fp32 micro-batch accumulation of main_grad rounds to bf16 after each micro-batch's add",
+            {"step": 1, "phase": "backward", "kind": "main_grad", "tensor": "*", "signature": "extra-rounding"},
+        ),
+        Fault(
+            "adam-exp-avg-sq-bf16-gtp", "extra rounding",
+            "Adam's second moment of GTP-sharded params is kept in bf16 (rounded after each step)",
+            {"step": 1, "phase": "optimizer", "kind": "exp_avg_sq", "tensor": "*.weight",
+             "signature": "extra-rounding"},
+        ),
+    ]
+}
+CATALOG.update(PRECISION_FAULTS)
+
+
+def _precision_reach(name: str, side, data) -> str | None:
+    if side.backend != "megatron":
+        return f"{name!r} is planted on the megatron backend only"
+    if side.gtp == 1 and name in ("backport-gtp-wgrad-fp32", "patch-gtp-embedding-wgrad-fp32", "gtp-rs-bf16",
+                                  "adam-exp-avg-sq-bf16-gtp"):
+        return f"{name!r} never fires on a side without GTP (gtp = 1)"
+    if name == "gtp-rs-bf16" and side.precision == "bf16" and (not side.grad_reduce_in_fp32 or (
+            "backport-gtp-wgrad-fp32" not in side.inject and side.megatron_core == "installed")):  # fmt: skip
+        # The installed 0.19.2 wheel's local linears hand GTP a bf16 wgrad: the RS is bf16 already.
+        return f"{name!r} never fires in bf16 unless main_grad is fp32 and the wgrad is too (backport-gtp-wgrad-fp32)"
+    if name == "distopt-grad-rs-bf16" and not side.distributed_optimizer:
+        return f"{name!r} needs the distributed optimizer (distributed_optimizer)"
+    if name == "microbatch-accum-bf16" and data is not None and side.num_microbatches(data) < 2:
+        return f"{name!r} never fires with one micro-batch per step"
+    if name == "adam-exp-avg-sq-bf16-gtp" and side.optimizer != "adam":
+        return f"{name!r} needs Adam (optimizer = \"adam\")"
+    return None

@@ -79,9 +79,9 @@ def expand_matrix(raw: dict, path: Path) -> list[tuple[dict, str]]:
     spec = raw["matrix"]
     if not isinstance(spec, dict):
         raise BadInput(f"{src}: [matrix]", f"must be a table, got {shown(spec)}")
-    unknown = set(spec) - {"base", "name", "axes"}
+    unknown = set(spec) - {"base", "name", "axes", "when"}
     if unknown:
-        raise BadInput(f"{src}: [matrix].{sorted(unknown)[0]}", "unknown key; known: base, name, axes")
+        raise BadInput(f"{src}: [matrix].{sorted(unknown)[0]}", "unknown key; known: base, name, axes, when")
     doc = {k: v for k, v in raw.items() if k != "matrix"}
     if "base" in spec:
         if not isinstance(spec["base"], str) or not spec["base"]:
@@ -114,6 +114,7 @@ def expand_matrix(raw: dict, path: Path) -> list[tuple[dict, str]]:
         raise BadInput(f"{src}: [matrix].name", "template too long")
     if math.prod(len(v) for v in axes.values()) > MAX_MATRIX:
         raise BadInput(f"{src}: [matrix.axes]", f"expands to more than {MAX_MATRIX} scenarios")
+    whens = _whens(spec.get("when", []), axes, src)
     scenarios, names = [], set()
     for combo in itertools.product(*axes.values()):
         scen = copy.deepcopy(doc)
@@ -130,6 +131,9 @@ def expand_matrix(raw: dict, path: Path) -> list[tuple[dict, str]]:
         unknown = set(re.findall(r"\{([^}]*)\}", template)) - set(labels)
         if unknown:
             raise BadInput(f"{src}: [matrix].name", f"template names unknown axis {sorted(unknown)[0]!r}")
+        for match, extra in whens:
+            if all(labels[a] in wanted for a, wanted in match.items()):
+                scen = _deep_merge(scen, extra)
         scen["axes"] = labels
         scen["name"] = re.sub(r"\{([^}]*)\}", lambda mt: labels[mt.group(1)], template)
         if scen["name"] in names:
@@ -137,3 +141,32 @@ def expand_matrix(raw: dict, path: Path) -> list[tuple[dict, str]]:
         names.add(scen["name"])
         scenarios.append((scen, f"{src} ({scen['name']})"))
     return scenarios
+
+
+def _whens(whens: Any, axes: dict, src: str) -> list[tuple[dict[str, set[str]], dict]]:
+    """``[[matrix.when]]``: tables merged into the scenarios whose axis labels match
+    (``axes = { topology = ["tp1-gtp2", ...], "train.precision" = "bf16" }``): what holds for a
+    combination of axis values only, such as a known divergence of bf16 GTP runs."""
+    where = f"{src}: [[matrix.when]]"
+    if not isinstance(whens, list) or not all(isinstance(w, dict) for w in whens):
+        raise BadInput(where, f"must be a list of tables, got {shown(whens)}")
+    out = []
+    for i, when in enumerate(whens):
+        match = when.get("axes")
+        if not isinstance(match, dict) or not match:
+            raise BadInput(f"{where}[{i}].axes", "must be a table of axis = label or [labels]")
+        wanted = {}
+        for axis, labels in match.items():
+            if axis not in axes:
+                raise BadInput(f"{where}[{i}].axes.{axis}", f"not an axis of this matrix; axes: {', '.join(axes)}")
+            labels = labels if isinstance(labels, list) else [labels]
+            known = {str(v.get("label", axis)) if isinstance(v, dict) else
+                     "+".join(map(str, v)) if isinstance(v, list) else str(v) for v in axes[axis]}  # fmt: skip
+            if not labels or not all(isinstance(lb, str) and lb in known for lb in labels):
+                raise BadInput(f"{where}[{i}].axes.{axis}", f"labels must be among {sorted(known)}, got {shown(labels)}")
+            wanted[axis] = set(labels)
+        extra = {k: v for k, v in when.items() if k != "axes"}
+        if not extra or not set(extra) <= TOP_KEYS:
+            raise BadInput(f"{where}[{i}]", f"must set scenario tables besides axes (e.g. expect); got {sorted(extra)}")
+        out.append((wanted, extra))
+    return out

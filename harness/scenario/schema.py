@@ -322,7 +322,6 @@ class ComparePolicy:
     """How a candidate tensor is judged against the reference (see harness.compare.judge)."""
 
     policy: PolicyName = "noise-floor"
-    """exact, dtype or noise-floor."""
     k: float = 4.0
     """noise-floor: candidate error vs golden may be k x the reference's error vs golden ..."""
     floor: float = 8.0
@@ -332,6 +331,8 @@ class ComparePolicy:
     inputs in every precision; later steps use ``k``. None: ``k`` throughout."""
     exact_steps: tuple[int, ...] = ()
     """Steps whose tensors are judged bitwise whatever the policy (a checkpoint's load step)."""
+    derived: bool = True
+    """Judge a tensor by what its computation allows where a rule derives it (harness.compare.expectations)."""
 
     def k_at(self, step: int) -> float:
         return self.k_first_step if step == 1 and self.k_first_step is not None else self.k
@@ -392,8 +393,7 @@ class Scenario:
     expect: Expectation | None = None
     """A known divergence (``[expect]``), or None: parity is expected."""
     saver: Side | None = None
-    """A checkpoint scenario's saving side (``[checkpoint]``): it trains to the candidate's
-    ``load_step`` and saves; None elsewhere."""
+    """A checkpoint scenario's saving side: trains to the candidate's ``load_step`` and saves."""
 
     @property
     def sides(self) -> dict[Role, Side]:

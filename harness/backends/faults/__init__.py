@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from harness.backends.faults import precision
 from harness.backends.faults.moe import MOE_INSTALLERS
 from harness.backends.data import rank_sample_ids
 from harness.scenario.faults import CATALOG, RANK_FAULTS, Fault, check_name
@@ -191,6 +192,7 @@ INSTALLERS: dict[str, Callable[[Context], None]] = {
     "distopt-offsets-ignore-gtp-pad": _distopt_offsets_ignore_pad,
 }
 INSTALLERS.update(MOE_INSTALLERS)
+INSTALLERS.update(precision.PRECISION_INSTALLERS)
 
 
 def install(names: tuple[str, ...], ctx: Context) -> None:
@@ -286,6 +288,7 @@ def before_step(ctx: Context) -> None:
 
 
 def after_step(ctx: Context) -> None:
+    precision.after_step(ctx)
     for name, (key, _) in _GROUP_FAULTS.items():
         for g, old, faulty in ctx.saved.pop(name, []):
             if g[key] == faulty:  # the LR scheduler has not set the next step's value already

@@ -20,6 +20,7 @@ from harness.run.job import Job
 from harness.backends.megatron import checkpoint, compat, moe, pipeline
 from harness.backends.megatron.gathers import record_gathers
 from harness.backends.megatron.optimizer_ranges import optimizer_state, reduced_grad, updated_param
+from harness.backends.megatron.terms import GradTerms
 from harness.backends.recording import Materialized, Recording, StepScalars, gathered
 from harness.capture.api import Capture
 from harness.common.dtypes import DTYPES
@@ -269,6 +270,7 @@ def _train(job, cap, ctx, config, chunks, scheduler, mesh, forward_backward, fin
     fns = _MegatronStep(job, rec, ctx, config, chunks, opt, scheduler, forward_backward)
 
     def finalize(model_chunks, num_tokens=None, **kw):
+        fns.terms.record(rec.layout_of, fns.data_group)  # before DDP sums them
         finalize_model_grads(model_chunks, num_tokens, **faults.finalize_kwargs(ctx, kw))
         faults.after_finalize(ctx)
         rec.grads(reduced_grad(opt))
@@ -292,6 +294,7 @@ class _MegatronStep:
         self.positions = torch.arange(m.seq_length)[None]
         self.data_group = ps.get_data_parallel_group()  # GTP-inclusive: the data-distribution group
         self.skipped = 0
+        self.terms = GradTerms(job.side, job.model, rec.cap, rec.named)
         gtp_on = moe.uses_gtp(job.side)
         # Where GTP is off the weight each GEMM reads is the parameter itself.
         direct = [(n, p) for n, p in rec.named
@@ -311,6 +314,8 @@ class _MegatronStep:
 
         def batches(chunk: int = 0):  # each model chunk reads every micro-batch; the first records it
             for mb, mb_ids in enumerate(ids):
+                if mb and chunk == 0:
+                    self.terms.micro_batch_done()  # the schedule ran mb - 1's backward
                 faults.before_micro_batch(self.ctx, mb)
                 mb_state.update(mb=mb, ids=mb_ids)
                 cap.micro_batch(mb, mb_ids, record=chunk == 0)
@@ -324,6 +329,7 @@ class _MegatronStep:
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.opt.zero_grad()
+        self.terms.begin_step()
         iterators = [batches(c) for c in range(len(self.chunks))]
         self.losses = self.forward_backward_func(
             forward_step_func=forward_step, data_iterator=pipeline.one_or_list(iterators), model=self.chunks,

@@ -1,0 +1,214 @@
+"""Expectations: what the two sides' computations of a tensor have in common, so how far apart
+they may be. Every compared row gets one, tightest first, with the reason it holds:
+
+- ``bitwise``: the same operations on the same values in the same order. GTP changes where
+  a weight lives, not what is computed from it: its all-gather rebuilds the weight exactly
+  (a copy, padding stripped), so each GEMM reads the GTP-off run's weight at the GTP-off run's
+  shape; a data rank reads the same samples (GTP peers are data ranks, rank for rank); a sum
+  of two terms is commutative and the 1/G, 1/DP scalings are powers of two (exact).
+- ``bounded``: the same terms summed in another order or grouping (GTP reduce-scatters each
+  micro-batch's wgrad over its peers, DDP reduces the accumulated sum once): within
+  :func:`harness.compare.bounds.sum_reorder_bound` of the recorded ``sum |x_i|``
+  (:mod:`harness.backends.megatron.terms`), a few ULPs of the accumulation dtype; the grad
+  norm by its consistency bound (:func:`harness.compare.judge._grad_norm_consistency`).
+- ``noise-floor``: the computations differ in ways no bound here covers (another TP splits a
+  GEMM's reduction inside the kernel, a recipe quantizes per rank, another backend, or an
+  input that already differs): the scenario's policy decides, and the reason says why.
+
+The rules read the sides' configurations (the traces' manifests) and the rows of upstream
+tensors (a step's forward is bitwise only if the weights it read were), never the values
+being judged. Without a configuration (older traces) every row keeps its policy.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import torch
+
+from harness.compare import bounds
+
+BITWISE, BOUNDED, NOISE = "bitwise", "bounded", "noise-floor"
+
+# Options that change where a weight lives or when it moves, not an operation on a value.
+PLACEMENT_ONLY = frozenset({"gtp", "dp", "gtp_weight_prefetch", "gtp_collectives", "gtp_pad_alignment",
+                            "recompute", "megatron_core", "inject", "mutant"})  # fmt: skip
+# Why a differing option leaves the kernels different (the rest: "they differ in <option>").
+_WHY = {
+    "tp": "another TP size splits each GEMM's reduction dimension inside the kernel",
+    "precision": "the sides compute in different precisions",
+    "recipe": "a quantization recipe scales and rounds per rank and per block",
+    "backend": "different backends run different kernels",
+    "world_size": "different world sizes read different samples per rank",
+    "pipeline_parallel": "pipeline stages reduce the embedding's grads over another group",
+    "sequence_parallel": "sequence parallelism reduce-scatters activations over TP",
+}
+_FORWARD = ("materialized", "param_before", "activation", "logits", "loss")
+_OPTIMIZER = ("param", "master", "exp_avg", "exp_avg_sq", "step")
+
+
+def configs(traces: dict) -> tuple[dict, dict] | None:
+    ref, cand = (traces[r].manifest.get("config") if r in traces else None for r in ("reference", "candidate"))
+    return (ref, cand) if ref and cand else None
+
+
+def different_kernels(ref: dict, cand: dict) -> str | None:
+    """Why the sides cannot compute the same values, or None where they run the same kernels."""
+    if ref.get("recipe", "none") != "none" or cand.get("recipe", "none") != "none":
+        return _WHY["recipe"]
+    for key in sorted(set(ref) | set(cand)):
+        if key not in PLACEMENT_ONLY and ref.get(key) != cand.get(key):
+            return _WHY.get(key, f"the sides differ in {key}")
+    return None
+
+
+def _data_ranks(cfg: dict) -> int:
+    """Ranks that read distinct samples (``Side.data_ranks``, from a manifest's configuration)."""
+    return cfg["world_size"] // (cfg["tp"] * cfg.get("pipeline_parallel", 1))
+
+
+def terms_count(traces: dict) -> int | None:
+    """Terms of each main_grad's data-parallel sum: micro-batches x data ranks (equal sides)."""
+    cfg = configs(traces)
+    if cfg is None or different_kernels(*cfg):
+        return None
+    return int(cfg[0]["micro_batches"]) * _data_ranks(cfg[0])
+
+
+def terms_check(logical: dict, key: tuple, r: torch.Tensor, c: torch.Tensor, terms: int | None) -> dict:
+    """A main_grad against the bound of its sum's reordering, from the recorded magnitudes of
+    its terms (kind ``grad_terms``, either side's): the worst excess over the bound (<= 0:
+    within it) and how many elements exceed it."""
+    tkey = (key[0], "grad_terms", key[2])
+    side = next((s for s in (logical["reference"], logical["candidate"]) if tkey in s.tensors), None)
+    if terms is None or side is None or r.shape != c.shape:
+        return {}
+    abs_terms = side.tensors[tkey]
+    if abs_terms.shape != r.shape:
+        return {}
+    bound = bounds.sum_reorder_bound(terms, abs_terms.double(), c.dtype)
+    excess = (c.double() - r.double()).abs() - bound
+    excess = torch.where(torch.isnan(excess), torch.full_like(excess, math.inf), excess)
+    return {"terms": terms, "terms_bound_max": float(bound.max()), "terms_excess": float(excess.max()),
+            "terms_violations": int((excess > 0).sum())}  # fmt: skip
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+class _Upstream:
+    """What a step's rules need from other rows: which inputs were bitwise equal."""
+
+    def __init__(self, df: pd.DataFrame):
+        self.df = df
+        equal = df["bitwise_equal"].fillna(False).astype(bool)
+        self._bitwise = {(int(s), k): bool(v) for (s, k), v in equal.groupby([df["step"], df["kind"]]).all().items()}
+
+    def all_bitwise(self, step: int, kind: str) -> bool:
+        """Every row of ``kind`` at ``step`` bitwise equal (False where there is none)."""
+        return self._bitwise.get((step, kind), False)
+
+    def scalar(self, step: int, name: str) -> dict | None:
+        rows = self.df[(self.df["step"] == step) & (self.df["kind"] == "scalar") & (self.df["tensor"] == name)]
+        return None if rows.empty else rows.iloc[0].to_dict()
+
+
+def expectation(row: dict, ref: dict, cand: dict, up: _Upstream, why_not: str | None) -> tuple[str, str]:
+    """(expectation, reason) of one row; see the module docstring."""
+    step, kind, name = int(row["step"]), row["kind"], row["tensor"]
+    if row.get("policy") == "exact":
+        return BITWISE, ("the initial weights: every side loads the same canonical state" if step == 0 else
+                         "a load step or an exact policy: the state is a copy")  # fmt: skip
+    if kind == "input":
+        return BITWISE, "the same global sample ids"
+    if kind == "scalar" and name == "grad_norm":  # the consistency bound holds for any two gradient sets
+        if row.get("policy") == "consistency" or _flag(row.get("bitwise_equal")):
+            return BOUNDED, "a norm of the compared gradients: their difference plus the norms' rounding bound"
+        return NOISE, "not every main_grad was compared: no consistency bound"
+    if why_not:
+        return NOISE, why_not
+    if kind == "scalar" and name in ("lr", "skipped"):
+        return BITWISE, "the same schedule over the same sample count"
+    if not up.all_bitwise(step - 1, "param"):
+        return NOISE, f"the weights this step read (step {step - 1}) differ: no bound carries through the steps"
+    if kind in _FORWARD or (kind == "scalar" and name == "reduced_loss"):
+        return BITWISE, "the same GEMMs on bitwise-equal weights (GTP's all-gather is a copy) and the same samples"
+    if kind == "main_grad":
+        return _main_grad(row, ref)
+    if kind in _OPTIMIZER or kind.split(":")[0] in _OPTIMIZER:
+        return _optimizer(step, ref, cand, up)
+    return NOISE, f"no rule for {kind}"
+
+
+def _main_grad(row: dict, ref: dict) -> tuple[str, str]:
+    ranks = _data_ranks(ref)
+    n = int(ref["micro_batches"]) * ranks
+    acc = "fp32" if ref.get("grad_reduce_in_fp32", True) or ref["precision"] == "fp32" else ref["precision"]
+    if n <= 2 and _power_of_two(ranks):
+        return BITWISE, (f"the same wgrad GEMMs; a {acc} sum of {n} term{'s' * (n > 1)} (commutative), "
+                         "scaled by powers of two")  # fmt: skip
+    if not _number(row.get("terms_excess")):
+        return NOISE, (f"a sum of {n} terms in another order, whose magnitudes no side recorded (GTP on both "
+                       "sides, PP, MoE, sequence parallelism, an overlapped reduce, a per-token loss, mlm)")  # fmt: skip
+    return BOUNDED, f"the same {n} wgrad terms ({ref['micro_batches']} micro-batches x {ranks} data ranks) summed in {acc} in another order: 2 gamma_{2 * n} sum|x_i|"
+
+
+def _optimizer(step: int, ref: dict, cand: dict, up: _Upstream) -> tuple[str, str]:
+    if not up.all_bitwise(step, "main_grad"):
+        return NOISE, "its gradients differ within their bound; the optimizer's nonlinear step carries no bound here"
+    clip = max(float(ref.get("clip_grad", 0.0)), float(cand.get("clip_grad", 0.0)))
+    if clip > 0:
+        norm = up.scalar(step, "grad_norm")
+        # megatron-core scales the grads by clip / (norm + 1e-6) only where that is below 1
+        inactive = norm is not None and max(norm["ref_value"], norm["cand_value"]) + 1e-6 < clip * (1 - 1e-6)
+        if norm is None or not (norm.get("bitwise_equal") or inactive):
+            return NOISE, "the clip factor reads grad norms that differ (a sum over shards in another order)"
+    return BITWISE, "the same element-wise optimizer step on bitwise-equal weights, gradients and clip factor"
+
+
+def judge_rows(df: pd.DataFrame, traces: dict, policy) -> pd.DataFrame:
+    """Every row with its ``expectation`` and ``expectation_reason``; where it is ``bitwise``
+    or ``bounded`` the row is judged by it (``policy`` column: ``bitwise`` / ``bounded``;
+    ``policy_passed`` keeps the scenario policy's own judgement), elsewhere by the scenario's
+    policy as before. ``policy.derived`` false: reasons only."""
+    if df.empty or (cfg := configs(traces)) is None:
+        return df
+    ref, cand = cfg
+    why_not = different_kernels(ref, cand)
+    df = df.copy()
+    up = _Upstream(df)  # upstream rows are read for their bitwise equality, which judging leaves as is
+    out = [expectation(row, ref, cand, up, why_not) for row in df.to_dict("records")]
+    df["expectation"] = [e for e, _ in out]
+    df["expectation_reason"] = [r for _, r in out]
+    if not getattr(policy, "derived", True) or policy.policy == "exact":
+        return df
+    if "bound" not in df.columns:
+        df["bound"] = float("nan")
+    df["policy_passed"] = df["passed"]  # what the scenario's policy alone said
+    for i, (exp, _) in zip(df.index, out):
+        row = df.loc[i]
+        if row["kind"] == "input" or row.get("policy") in _DECIDED:
+            continue
+        if exp == BITWISE:
+            df.at[i, "passed"] = _flag(row.get("bitwise_equal"))
+            df.at[i, "policy"] = BITWISE
+        elif exp == BOUNDED and row["kind"] == "main_grad":
+            df.at[i, "passed"] = float(row["terms_excess"]) <= 0 and not _flag(row.get("nonfinite_mismatch"))
+            df.at[i, "policy"] = BOUNDED
+            df.at[i, "bound"] = row["terms_bound_max"]
+    return df
+
+
+# Judgements an expectation leaves alone: already bitwise, or decided by what no rounding explains.
+_DECIDED = ("exact", "nonfinite", "shape", "consistency", "fingerprint")
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and value == value
+
+
+def _flag(value) -> bool:
+    """A row's boolean or count column, false where the row has none (NaN)."""
+    return bool(value) and value == value
