@@ -105,8 +105,9 @@ def _norm_without_sp_assert():
     return undo_all
 
 
-def build(run: Run):
-    """megatron-core's GPTModel (local spec) wrapped in MCore DDP, GTP configured as ``run`` says."""
+def build(run: Run, collection=None):
+    """megatron-core's GPTModel (local spec) wrapped in MCore DDP, GTP configured as ``run`` says.
+    ``collection``: makes the ProcessGroupCollection passed to both, once parallel_state is up."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -118,6 +119,7 @@ def build(run: Run):
 
     compat.reset_gtp_state()
     ps.initialize_model_parallel(tensor_model_parallel_size=run.tp, gtp_remat_size=run.gtp)
+    groups = {} if collection is None else {"pg_collection": collection()}
     model_parallel_cuda_manual_seed(SEED)
     torch.manual_seed(SEED)  # CPU init: every rank draws the same full TP-local weights
     if run.gtp > 1:
@@ -142,7 +144,7 @@ def build(run: Run):
         model = GPTModel(
             config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
             vocab_size=m.vocab_size, max_sequence_length=m.seq_length,
-            share_embeddings_and_output_weights=False, position_embedding_type="learned_absolute",
+            share_embeddings_and_output_weights=False, position_embedding_type="learned_absolute", **groups,
         )  # fmt: skip
     finally:
         undo()
@@ -150,7 +152,7 @@ def build(run: Run):
         from megatron.core.transformer.module import Float16Module
 
         model = Float16Module(config, model)
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model, **groups)
     if run.gtp > 1:
         gtp_api.classify_gtp_remat_chains(ddp)
     return config, ddp

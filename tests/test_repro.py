@@ -179,3 +179,15 @@ def test_gtp_wgrad_reduce_scatter_on_main_fixed_for_linears_only(tmp_path):
         assert all(rank["weights"][n]["rs_dtype"] == "float32" for n in rank["groups"]["linear"]["weights"])
         assert rank["groups"]["embedding"]["exact_extra_rounding"]
         assert _rounded_once_more(rank["weights"]["embedding.word_embeddings.weight"])
+
+
+def test_a_re_paired_collection_is_ignored_by_every_gtp_weight_on_the_wheel(tmp_path):
+    """FINDINGS J on the wheel: under a collection pairing GTP peers [0, 2], [1, 3], every GTP
+    weight still gathers over parallel_state's [0, 1], [2, 3], and the grad norm keeps replicated
+    grads by parallel_state's GTP rank (wrong on ranks 1 and 2). Exit 1: nothing follows it."""
+    ranks = _run("gtp_custom_process_groups.py", ["collection-permuted"], tmp_path, returncode=1)
+    usual = {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3]}
+    for r in ranks:
+        assert r["collection_gtp_group"] == [[0, 2], [1, 3]][r["rank"] % 2]
+        assert len(r["weights"]) == 10 and set(map(tuple, r["weights"].values())) == {tuple(usual[r["rank"]])}
+        assert bool(r["replicated_miscounted"]) == (r["rank"] in (1, 2))

@@ -33,7 +33,7 @@ BITWISE, BOUNDED, NOISE = "bitwise", "bounded", "noise-floor"
 
 # Options that change where a weight lives or when it moves, not an operation on a value.
 PLACEMENT_ONLY = frozenset({"gtp", "dp", "gtp_weight_prefetch", "gtp_collectives", "gtp_pad_alignment",
-                            "recompute", "megatron_core", "inject", "mutant"})  # fmt: skip
+                            "recompute", "megatron_core", "inject", "mutant", "process_groups"})  # fmt: skip
 # Why a differing option leaves the kernels different (the rest: "they differ in <option>").
 _WHY = {
     "tp": "another TP size splits each GEMM's reduction dimension inside the kernel",

@@ -226,6 +226,8 @@ def check_reach(name: str, side, data=None) -> str | None:
         return f"{name!r} is planted on the 1F1B schedule only (virtual_pipeline unset)"
     if name in PRECISION_FAULTS and (problem := _precision_reach(name, side, data)):
         return problem
+    if name in GROUP_FAULTS and (problem := _groups_reach(name, side)):
+        return problem
     if side.backend == "torch" and name not in TORCH_FAULTS:
         return f"{name!r} is not implemented by the torch backend; it implements {sorted(TORCH_FAULTS)}"
     if side.backend == "mlm" and name not in MLM_FAULTS:
@@ -323,4 +325,38 @@ def _precision_reach(name: str, side, data) -> str | None:
         return f"{name!r} never fires with one micro-batch per step"
     if name == "adam-exp-avg-sq-bf16-gtp" and side.optimizer != "adam":
         return f"{name!r} needs Adam (optimizer = \"adam\")"
+    return None
+
+
+# A caller-supplied process-group collection (Side.process_groups). ``patch-pgc-gtp-reads``
+# is no fault: the change repro/FINDINGS.md (J) proposes for Megatron-LM main.
+GROUP_FAULTS: dict[str, Fault] = {
+    f.name: f
+    for f in [
+        Fault(
+            "pgc-grad-norm-without-gtp", "reduction over the wrong group",
+            "the caller's collection holds the TP group alone as its model-parallel group (mp): the "
+            "optimizer's grad norm leaves out the other GTP peers' shards",
+            {"step": 1, "phase": "reduce", "kind": "scalar", "tensor": "grad_norm", "signature": "grad-norm-only"},
+        ),
+        Fault(
+            "patch-pgc-gtp-reads", "proposed fix",
+            "GPTModel hands its pg_collection to the word embedding and the output layer, and the grad norm's "
+            "duplicate filter reads the collection's GTP rank (Megatron-LM main d98e8a64dd reads parallel_state's "
+            "in both)",
+            {"step": None, "kind": "materialized", "tensor": "*", "signature": "none"},
+        ),
+    ]
+}
+CATALOG.update(GROUP_FAULTS)
+
+
+def _groups_reach(name: str, side) -> str | None:
+    if side.backend != "megatron" or side.process_groups == "parallel-state":
+        return f"{name!r} acts on a caller-supplied collection (process_groups = \"collection\" or \"collection-permuted\")"
+    if side.gtp == 1:
+        return f"{name!r} never fires on a side without GTP (gtp = 1)"
+    if name == "patch-pgc-gtp-reads" and side.megatron_core == "installed":
+        # 0.19.2's layers read parallel_state's GTP group whatever they are handed (9f3fe8c925 changed that).
+        return f"{name!r} needs a megatron-core whose LanguageModelEmbedding takes pg_collection (Megatron-LM 9f3fe8c925 on)"
     return None

@@ -14,8 +14,8 @@ from harness.scenario.faults import check_name, check_reach
 from harness.scenario.moe_rules import moe_parameter_count, validate_moe_model, validate_moe_side
 from harness.scenario.schema import (
     BACKENDS, CAPTURE_KINDS, CAPTURE_MODES, COLLECTIVES, LIMITS, LOSS_MASKS, LR_DECAY_STYLES, MEGATRON_PATH_OPTIONS,
-    MLM_DATA, OPTIMIZERS, PER_TOKEN_LOSSES, POLICIES, PRECISIONS, RECIPE_NAMES, RECOMPUTES, ModelConfig,
-    Scenario, Side,
+    MLM_DATA, OPTIMIZERS, PER_TOKEN_LOSSES, POLICIES, PRECISIONS, PROCESS_GROUPS, RECIPE_NAMES, RECOMPUTES,
+    ModelConfig, Scenario, Side,
 )  # fmt: skip
 
 
@@ -176,7 +176,8 @@ def _validate_faults(name: str, side: Side, where: str, data=None) -> None:
 
 
 # The Literal choices of the GTP path options (their types already refuse non-strings).
-_PATH_CHOICES = {"gtp_collectives": COLLECTIVES, "recompute": RECOMPUTES, "per_token_loss": PER_TOKEN_LOSSES}
+_PATH_CHOICES = {"gtp_collectives": COLLECTIVES, "recompute": RECOMPUTES, "per_token_loss": PER_TOKEN_LOSSES,
+                 "process_groups": PROCESS_GROUPS}
 
 
 def _validate_paths(s: Scenario, side: Side, where: str) -> None:
@@ -210,9 +211,22 @@ def _validate_paths(s: Scenario, side: Side, where: str) -> None:
         # and it "must use --overlap-param-gather with --overlap-grad-reduce".
         raise BadInput(f"{where}.overlap_param_gather", "needs distributed_optimizer and overlap_grad_reduce")
     _validate_loss_mask(s, side, where)
+    _validate_process_groups(side, where)
     if side.bucket_size is not None and not side.overlap_grad_reduce:
         # megatron-core buckets only when it overlaps (DistributedDataParallel's bucket_size rule).
         raise BadInput(f"{where}.bucket_size", "takes effect only with overlap_grad_reduce = true")
+
+
+def _validate_process_groups(side: Side, where: str) -> None:
+    """A caller-supplied collection is built for the dense decoder's axes (TP, GTP, DP)."""
+    if side.process_groups == "parallel-state":
+        return
+    if side.pipeline_parallel > 1 or side.ep * side.expert_gtp > 1 or side.save_step or side.load_step:
+        raise BadInput(f"{where}.process_groups", "a caller-supplied collection is built here for TP x GTP x DP "
+                       "only: not with pipeline stages, experts or checkpoints")  # fmt: skip
+    if side.process_groups == "collection-permuted" and (side.gtp == 1 or side.replicate_dp == 1):
+        raise BadInput(f"{where}.process_groups", "collection-permuted pairs GTP peers across replicate DP: it "
+                       f"needs G > 1 and DP > 1 (got G {side.gtp}, DP {side.replicate_dp})")  # fmt: skip
 
 
 def _validate_loss_mask(s: Scenario, side: Side, where: str) -> None:

@@ -49,6 +49,7 @@ Recompute = Literal["none", "selective", "full"]
 PerTokenLoss = Literal["none", "transformer-config", "both"]
 Collectives = Literal["async", "eager", "lagging"]
 LossMask = Literal["none", "variable"]
+ProcessGroups = Literal["parallel-state", "collection", "collection-permuted"]
 
 BACKENDS = frozenset(get_args(Backend))
 PRECISIONS = {"megatron": frozenset({"fp32", "bf16"}), "torch": frozenset(get_args(Precision)),
@@ -63,6 +64,7 @@ RECOMPUTES = frozenset(get_args(Recompute))
 PER_TOKEN_LOSSES = frozenset(get_args(PerTokenLoss))
 COLLECTIVES = frozenset(get_args(Collectives))
 LOSS_MASKS = frozenset(get_args(LossMask))
+PROCESS_GROUPS = frozenset(get_args(ProcessGroups))
 
 # The top-level keys of a scenario file (a matrix file adds [matrix]).
 TOP_KEYS = frozenset({
@@ -224,6 +226,11 @@ class Side:
     distributed_optimizer: bool = False
     """megatron-core's DistributedOptimizer: grads reduce-scattered over the data-parallel
     group, each rank steps its range of every buffer, params all-gathered after the step."""
+    process_groups: ProcessGroups = "parallel-state"
+    """Where megatron-core's layers, DDP, finalize, optimizer and schedule take their groups:
+    ``parallel-state`` (its globals), ``collection`` (a ``ProcessGroupCollection`` of the same
+    groups, passed explicitly) or ``collection-permuted`` (one whose GTP peers are paired across
+    replicate DP instead: the same sizes, another pairing; :class:`harness.common.mesh.Mesh`)."""
     args: tuple[str, ...] = ()
     """mlm backend: extra pretrain_gpt.py flags, after the side's own (checked by Megatron-LM's parser)."""
     data: MlmData = "synthetic"
@@ -292,7 +299,8 @@ class Side:
 # that leaves them at the default keeps the key it had before (its traces stay reusable).
 _ADDED_LATER = (
     {"megatron_core": "installed", "mutant": "", "save_step": 0, "load_step": 0, "resume_from": "", "ep": 1, "expert_gtp": 1,
-     "pipeline_parallel": 1, "virtual_pipeline": None, "grad_reduce_in_fp32": True},
+     "pipeline_parallel": 1, "virtual_pipeline": None, "grad_reduce_in_fp32": True,
+     "process_groups": "parallel-state"},
     {"num_experts": 0, "moe_topk": 2, "moe_aux_loss_coeff": 0.01},
     {"loss_mask": "none"},
 )  # fmt: skip
@@ -302,7 +310,7 @@ _ADDED_LATER = (
 MEGATRON_PATH_OPTIONS = ("gtp_weight_prefetch", "gtp_collectives", "recompute", "per_token_loss",
                          "sequence_parallel", "overlap_grad_reduce", "bucket_size", "distributed_optimizer",
                          "overlap_param_gather", "pipeline_parallel", "virtual_pipeline",
-                         "save_step", "load_step", "resume_from")  # fmt: skip
+                         "save_step", "load_step", "resume_from", "process_groups")  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from harness.backends.faults import precision
+from harness.backends.faults import groups, precision
 from harness.backends.faults.moe import MOE_INSTALLERS
 from harness.backends.data import rank_sample_ids
 from harness.scenario.faults import CATALOG, RANK_FAULTS, Fault, check_name
@@ -193,6 +193,8 @@ INSTALLERS: dict[str, Callable[[Context], None]] = {
 }
 INSTALLERS.update(MOE_INSTALLERS)
 INSTALLERS.update(precision.PRECISION_INSTALLERS)
+INSTALLERS.update(groups.INSTALLERS)
+before_build = groups.before_build  # the construction-time ones (harness.backends.megatron.run)
 
 
 def install(names: tuple[str, ...], ctx: Context) -> None:
