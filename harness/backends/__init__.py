@@ -9,7 +9,7 @@ from harness.capture.api import Capture
 from harness.run.job import Job
 
 BACKENDS = {"megatron": "harness.backends.megatron.run", "torch": "harness.backends.torch.run",
-            "mlm": "harness.backends.mlm.run"}
+            "mlm": "harness.backends.mlm.run", "bridge": "harness.backends.bridge.run"}
 
 
 def run(job: Job, capture: Capture) -> None:

@@ -94,7 +94,7 @@ def init_group(who: RankEnv, jobs: list[Job], timeout_s: float) -> None:
                                 timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
     elif who.world > 1:
         dist.init_process_group(backend, rank=who.rank, world_size=who.world)  # torchrun's store
-    elif any(j.side.backend in ("megatron", "mlm") for j in jobs):
+    elif any(j.side.backend in ("megatron", "mlm", "bridge") for j in jobs):
         # One rank needs no rendezvous: an in-process store, no port to collide on.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 

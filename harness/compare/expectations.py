@@ -127,6 +127,11 @@ def expectation(row: dict, ref: dict, cand: dict, up: _Upstream, why_not: str | 
         if row.get("policy") == "consistency" or _flag(row.get("bitwise_equal")):
             return BOUNDED, "a norm of the compared gradients: their difference plus the norms' rounding bound"
         return NOISE, "not every main_grad was compared: no consistency bound"
+    if kind == "scalar" and name == "loss_logged":  # what a frontend's log line shows of the loss
+        reduced = up.scalar(step, "reduced_loss")
+        if reduced is not None and _flag(reduced.get("bitwise_equal")):
+            return BITWISE, "the log line of bitwise-equal reduced losses, in the same format"
+        return NOISE, "the reduced losses it shows differ"
     if why_not:
         return NOISE, why_not
     if kind == "scalar" and name in ("lr", "skipped"):

@@ -55,7 +55,7 @@ from harness.compare.tolerance import DTYPE_TOLS, recipe_of, tolerances
 from harness.capture.trace import Trace
 from harness.compare.summary import ScenarioSummary
 
-SCALAR_NAMES = ("reduced_loss", "grad_norm", "lr", "skipped")
+SCALAR_NAMES = ("reduced_loss", "loss_logged", "grad_norm", "lr", "skipped")
 
 
 class Judgement(NamedTuple):
@@ -279,7 +279,9 @@ def _compare_scalars(traces: dict[str, Trace], policy: ComparePolicy, recipe: st
             if name not in ref.columns or name not in cand.columns:
                 continue
             r, c = float(ref.at[step, name]), float(cand.at[step, name])
-            g = float(gold.at[step, name]) if gold is not None and name in gold.columns and step in gold.index else None
+            # A log line that shows the step's loss shows the golden's reduced loss.
+            gname = "reduced_loss" if name == "loss_logged" else name
+            g = float(gold.at[step, gname]) if gold is not None and gname in gold.columns and step in gold.index else None
             rows.append(_scalar_row(step, name, r, c, g, policy, recipe))
     # Per-sample losses, aligned by global sample id whatever rank read the sample.
     losses = per_sample_losses(traces)

@@ -39,6 +39,8 @@ SIGNATURES = {
     "stale-update": "the weight after the step equals the weight before it: the update did not land",
     "misrouted-samples": "ranks read the wrong samples (duplicated or missing sample ids)",
     "loss-report-only": "every tensor agrees, only the reported (reduced) loss differs",
+    "logged-over-steps": "every tensor and the step's reduced loss agree; the loss the log line shows "
+                         "is the mean of the reduced losses over several steps (the window named)",
     "grad-norm-only": "gradients agree, only the grad norm differs: double counting in the norm",
     "precision-loss": "within the format's tolerance of the reference, but further from the fp64 "
                       "golden than the reference's noise floor allows: precision lost (e.g. an "
@@ -76,7 +78,7 @@ _PHASE_OF_KIND = {
     "param": (9, "optimizer"),
 }
 _SCALAR_PHASE = {"reduced_loss": (4, "loss"), "grad_norm": (6, "reduce"), "lr": (7, "optimizer"),
-                 "skipped": (7, "optimizer")}  # fmt: skip
+                 "skipped": (7, "optimizer"), "loss_logged": (10, "log")}  # fmt: skip
 _FORWARD_SUBS = ["input_layernorm", "self_attention", "pre_mlp_layernorm", "mlp", ""]
 
 
@@ -315,6 +317,8 @@ def _signature(first: dict, df: pd.DataFrame, logical: dict, mesh: dict, key,
                 return "log-TP-offset", {}
             if tensors_ok:
                 return "loss-report-only", {}
+        if name == "loss_logged" and (window := signatures.logged_window(step, df)) is not None:
+            return "logged-over-steps", window
         if name == "grad_norm":
             grads = df[(df["step"] == step) & (df["kind"] == "main_grad")]
             if not grads.empty and grads["passed"].all():

@@ -151,3 +151,29 @@ def _ulp(magnitude: torch.Tensor, narrow: torch.dtype) -> torch.Tensor:
     mantissa_bits = {torch.bfloat16: 7, torch.float16: 10}[narrow]
     _, exponent = torch.frexp(magnitude)  # m 2^e, m in [0.5, 1)
     return torch.ldexp(torch.ones_like(magnitude), exponent - 1 - mantissa_bits)
+
+
+def logged_window(step: int, rows) -> dict | None:
+    """Which steps each side's logged loss (``loss_logged``) averages: the window ``[k, step]``
+    whose reduced losses, summed in fp32 and divided by their count (as Megatron-LM's and
+    Bridge's ``training_log`` accumulate them), print (``%.6E``) as the logged value. None
+    unless both windows are found and differ (then the log lines, not the training, differ)."""
+    scal = rows[rows["kind"] == "scalar"]
+    reduced = {int(r.step): (r.ref_value, r.cand_value) for r in scal[scal["tensor"] == "reduced_loss"].itertuples()}
+    logged = scal[(scal["tensor"] == "loss_logged") & (scal["step"] == step)]
+    if logged.empty:
+        return None
+    windows = {}
+    for i, side in enumerate(("reference", "candidate")):
+        shown = f"{float(logged.iloc[0][('ref_value', 'cand_value')[i]]):.6E}"
+        for first in range(step, 0, -1):
+            values = [reduced[s][i] for s in range(first, step + 1) if s in reduced]
+            if len(values) != step - first + 1:
+                break
+            total = torch.tensor(values, dtype=torch.float32).sum()  # fp32 accumulator, in step order
+            if f"{float(total) / len(values):.6E}" == shown:
+                windows[side] = [first, step]
+                break
+    if len(windows) < 2 or windows["reference"] == windows["candidate"]:
+        return None
+    return {"reference_window": windows["reference"], "candidate_window": windows["candidate"]}

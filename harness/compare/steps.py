@@ -7,7 +7,8 @@ import pandas as pd
 from harness.capture.trace import Trace
 from harness.scenario import COMPARED_ROLES
 
-SCALARS = ["reduced_loss", "grad_norm", "lr", "lr_logged", "num_zeros", "skipped"]
+SCALARS = ["reduced_loss", "loss_logged", "grad_norm", "lr", "lr_logged", "num_zeros", "skipped"]
+"""``loss_logged``: the loss a frontend's log line shows for the step (mlm and bridge backends)."""
 
 
 def step_table(traces: dict[str, Trace]) -> pd.DataFrame:
@@ -57,13 +58,14 @@ def format_steps(table: pd.DataFrame) -> str:
     """The per-step table printed by ``gtp-parity run``: sides side by side."""
     if table.empty:
         return "(no steps recorded)"
-    values = [v for v in ("reduced_loss", "grad_norm", "lr") if v in table.columns]
+    shown = ("reduced_loss", "loss_logged", "grad_norm", "lr")
+    values = [v for v in shown if v in table.columns]
     wide = table.pivot_table(index="step", columns="side", values=values)
     cols = []
-    for metric in ("reduced_loss", "grad_norm", "lr"):
+    for metric in shown:
         for role in COMPARED_ROLES:
             if (metric, role) in wide.columns:
                 cols.append((metric, role))
     wide = wide[cols]
-    wide.columns = [f"{m.replace('reduced_', '')}:{r[:4]}" for m, r in cols]
+    wide.columns = [f"{m.replace('reduced_', '').replace('loss_logged', 'logged')}:{r[:4]}" for m, r in cols]
     return wide.to_string(float_format=lambda v: f"{v:.6g}")

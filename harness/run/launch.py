@@ -39,7 +39,8 @@ def _any_heartbeat(job: Job, world: int) -> bool:
 
 def worker_env(megatron_root: str = "") -> dict[str, str]:
     """The environment every rank runs in (the side key's provenance is computed from it);
-    ``megatron_root``: a megatron-core tree put on the path after the harness."""
+    ``megatron_root``: a megatron-core tree put on the path after the harness (a bridge side's:
+    then its Megatron-Bridge tree, ``os.pathsep``-separated)."""
     # PYTHONSAFEPATH: the current folder is not put first on the ranks' path, so a run started
     # inside a Megatron-LM checkout imports the side's megatron-core, not the checkout's.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",

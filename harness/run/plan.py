@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import json
 import shutil
 import threading
@@ -24,6 +25,7 @@ from harness.run.job import Job
 from harness.scenario.checkpoint import saver_side
 from harness.common.errors import RunFailed
 from harness.common.jsonio import write_json
+from harness.run import bridge_code
 from harness.run.code import CodeTree, resolve_all
 from harness.run.launch import Interrupted, describe_pending, launch, worker_env, write_plan
 from harness.run.provenance import code_identity
@@ -63,10 +65,16 @@ def plan(scenarios: list[Scenario], out: Path, provenance: dict | None = None,
     trees = resolve_all(scenarios) if trees is None else trees
     identities: dict[str, dict] = {} if provenance is None else {"": provenance}
 
+    bridges: dict[str, CodeTree] = {}
+
     def code_of(s: Scenario, role: str) -> tuple[dict, str]:
         side = s.sides[role] if role in s.sides else s.saver
         tree = trees.get(side.megatron_core)
         root = tree.root if tree is not None else ""
+        if side.backend == "bridge" and side.bridge != "installed":  # Bridge's tree after megatron-core's
+            if side.bridge not in bridges:
+                bridges[side.bridge] = bridge_code.resolve(side.bridge, f"{s.source}: [{role}].bridge")
+            root = os.pathsep.join(filter(None, [root, bridges[side.bridge].root]))
         if root not in identities:
             identities[root] = code_identity(worker_env(root), tree)
         return identities[root], root

@@ -13,7 +13,7 @@ import dataclasses
 
 from harness.scenario.schema import Scenario, Side
 
-USES_MEGATRON = ("megatron", "mlm")
+USES_MEGATRON = ("megatron", "mlm", "bridge")
 
 
 def is_code_comparison(reference: Side, candidate: Side) -> bool:

@@ -39,7 +39,7 @@ COMPARED_ROLES = (Role.REFERENCE, Role.CANDIDATE, Role.GOLDEN)
 
 
 # The choices of every key, as types (the dataclasses below read as the schema) and as sets.
-Backend = Literal["megatron", "torch", "mlm"]
+Backend = Literal["megatron", "torch", "mlm", "bridge"]
 Precision = Literal["fp64", "fp32", "bf16"]
 # "none" or a key of harness.quant.RECIPES (kept literal here: parsing needs no torch).
 Recipe = Literal["none", "delayed", "float8_current_scaling", "mxfp8", "float8_block_scaling", "nvfp4"]
@@ -53,7 +53,7 @@ ProcessGroups = Literal["parallel-state", "collection", "collection-permuted"]
 
 BACKENDS = frozenset(get_args(Backend))
 PRECISIONS = {"megatron": frozenset({"fp32", "bf16"}), "torch": frozenset(get_args(Precision)),
-              "mlm": frozenset({"fp32", "bf16"})}
+              "mlm": frozenset({"fp32", "bf16"}), "bridge": frozenset({"fp32", "bf16"})}
 # The mlm backend's data: Megatron-LM's --mock-data pipeline, or the harness's synthetic samples.
 MlmData = Literal["synthetic", "mock"]
 MLM_DATA = frozenset(get_args(MlmData))
@@ -154,6 +154,9 @@ class Side:
     """The megatron-core this side imports (megatron and mlm backends): ``installed`` (the
     venv's), a folder holding ``megatron/`` (a Megatron-LM checkout), or
     ``git:<repo folder>@<rev>`` (that revision's ``megatron/``, cached by commit id)."""
+    bridge: str = "installed"
+    """The Megatron-Bridge a ``bridge`` side runs (``installed``, a checkout, or
+    ``git:<repo folder>@<rev>``: that revision's ``src/megatron/bridge``)."""
     tp: int = 1
     """Tensor-parallel size."""
     gtp: int = 1
@@ -300,7 +303,7 @@ class Side:
 _ADDED_LATER = (
     {"megatron_core": "installed", "mutant": "", "save_step": 0, "load_step": 0, "resume_from": "", "ep": 1, "expert_gtp": 1,
      "pipeline_parallel": 1, "virtual_pipeline": None, "grad_reduce_in_fp32": True,
-     "process_groups": "parallel-state"},
+     "process_groups": "parallel-state", "bridge": "installed"},
     {"num_experts": 0, "moe_topk": 2, "moe_aux_loss_coeff": 0.01},
     {"loss_mask": "none"},
 )  # fmt: skip

@@ -35,7 +35,9 @@ def _one_device():
         torch.cuda.device_count, torch.cuda.set_device = count, set_device
 
 
-def _on_one_device(fn):
+def on_one_device(fn):
+    """``fn`` run with the CPU as CUDA's one device (see :func:`_one_device`)."""
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         with _one_device():
@@ -50,6 +52,12 @@ HELPERS = "megatron.core.datasets.helpers_cpp"
 def _import_dataset_helpers():
     # initialize._compile_dependencies runs `make` in megatron/core/datasets; the wheel ships
     # the built helpers_cpp extension and no Makefile: importing it is the check.
+    import_dataset_helpers()
+    dist.barrier()
+
+
+def import_dataset_helpers() -> None:
+    """megatron-core's dataset helpers, or, in a source tree, the wheel's build of the same source."""
     try:
         importlib.import_module(HELPERS)
     except ModuleNotFoundError:
@@ -61,7 +69,6 @@ def _import_dataset_helpers():
         module = wheel_build_of_same_source(Path(datasets.__file__).parent, wheel)
         sys.modules[HELPERS] = datasets.helpers_cpp = module
         compat.record_stand_in(f"{HELPERS}: the installed wheel's build of the same helpers.cpp")
-    dist.barrier()
 
 
 def wheel_build_of_same_source(tree: Path, wheel: Path):
@@ -96,8 +103,8 @@ def install_training() -> bool:
     arguments.get_device_arch_version = lambda: 9
     # training.pretrain -> initialize_megatron() asserts CUDA unless allow_no_cuda.
     training.initialize_megatron = functools.partial(initialize.initialize_megatron, allow_no_cuda=True)
-    initialize._initialize_distributed = _on_one_device(initialize._initialize_distributed)
-    initialize._set_random_seed = _on_one_device(initialize._set_random_seed)
+    initialize._initialize_distributed = on_one_device(initialize._initialize_distributed)
+    initialize._set_random_seed = on_one_device(initialize._set_random_seed)
     initialize._compile_dependencies = _import_dataset_helpers
     # training.pretrain -> set_jit_fusion_options -> _warmup_jit_function torch.compiles the
     # fused kernels the CPU flags turn off, drawing torch.rand from the weights' generator.

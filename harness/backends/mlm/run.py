@@ -11,13 +11,16 @@ schema and order as every other backend's:
 - the forward step's micro-batches and ``loss_func``: sample ids and per-micro-batch losses;
 - ``finalize_model_grads`` (wrapped; ``train`` installs it as the schedule's finalize hook):
   ``main_grad`` after the reduction;
-- ``optimizer.step`` (wrapped for the step): LR applied, weights before and after, state.
+- ``optimizer.step`` (wrapped for the step): LR applied, weights before and after, state;
+- ``training_log``'s printed line (``print_rank_last``, every rank builds it): the loss the
+  frontend logs for the step, ``loss_logged`` (:func:`logged_loss`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 
 import torch.distributed as dist
@@ -75,6 +78,7 @@ def run_argv(job: Job, cap: Capture, argv: list[str]) -> None:
             args = parse_and_validate_args()
         patch(training, "train_step", hooks.train_step(training.train_step))
         patch(training, "finalize_model_grads", hooks.finalize(training.finalize_model_grads))
+        patch(training, "print_rank_last", logged_loss(cap, training.print_rank_last))
         synthetic = (lambda: providers.SyntheticDataset(job.data.seed, job.model)) if job.side.data == "synthetic" else None
         training.pretrain(
             pretrain_cfg_container_from_args(args),
@@ -87,6 +91,23 @@ def run_argv(job: Job, cap: Capture, argv: list[str]) -> None:
         faults.uninstall()  # the faults' patches, the hooks' and the gather recorder's
         training.destroy_global_state()  # Megatron-LM's globals: the next side parses afresh
         compat.reset_gtp_state()
+
+
+_LOGGED_LOSS = re.compile(r"\| lm loss: ([-+0-9.eEinfa]+) \|")
+
+
+def logged_loss(cap: Capture, print_rank_last):
+    """``print_rank_last`` recording the loss its line logs (``lm loss: %.6E``) as the scalar
+    ``loss_logged`` of the step just recorded: what the frontend shows its user, which need
+    not be the step's reduced loss (a log line may average over several steps)."""
+
+    def print_line(message, *args, **kwargs):
+        found = _LOGGED_LOSS.search(message) if isinstance(message, str) else None
+        if found is not None and cap.step:
+            cap.scalar("loss_logged", float(found.group(1)))
+        return print_rank_last(message, *args, **kwargs)
+
+    return print_line
 
 
 class _Hooks:

@@ -1,0 +1,83 @@
+"""A side as Megatron-Bridge's ``ConfigContainer``: the configuration ``pretrain`` runs.
+
+It follows the Bridge PR's GTP functional test (``test_pretrain_with_generalized_tensor_parallelism``)
+and the seed's scalar comparison: a ``GPTModelProvider`` with the harness's GPT (no linear bias,
+LayerNorm, GeLU, learned absolute positions, untied embeddings, dropout 0, FP32 softmax), the
+optimizer and scheduler of the side, DDP with ``grad_reduce_in_fp32`` and no
+``average_in_collective``, micro/global batch from the scenario. On CPU: gloo, the local layer
+spec, CPU initialization and the fused kernels off (:data:`CPU_MODEL`), as the mlm backend's
+``CPU_FLAGS``. The model is the provider of :mod:`.providers` (canonical weights after
+construction); the data its dataset provider (synthetic samples) or Bridge's mock dataset.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from harness.run.job import Job
+
+# What runs the model on CPU: megatron-core's local layers (no Transformer Engine), CPU
+# initialization, no fused kernels (none has a CPU build).
+CPU_MODEL = {
+    "use_cpu_initialization": True, "masked_softmax_fusion": False, "bias_activation_fusion": False,
+    "bias_dropout_fusion": False, "persist_layer_norm": False, "apply_rope_fusion": False,
+    "cross_entropy_loss_fusion": False, "gradient_accumulation_fusion": False,
+}  # fmt: skip
+
+
+def model_fields(job: Job, on_cpu: bool) -> dict:
+    """The ``GPTModelProvider`` (a ``TransformerConfig``) fields of the side's GPT."""
+    m, side = job.model, job.side
+    dtype = torch.bfloat16 if side.precision == "bf16" else torch.float32
+    fields = {
+        "num_layers": m.num_layers, "hidden_size": m.hidden_size, "ffn_hidden_size": m.ffn_hidden_size,
+        "num_attention_heads": m.num_attention_heads, "seq_length": m.seq_length, "vocab_size": m.vocab_size,
+        "make_vocab_size_divisible_by": 1, "share_embeddings_and_output_weights": not m.untie_embeddings,
+        "position_embedding_type": "learned_absolute", "normalization": "LayerNorm", "init_method_std": m.init_std,
+        "tensor_model_parallel_size": side.tp, "pipeline_model_parallel_size": 1, "context_parallel_size": 1,
+        "sequence_parallel": False, "attention_dropout": 0.0, "hidden_dropout": 0.0, "add_bias_linear": False,
+        "attention_softmax_in_fp32": True, "bf16": side.precision == "bf16", "params_dtype": dtype,
+        "pipeline_dtype": dtype, "gradient_accumulation_fusion": False,
+    }  # fmt: skip
+    if side.gtp > 1:  # the tree's TransformerConfig derives gtp_weight_remat_size from it
+        fields["tensor_parallel_num_weight_shards"] = side.tp * side.gtp
+    return {**fields, **(CPU_MODEL if on_cpu else {})}
+
+
+def container(job: Job, model, dataset, on_cpu: bool):
+    """The ``ConfigContainer`` of the side (``model``: the provider; ``dataset``: the data config)."""
+    from megatron.bridge.training.config import (
+        CheckpointConfig, ConfigContainer, DistributedDataParallelConfig, DistributedInitConfig, LoggerConfig,
+        OptimizerConfig, RNGConfig, SchedulerConfig, TokenizerConfig, TrainingConfig, ValidationConfig,
+    )  # fmt: skip
+
+    side, data = job.side, job.data
+    bf16 = side.precision == "bf16"
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    optimizer = OptimizerConfig(
+        optimizer=side.optimizer, bf16=bf16, fp16=False, params_dtype=dtype, use_distributed_optimizer=False,
+        clip_grad=side.clip_grad, lr=side.lr, min_lr=side.min_lr, weight_decay=side.weight_decay,
+        adam_beta1=side.adam_beta1, adam_beta2=side.adam_beta2, adam_eps=side.adam_eps,
+        sgd_momentum=side.sgd_momentum, log_num_zeros_in_grad=True,
+    )  # fmt: skip
+    scheduler = SchedulerConfig(
+        start_weight_decay=side.weight_decay, end_weight_decay=side.weight_decay, weight_decay_incr_style="constant",
+        lr_decay_style=side.lr_decay_style, lr_warmup_iters=side.lr_warmup_steps,
+        lr_decay_iters=side.lr_decay_steps or side.steps, override_opt_param_scheduler=True,
+    )  # fmt: skip
+    ddp = DistributedDataParallelConfig(
+        check_for_nan_in_grad=True, grad_reduce_in_fp32=side.grad_reduce_in_fp32, overlap_grad_reduce=False,
+        overlap_param_gather=False, average_in_collective=False, use_distributed_optimizer=False,
+    )  # fmt: skip
+    return ConfigContainer(
+        model=model,
+        train=TrainingConfig(train_iters=side.steps, global_batch_size=data.global_batch_size,
+                             micro_batch_size=data.micro_batch_size),  # fmt: skip
+        validation=ValidationConfig(eval_interval=side.steps + 100, eval_iters=0),
+        optimizer=optimizer, scheduler=scheduler, ddp=ddp, dataset=dataset,
+        logger=LoggerConfig(log_interval=1),
+        tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=job.model.vocab_size),
+        checkpoint=CheckpointConfig(save=None, load=None),
+        rng=RNGConfig(seed=side.seed),
+        dist=DistributedInitConfig(distributed_backend="gloo" if on_cpu else "nccl"),
+    )

@@ -1,0 +1,96 @@
+"""The project's providers for Megatron-Bridge's ``pretrain``: model, datasets, forward step.
+
+- The model: Bridge's own ``GPTModelProvider`` with the harness's GPT (:mod:`.config`), its
+  ``provide`` followed by the canonical weights (:func:`model_provider`), as the mlm backend's
+  model provider loads them after construction.
+- The data: a Bridge ``DatasetProvider`` serving the harness's synthetic samples by global
+  sample id (the mlm backend's :class:`~harness.backends.mlm.providers.SyntheticDataset`);
+  every item carries its id, which Bridge's ``get_batch`` drops and the forward step reads.
+- The forward step: Bridge's own ``gpt_step.forward_step`` and its loss function
+  (``masked_next_token_loss``), unchanged, with the data iterator tapped for each
+  micro-batch's sample ids and the loss function for its loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from harness.backends.mlm.providers import IdDataset, SyntheticDataset
+
+
+def model_provider(fields: dict, after_build: Callable[[torch.nn.Module], None]):
+    """A ``GPTModelProvider`` with ``fields``, the local layer spec, and ``after_build`` called
+    on each GPTModel it provides (before Bridge wraps it in Float16Module and DDP)."""
+    from megatron.bridge.models.gpt_provider import GPTModelProvider
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    @dataclasses.dataclass
+    class HarnessGPTProvider(GPTModelProvider):
+        def provide(self, pre_process=None, post_process=None, vp_stage=None):
+            model = super().provide(pre_process, post_process, vp_stage)
+            after_build(model)
+            return model
+
+    return HarnessGPTProvider(transformer_layer_spec=lambda config: get_gpt_layer_local_spec(), **fields)
+
+
+def synthetic_dataset(seed: int, model, on_cpu: bool):
+    """Bridge's ``DatasetProvider`` of the harness's synthetic samples (built on every rank)."""
+    from megatron.bridge.data.base import DatasetProvider
+
+    @dataclasses.dataclass(kw_only=True)
+    class SyntheticSamples(DatasetProvider):
+        seq_length: int = model.seq_length
+
+        def build_datasets(self, context):
+            return IdDataset(_WithPositions(SyntheticDataset(seed, model)), context.train_samples), None, None
+
+    return SyntheticSamples(dataloader_type="single", num_workers=0, pin_memory=not on_cpu, persistent_workers=False)
+
+
+class _WithPositions:
+    """A synthetic item with the ``position_ids`` Bridge's ``get_batch`` reads (0..s-1)."""
+
+    def __init__(self, inner: SyntheticDataset):
+        self.inner = inner
+
+    def __getitem__(self, idx: int) -> dict:
+        item = self.inner[idx]
+        return {**item, "position_ids": torch.arange(item["tokens"].shape[0])}
+
+
+class _Tap:
+    """The data iterator, telling ``on_batch`` each item's sample ids as Bridge draws it."""
+
+    def __init__(self, inner, on_batch: Callable[[list[int]], Callable[[float], None]]):
+        self.inner, self.on_batch, self.on_loss = inner, on_batch, None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = next(self.inner)
+        self.on_loss = self.on_batch(item["sample_id"].reshape(-1).tolist())
+        return item
+
+
+def forward_step(on_batch: Callable[[list[int]], Callable[[float], None]]):
+    """Bridge's ``gpt_step.forward_step``, its micro-batches' sample ids and losses recorded."""
+    from megatron.bridge.training.gpt_step import forward_step as bridge_forward_step
+
+    def step(state, data_iterator, model, return_schedule_plan: bool = False):
+        tap = _Tap(data_iterator, on_batch)
+        output, loss_function = bridge_forward_step(state, tap, model, return_schedule_plan)
+        on_loss = tap.on_loss
+
+        def loss_func(output_tensor, *args, **kwargs):
+            out = loss_function(output_tensor, *args, **kwargs)
+            on_loss((out[0] / out[1]).item())  # token-summed loss / token count
+            return out
+
+        return output, loss_func
+
+    return step

@@ -1,0 +1,128 @@
+"""The Megatron-Bridge a ``bridge`` side imports: the installed one, a checkout, or a git revision.
+
+A side's ``bridge`` key names it as ``megatron_core`` names megatron-core's tree
+(:mod:`harness.run.code`):
+
+- ``"installed"``: the venv's ``megatron-bridge`` (the ``bridge`` extra);
+- a folder: a Megatron-Bridge checkout (holding ``src/megatron/bridge``), or any folder
+  holding ``megatron/bridge``;
+- ``"git:<repo folder>@<rev>"``: that revision's ``src/megatron/bridge``, extracted once,
+  read-only, into the tree cache keyed by the full commit id (``bridge-<commit>``).
+
+The resolved tree's root (the folder holding ``megatron/bridge``) goes on the workers'
+PYTHONPATH after megatron-core's: ``megatron`` is a namespace package in both, so
+``megatron.core`` comes from the side's megatron-core and ``megatron.bridge`` from this tree.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from importlib.machinery import PathFinder
+from pathlib import Path
+
+from harness.common.errors import BadInput
+from harness.run.code import GIT_PREFIX, INSTALLED, CodeTree, _commit_of, _dirty, _git, cache_root
+
+SRC = "src/megatron/bridge"
+
+
+def read_version(root: Path) -> str:
+    """``MAJOR.MINOR.PATCH[PRE_RELEASE]`` from ``root/megatron/bridge/package_info.py`` (as text)."""
+    text = (root / "megatron" / "bridge" / "package_info.py").read_text()
+    found = {k: re.search(rf"^{k}\s*=\s*['\"]?([^'\"\s#]*)", text, re.M) for k in ("MAJOR", "MINOR", "PATCH", "PRE_RELEASE")}
+    parts = {k: m.group(1) if m else "" for k, m in found.items()}
+    if not all(parts[k] for k in ("MAJOR", "MINOR", "PATCH")):
+        return "unknown"
+    return f"{parts['MAJOR']}.{parts['MINOR']}.{parts['PATCH']}{parts['PRE_RELEASE']}"
+
+
+def installed_root() -> Path | None:
+    site = [p for p in sys.path if p and "site-packages" in p]
+    spec = PathFinder.find_spec("megatron", site)
+    for location in (spec.submodule_search_locations or []) if spec is not None else []:
+        if (Path(location) / "bridge" / "__init__.py").is_file():
+            return Path(location).parent
+    return None
+
+
+def has_gtp(tree: CodeTree) -> bool:
+    """Whether the tree wires GTP (the PR's ``megatron/bridge/training/gtp.py``)."""
+    root = Path(tree.root) if tree.root else installed_root()
+    return root is not None and (root / "megatron" / "bridge" / "training" / "gtp.py").is_file()
+
+
+def materialize(repo: Path, commit: str, where: str) -> Path:
+    """The commit's ``src/megatron/bridge`` as ``<cache>/bridge-<commit>/megatron/bridge``, read-only."""
+    dest = cache_root() / f"bridge-{commit}"
+    if (dest / "megatron" / "bridge").is_dir():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".bridge-{commit[:12]}-", dir=dest.parent))
+    try:
+        archive = subprocess.run(["git", "-C", str(repo), "archive", "--format=tar", commit, SRC], capture_output=True)
+        if archive.returncode != 0:
+            raise BadInput(where, f"{commit[:10]} has no {SRC} folder: {archive.stderr.decode().strip()[-200:]}")
+        subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive.stdout, check=True)
+        (tmp / "megatron").mkdir()
+        (tmp / SRC).rename(tmp / "megatron" / "bridge")
+        shutil.rmtree(tmp / "src")
+        for p in tmp.rglob("*"):
+            if p.is_file():
+                p.chmod(0o444)
+        try:
+            tmp.rename(dest)
+        except OSError:  # another process materialized the same commit first
+            if not (dest / "megatron" / "bridge").is_dir():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def resolve(spec: str, where: str) -> CodeTree:
+    """The Megatron-Bridge tree ``spec`` names; ``where`` names the side in errors."""
+    if spec == INSTALLED:
+        root = installed_root()
+        if root is None:
+            raise BadInput(where, "no megatron-bridge is installed in this environment: install the `bridge` "
+                                  "extra (scripts/setup.sh --bridge) or name a tree")  # fmt: skip
+        return CodeTree(spec, "installed", "", read_version(root))
+    if spec.startswith(GIT_PREFIX):
+        repo_text, at, rev = spec[len(GIT_PREFIX):].rpartition("@")
+        if not at:
+            repo_text, rev = rev, "HEAD"
+        repo = Path(repo_text).expanduser().resolve()
+        if not repo.is_dir():
+            raise BadInput(where, f"{spec!r}: {repo} is not a folder")
+        commit = _commit_of(repo, rev, where)
+        root = materialize(repo, commit, where)
+        return CodeTree(spec, "git", str(root), read_version(root), commit=commit, repo=str(repo))
+    path = Path(spec).expanduser().resolve()
+    if (path / SRC / "__init__.py").is_file():
+        checkout, path = path, path / "src"
+    else:
+        checkout = path
+    if not (path / "megatron" / "bridge" / "__init__.py").is_file():
+        raise BadInput(where, f"{spec!r}: no megatron/bridge package under {path} "
+                              f"(give 'installed', a Megatron-Bridge checkout, or git:<repo>@<rev>)")  # fmt: skip
+    commit, dirty = "", False
+    if _git(checkout, "rev-parse", "--show-toplevel").stdout.strip() == str(checkout):
+        commit = _git(checkout, "rev-parse", "--verify", "--quiet", "HEAD").stdout.strip()
+        dirty = _dirty(checkout)
+    return CodeTree(spec, "path", str(path), read_version(path), commit=commit, repo=str(checkout) if commit else "",
+                    dirty=dirty)  # fmt: skip
+
+
+def resolve_all(scenarios) -> dict[str, CodeTree]:
+    """Spec -> tree for every bridge side's ``bridge`` key."""
+    trees: dict[str, CodeTree] = {}
+    for s in scenarios:
+        for role, side in s.sides.items():
+            if side.backend == "bridge" and side.bridge not in trees:
+                trees[side.bridge] = resolve(side.bridge, f"{s.source}: [{role}].bridge")
+    return trees
