@@ -15,13 +15,14 @@ from harness.common.jsonio import write_json
 from harness.compare import split
 from harness.compare.outcome import compare_scenario, scenario_config
 from harness.compare.summary import ScenarioSummary, Verdict, overall
+from harness.run import bridge_code
 from harness.run.code import CodeTree, check_imports, resolve_all
 from harness.run.job import Job
 from harness.run.launch import launch, mark_interrupted, worker_env
 from harness.run.nodes import Nodes, node_commands, read_plan
 from harness.run.plan import clear_incomplete, execute, job_for, launches, pending_jobs, plan, write_plans
 from harness.run.provenance import code_identity
-from harness.scenario import Role, Scenario
+from harness.scenario import Role, Scenario, bridge_rules
 
 
 def skip_reason(s: Scenario) -> str | None:
@@ -66,9 +67,11 @@ def check_trees(trees: dict[str, CodeTree], scenarios: list[Scenario]) -> None:
 
 
 def plan_checked(scenarios: list[Scenario], out: Path) -> dict[str, dict[str, Job]]:
-    """The scenarios' jobs, every megatron-core tree resolved and imported once first."""
+    """The scenarios' jobs, every megatron-core tree resolved and imported once first (and
+    every Megatron-Bridge tree resolved and checked against what its sides ask)."""
     trees = resolve_all(scenarios)
     check_trees(trees, scenarios)
+    bridge_rules.check_trees(scenarios, bridge_code.resolve_all(scenarios))
     return plan(scenarios, out, trees=trees)
 
 

@@ -30,6 +30,18 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "$want" > "$stamp"
 fi
 
+# --bridge (or GTP_PARITY_BRIDGE=1): the bridge backend's import set (the `bridge` extra) and
+# Megatron-Bridge itself, without its declared dependencies (CUDA-only wheels, none imported).
+# A stamp of its own: the default set-up stays as it was; re-run only when pyproject changes.
+if [ "${1:-}" = "--bridge" ] || [ "${GTP_PARITY_BRIDGE:-0}" = "1" ]; then
+    bridge_stamp=.venv/.gtp-parity-bridge-installed
+    if [ "$(cat "$bridge_stamp" 2>/dev/null)" != "$want" ]; then
+        .venv/bin/python -m pip install --quiet -e '.[test,bridge]'
+        .venv/bin/python -m pip install --quiet --no-deps megatron-bridge==0.6.2
+        echo "$want" > "$bridge_stamp"
+    fi
+fi
+
 # Transformer Engine's distributed_weight.py for the conformance kit: the pinned wheel's one file,
 # hash-checked, into ~/.cache/gtp-parity (never installed; a partial TE breaks megatron.core).
 # Cached and verified means no network. A failed download leaves the kit on its own mirror of

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 from harness.scenario import checkpoint as checkpointing
+from harness.scenario.bridge_rules import validate_bridge
 from harness.common.errors import BadInput
 from harness.scenario.faults import check_name, check_reach
 from harness.scenario.moe_rules import moe_parameter_count, validate_moe_model, validate_moe_side
@@ -37,6 +38,7 @@ def validate(s: Scenario, limits: bool = True) -> None:
         _validate_faults(name, side, where, s.data)
         _validate_paths(s, side, where)
         _validate_mlm(s, side, where)
+        validate_bridge(s, side, where)
         validate_moe_side(s, name, side, where)
         _validate_pipeline(s, side, where)
         _validate_code(side, where)

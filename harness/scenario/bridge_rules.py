@@ -1,0 +1,45 @@
+"""The ``bridge`` backend's rules: what a Megatron-Bridge side may say, checked before launch.
+
+What the side's Bridge tree supports (GTP needs the PR's ``training/gtp.py``) is checked once the
+tree is resolved (:func:`check_trees`, before anything launches); the form of the keys here.
+"""
+
+from __future__ import annotations
+
+from harness.common.errors import BadInput
+from harness.scenario.schema import Scenario, Side
+
+
+def validate_bridge(s: Scenario, side: Side, where: str) -> None:
+    """``bridge`` belongs to bridge sides; a bridge side runs Bridge's dense GPT path."""
+    if side.backend != "bridge":
+        if side.bridge != "installed":
+            raise BadInput(f"{where}.bridge", f"a key of the bridge backend, not {side.backend}")
+        return
+    if not side.bridge.strip():
+        raise BadInput(f"{where}.bridge", "give 'installed', a Megatron-Bridge checkout, or git:<repo>@<rev>")
+    if side.inject:
+        raise BadInput(f"{where}.inject", "planted faults are not implemented by the bridge backend")
+    if side.recipe != "none":
+        raise BadInput(f"{where}.recipe", "recipes need Transformer Engine on the bridge backend")
+    if side.gtp_pad_alignment != 16:  # configure_gtp_remat_from_recipe sets it, without FP8: 16
+        raise BadInput(f"{where}.gtp_pad_alignment", "Bridge's GTP wiring pads GTP shards to 16 rows")
+    if s.data.loss_mask != "none":
+        raise BadInput(f"{s.source}: [data].loss_mask", "the bridge backend reads Bridge's own loss mask")
+    if side.num_microbatches(s.data) < 1:
+        raise BadInput(f"{s.source}: [data].global_batch_size", "fewer samples than data ranks")
+
+
+def check_trees(scenarios: list[Scenario], trees: dict) -> None:
+    """Each bridge side's tree (spec -> :class:`~harness.run.code.CodeTree`) supports what the
+    side asks: GTP > 1 needs a tree with Bridge's GTP wiring (no released Bridge has it)."""
+    from harness.run.bridge_code import has_gtp
+
+    for s in scenarios:
+        for role, side in s.sides.items():
+            if side.backend == "bridge" and (side.gtp > 1 or side.expert_gtp > 1) and not has_gtp(trees[side.bridge]):
+                tree = trees[side.bridge]
+                raise BadInput(f"{s.source}: [{role}].gtp",
+                               f"Megatron-Bridge {tree.version} ({side.bridge}) has no GTP wiring "
+                               "(megatron/bridge/training/gtp.py): run GTP on a tree that has it, such as "
+                               "the GTP wiring PR's head, or gtp = 1")  # fmt: skip
