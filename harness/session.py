@@ -22,7 +22,7 @@ from harness.run.launch import launch, mark_interrupted, worker_env
 from harness.run.nodes import Nodes, node_commands, read_plan
 from harness.run.plan import clear_incomplete, execute, job_for, launches, pending_jobs, plan, write_plans
 from harness.run.provenance import code_identity
-from harness.scenario import Role, Scenario, bridge_rules
+from harness.scenario import Role, Scenario
 
 
 def skip_reason(s: Scenario) -> str | None:
@@ -71,7 +71,7 @@ def plan_checked(scenarios: list[Scenario], out: Path) -> dict[str, dict[str, Jo
     every Megatron-Bridge tree resolved and checked against what its sides ask)."""
     trees = resolve_all(scenarios)
     check_trees(trees, scenarios)
-    bridge_rules.check_trees(scenarios, bridge_code.resolve_all(scenarios))
+    bridge_code.check_trees(scenarios, bridge_code.resolve_all(scenarios))
     return plan(scenarios, out, trees=trees)
 
 

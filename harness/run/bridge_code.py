@@ -26,6 +26,7 @@ from pathlib import Path
 
 from harness.common.errors import BadInput
 from harness.run.code import GIT_PREFIX, INSTALLED, CodeTree, _commit_of, _dirty, _git, cache_root
+from harness.scenario import Scenario
 
 SRC = "src/megatron/bridge"
 
@@ -126,3 +127,16 @@ def resolve_all(scenarios) -> dict[str, CodeTree]:
             if side.backend == "bridge" and side.bridge not in trees:
                 trees[side.bridge] = resolve(side.bridge, f"{s.source}: [{role}].bridge")
     return trees
+
+
+def check_trees(scenarios: list[Scenario], trees: dict) -> None:
+    """Each bridge side's tree (spec -> :class:`~harness.run.code.CodeTree`) supports what the
+    side asks: GTP > 1 needs a tree with Bridge's GTP wiring (no released Bridge has it)."""
+    for s in scenarios:
+        for role, side in s.sides.items():
+            if side.backend == "bridge" and (side.gtp > 1 or side.expert_gtp > 1) and not has_gtp(trees[side.bridge]):
+                tree = trees[side.bridge]
+                raise BadInput(f"{s.source}: [{role}].gtp",
+                               f"Megatron-Bridge {tree.version} ({side.bridge}) has no GTP wiring "
+                               "(megatron/bridge/training/gtp.py): run GTP on a tree that has it, such as "
+                               "the GTP wiring PR's head, or gtp = 1")  # fmt: skip

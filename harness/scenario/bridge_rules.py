@@ -1,7 +1,8 @@
 """The ``bridge`` backend's rules: what a Megatron-Bridge side may say, checked before launch.
 
 What the side's Bridge tree supports (GTP needs the PR's ``training/gtp.py``) is checked once the
-tree is resolved (:func:`check_trees`, before anything launches); the form of the keys here.
+tree is resolved (:func:`harness.run.bridge_code.check_trees`, before anything launches); the
+form of the keys here.
 """
 
 from __future__ import annotations
@@ -29,17 +30,3 @@ def validate_bridge(s: Scenario, side: Side, where: str) -> None:
     if side.num_microbatches(s.data) < 1:
         raise BadInput(f"{s.source}: [data].global_batch_size", "fewer samples than data ranks")
 
-
-def check_trees(scenarios: list[Scenario], trees: dict) -> None:
-    """Each bridge side's tree (spec -> :class:`~harness.run.code.CodeTree`) supports what the
-    side asks: GTP > 1 needs a tree with Bridge's GTP wiring (no released Bridge has it)."""
-    from harness.run.bridge_code import has_gtp
-
-    for s in scenarios:
-        for role, side in s.sides.items():
-            if side.backend == "bridge" and (side.gtp > 1 or side.expert_gtp > 1) and not has_gtp(trees[side.bridge]):
-                tree = trees[side.bridge]
-                raise BadInput(f"{s.source}: [{role}].gtp",
-                               f"Megatron-Bridge {tree.version} ({side.bridge}) has no GTP wiring "
-                               "(megatron/bridge/training/gtp.py): run GTP on a tree that has it, such as "
-                               "the GTP wiring PR's head, or gtp = 1")  # fmt: skip

@@ -125,7 +125,8 @@ def parse_scenario(raw: dict, source: str, limits: bool = True) -> Scenario:
     golden_defaults = {"backend": "torch", "precision": "fp64", "world_size": 1, "tp": 1, "gtp": 1,
                        "recipe": "none", "ep": 1, "expert_gtp": 1}
     inherited = {k: v for k, v in train.items()
-                 if k not in {*golden_defaults, "dp", "inject", "megatron_core", "grad_reduce_in_fp32", *MEGATRON_PATH_OPTIONS}}  # fmt: skip
+                 if k not in {*golden_defaults, "dp", "inject", "megatron_core", "bridge", "grad_reduce_in_fp32",
+                             *MEGATRON_PATH_OPTIONS}}  # fmt: skip
     sides = {
         "reference": {**train, **raw["reference"]},
         "candidate": {**train, **raw["candidate"]},
