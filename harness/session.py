@@ -71,7 +71,9 @@ def plan_checked(scenarios: list[Scenario], out: Path) -> dict[str, dict[str, Jo
     every Megatron-Bridge tree resolved and checked against what its sides ask)."""
     trees = resolve_all(scenarios)
     check_trees(trees, scenarios)
-    bridge_code.check_trees(scenarios, bridge_code.resolve_all(scenarios))
+    bridges = bridge_code.resolve_all(scenarios)
+    bridge_code.check_trees(scenarios, bridges)
+    bridge_code.check_imports(scenarios, bridges, worker_env)
     return plan(scenarios, out, trees=trees)
 
 

@@ -16,6 +16,7 @@ PYTHONPATH after megatron-core's: ``megatron`` is a namespace package in both, s
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -140,3 +141,35 @@ def check_trees(scenarios: list[Scenario], trees: dict) -> None:
                                f"Megatron-Bridge {tree.version} ({side.bridge}) has no GTP wiring "
                                "(megatron/bridge/training/gtp.py): run GTP on a tree that has it, such as "
                                "the GTP wiring PR's head, or gtp = 1")  # fmt: skip
+
+
+# Run in the workers' interpreter and environment: Bridge's import with the bridge backend's
+# import stand-ins (harness/backends/bridge/compat.py), as a rank imports it.
+_PROBE = ("from harness.backends.bridge import compat; b = compat.import_bridge(); import megatron.core as c; "
+          "print(b.__file__); print(c.__file__)")  # fmt: skip
+
+
+def check_imports(scenarios: list[Scenario], trees: dict, env_of) -> None:
+    """Each bridge side's Megatron-Bridge other than the installed one imports over the side's
+    megatron-core, in a fresh interpreter with the workers' environment (``env_of(root)``, the
+    side's PYTHONPATH entries): bad input quoting the import error's last line otherwise."""
+    from harness.run.code import resolve as resolve_mcore
+
+    seen = set()
+    for s in scenarios:
+        for role, side in s.sides.items():
+            if side.backend != "bridge" or trees[side.bridge].kind == "installed":
+                continue
+            mcore = resolve_mcore(side.megatron_core, f"{s.source}: [{role}].megatron_core").root
+            root = os.pathsep.join(filter(None, [mcore, trees[side.bridge].root]))
+            if root in seen:
+                continue
+            seen.add(root)
+            done = subprocess.run([sys.executable, "-c", _PROBE], env=env_of(root), capture_output=True, text=True)
+            if done.returncode != 0:
+                last = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
+                raise BadInput(f"{s.source}: [{role}].bridge", f"{side.bridge!r} does not import over "
+                                                               f"megatron-core {side.megatron_core!r}: {last}")  # fmt: skip
+            found = Path(done.stdout.strip().splitlines()[-2]).resolve()
+            if Path(trees[side.bridge].root).resolve() not in found.parents:
+                raise BadInput(f"{s.source}: [{role}].bridge", f"the workers imported Megatron-Bridge from {found}")
