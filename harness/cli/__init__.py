@@ -147,13 +147,15 @@ def _load(args, path: str) -> list:
 
     return with_code(scenario.load(path, limits=not args.no_limits), every=getattr(args, "megatron_core", None),
                      reference=getattr(args, "reference_code", None),
-                     candidate=getattr(args, "candidate_code", None))  # fmt: skip
+                     candidate=getattr(args, "candidate_code", None), bridge=getattr(args, "bridge", None))  # fmt: skip
 
 
 def _code_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--megatron-core", metavar="SPEC",
-                   help="the megatron-core every megatron/mlm side imports: installed, a folder holding "
+                   help="the megatron-core every megatron/mlm/bridge side imports: installed, a folder holding "
                         "megatron/, or git:REPO@REV (default: as the scenario says)")  # fmt: skip
+    p.add_argument("--bridge", metavar="SPEC", help="the Megatron-Bridge every bridge side runs: installed, a "
+                   "checkout, or git:REPO@REV (default: as the scenario says)")  # fmt: skip
     p.add_argument("--reference-code", metavar="SPEC", help="the reference's megatron-core (see --megatron-core)")
     p.add_argument("--candidate-code", metavar="SPEC",
                    help="the candidate's megatron-core; with a different --reference-code, a code comparison: "

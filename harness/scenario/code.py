@@ -28,11 +28,19 @@ def _on(side: Side | None, spec: str | None) -> Side | None:
     return dataclasses.replace(side, megatron_core=spec)
 
 
+def _on_bridge(side: Side | None, spec: str | None) -> Side | None:
+    if side is None or spec is None or side.backend != "bridge":
+        return side
+    return dataclasses.replace(side, bridge=spec)
+
+
 def with_code(scenarios: list[Scenario], every: str | None = None, reference: str | None = None,
-              candidate: str | None = None) -> list[Scenario]:
-    """The scenarios with the trees the command line names (None: as the file says)."""
+              candidate: str | None = None, bridge: str | None = None) -> list[Scenario]:
+    """The scenarios with the trees the command line names (None: as the file says); ``bridge``:
+    the Megatron-Bridge every bridge side runs."""
     out = []
     for s in scenarios:
+        s = dataclasses.replace(s, reference=_on_bridge(s.reference, bridge), candidate=_on_bridge(s.candidate, bridge))
         s = dataclasses.replace(s, reference=_on(s.reference, every), candidate=_on(s.candidate, every),
                                 saver=_on(s.saver, every))  # fmt: skip
         if reference is not None and candidate is not None and reference != candidate:
