@@ -42,7 +42,7 @@ def reads_mock_data(s: Scenario) -> bool:
     """Whether the compared sides read Megatron-LM's mock samples (mlm ``data = "mock"``): the
     golden reads the harness's synthetic samples, so it is no measure of them, and the sides
     are judged against each other only (the policy's no-golden fallback)."""
-    return any(side.backend == "mlm" and side.data == "mock" for side in (s.reference, s.candidate))
+    return any(side.backend in ("mlm", "bridge") and side.data == "mock" for side in (s.reference, s.candidate))
 
 
 def check_mlm_flags(scenarios: list[Scenario]) -> None:

@@ -87,7 +87,7 @@ def bridge_ci(tmp_path_factory):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp32-mock"])
 def test_bridge_and_megatron_lm_loops_train_the_same_model(bridge_ci, precision):
     """Bridge's setup, train_step, forward step and loss, Megatron-LM's loop: the same megatron-core
     calls on the same values (the same samples per data rank, loss reduced over the data group,
@@ -186,7 +186,7 @@ def seed_trees(tmp_path_factory):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("precision", ["bf16", "fp32", "bf16-mock"])
 def test_seed_question_the_log_line_not_the_training(seed_trees, precision):
     """The seed's 0.34% step-2 gap: Bridge at the PR head and Megatron-LM's loop at 14346b65a,
     GTP 2, train bitwise the same model; Megatron-LM's step-2 line averages steps 1 and 2."""

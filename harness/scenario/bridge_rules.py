@@ -19,6 +19,12 @@ def validate_bridge(s: Scenario, side: Side, where: str) -> None:
         return
     if not side.bridge.strip():
         raise BadInput(f"{where}.bridge", "give 'installed', a Megatron-Bridge checkout, or git:<repo>@<rev>")
+    if side.data not in ("synthetic", "mock"):
+        raise BadInput(f"{where}.data", f"unknown data {side.data!r}; one of ['mock', 'synthetic']")
+    other = s.candidate if side is s.reference else s.reference
+    if side.data == "mock" and (other.backend not in ("mlm", "bridge") or other.data != "mock"):
+        # Bridge's mock samples are not the synthetic ones: the sides would read different data.
+        raise BadInput(f"{where}.data", "a mock-data side is compared with another mlm or bridge side on mock data only")
     if side.inject:
         raise BadInput(f"{where}.inject", "planted faults are not implemented by the bridge backend")
     if side.recipe != "none":

@@ -359,13 +359,13 @@ def _gtp_dim0s(m: ModelConfig, tp: int) -> dict[str, int]:
 def _validate_mlm(s: Scenario, side: Side, where: str) -> None:
     """The mlm backend's keys: ``args`` and ``data`` belong to it alone; its rules."""
     if side.backend != "mlm":
-        if side.args or side.data != "synthetic":
+        if side.args or (side.data != "synthetic" and side.backend != "bridge"):
             raise BadInput(f"{where}.args", f"args and data are keys of the mlm backend, not {side.backend}")
         return
     if side.data not in MLM_DATA:
         raise BadInput(f"{where}.data", f"unknown data {side.data!r}; one of {sorted(MLM_DATA)}")
     other = s.candidate if side is s.reference else s.reference
-    if side.data == "mock" and (other.backend, other.data) != ("mlm", "mock"):
+    if side.data == "mock" and (other.backend not in ("mlm", "bridge") or other.data != "mock"):
         # Megatron-LM's mock samples are not the synthetic ones: the sides would read different data.
         raise BadInput(f"{where}.data", "a mock-data side is compared with another mlm side on mock data only")
     if side.recipe != "none":

@@ -237,7 +237,7 @@ class Side:
     args: tuple[str, ...] = ()
     """mlm backend: extra pretrain_gpt.py flags, after the side's own (checked by Megatron-LM's parser)."""
     data: MlmData = "synthetic"
-    """mlm backend: ``synthetic`` (the harness's samples by global sample id, comparable with
+    """mlm and bridge backends: ``synthetic`` (the harness's samples by global sample id, comparable with
     every other backend) or ``mock`` (Megatron-LM's ``--mock-data`` pipeline)."""
     inject: tuple[str, ...] = ()
     """Planted faults (names from ``gtp-parity inject --list``), for the harness's self-test."""

@@ -4,8 +4,9 @@
   ``provide`` followed by the canonical weights (:func:`model_provider`), as the mlm backend's
   model provider loads them after construction.
 - The data: a Bridge ``DatasetProvider`` serving the harness's synthetic samples by global
-  sample id (the mlm backend's :class:`~harness.backends.mlm.providers.SyntheticDataset`);
-  every item carries its id, which Bridge's ``get_batch`` drops and the forward step reads.
+  sample id (the mlm backend's :class:`~harness.backends.mlm.providers.SyntheticDataset`), or
+  Bridge's own mock data; every item carries its id, which Bridge's ``get_batch`` drops and the
+  forward step reads.
 - The forward step: Bridge's own ``gpt_step.forward_step`` and its loss function
   (``masked_next_token_loss``), unchanged, with the data iterator tapped for each
   micro-batch's sample ids and the loss function for its loss.
@@ -14,6 +15,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import torch
@@ -49,6 +51,33 @@ def synthetic_dataset(seed: int, model, on_cpu: bool):
             return IdDataset(_WithPositions(SyntheticDataset(seed, model)), context.train_samples), None, None
 
     return SyntheticSamples(dataloader_type="single", num_workers=0, pin_memory=not on_cpu, persistent_workers=False)
+
+
+def mock_dataset(seed: int, model, on_cpu: bool):
+    """Bridge's own mock data (``MockGPTDatasetConfig``, as the PR's GTP test configures it),
+    built by Bridge's dataset provider; :func:`with_sample_ids` adds each item's id."""
+    from megatron.bridge.training.config import MockGPTDatasetConfig
+
+    return MockGPTDatasetConfig(
+        random_seed=seed, seq_length=model.seq_length, reset_position_ids=False, reset_attention_mask=False,
+        eod_mask_loss=False, dataloader_type="single", num_workers=0, pin_memory=not on_cpu, persistent_workers=False,
+    )  # fmt: skip
+
+
+def with_sample_ids(get_dataset_provider):
+    """Bridge's ``get_dataset_provider``, its train dataset's items given their global sample id."""
+
+    def get(config):
+        provider = get_dataset_provider(config)
+
+        @functools.wraps(provider)  # Bridge reads the provider's signature
+        def provide(*args, **kwargs):
+            train, valid, test = provider(*args, **kwargs)
+            return (IdDataset(train, len(train)) if train is not None else None), valid, test
+
+        return provide
+
+    return get
 
 
 class _WithPositions:

@@ -42,7 +42,11 @@ def run(job: Job, cap: Capture) -> None:
         patch(setup, "finalize_model_grads", hooks.finalize(setup.finalize_model_grads))
         patch(train_utils, "print_rank_last", logged_loss(cap, train_utils.print_rank_last))
         model = providers.model_provider(config.model_fields(job, on_cpu), hooks.after_build)
-        dataset = providers.synthetic_dataset(job.data.seed, job.model, on_cpu)
+        if job.side.data == "mock":  # Bridge's mock pipeline, as the seed's Bridge run read it
+            dataset = providers.mock_dataset(job.side.seed, job.model, on_cpu)
+            patch(pretrain, "get_dataset_provider", providers.with_sample_ids(pretrain.get_dataset_provider))
+        else:
+            dataset = providers.synthetic_dataset(job.data.seed, job.model, on_cpu)
         pretrain.pretrain(config.container(job, model, dataset, on_cpu), providers.forward_step(hooks.micro_batch))
     finally:
         faults.uninstall()  # the hooks' patches and the gather recorder's
