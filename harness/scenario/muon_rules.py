@@ -13,6 +13,10 @@ from harness.scenario.schema import MUON_TP_MODES, Scenario, Side
 def validate_muon_side(s: Scenario, side: Side, where: str) -> None:
     if side.muon_tp_mode not in MUON_TP_MODES:
         raise BadInput(f"{where}.muon_tp_mode", f"{side.muon_tp_mode!r}: one of {sorted(MUON_TP_MODES)}")
+    if not isinstance(side.muon_blocks, int) or side.muon_blocks < 1:
+        raise BadInput(f"{where}.muon_blocks", f"must be an integer >= 1, got {side.muon_blocks!r}")
+    if side.muon_blocks > 1 and (side.backend != "torch" or side.optimizer != "muon"):
+        raise BadInput(f"{where}.muon_blocks", "the golden's blockwise Muon: a torch side with optimizer = \"muon\"")
     if side.optimizer != "muon":
         if side.muon_tp_mode != Side().muon_tp_mode:
             raise BadInput(f"{where}.muon_tp_mode", f"takes effect only with optimizer = \"muon\" (got {side.optimizer!r})")
@@ -26,6 +30,9 @@ def validate_muon_side(s: Scenario, side: Side, where: str) -> None:
     if side.backend == "torch" and (side.world_size > 1 or side.recipe != "none" or side.precision == "bf16"):
         raise BadInput(f"{where}.optimizer", "the torch backend runs Muon on its single-process golden path only "
                                              "(world_size 1, no recipe, fp32 or fp64)")  # fmt: skip
+    for key in ("hidden_size", "ffn_hidden_size", "num_attention_heads"):
+        if getattr(s.model, key) % side.muon_blocks:
+            raise BadInput(f"{where}.muon_blocks", f"{side.muon_blocks} blocks must divide [model].{key}")
     if s.model.num_experts:
         raise BadInput(f"{where}.optimizer", "muon with routed experts is not covered: the golden's Muon is not "
                                              "checked against megatron-core's expert-parallel Muon groups")  # fmt: skip

@@ -181,6 +181,9 @@ class Side:
     """muon: megatron-core's ``muon_tp_mode``: ``duplicated`` (each rank orthogonalizes the whole
     gathered matrix), ``distributed`` (Newton-Schulz with its Gram matrices all-reduced over
     the sharding group) or ``blockwise`` (each TP shard alone; under GTP, see docs/muon.md)."""
+    muon_blocks: int = 1
+    """muon, the golden: orthogonalize each matrix in this many blocks along its TP dim, as the
+    blockwise mode at that TP does (set from the reference's TP for a blockwise scenario)."""
     lr: float = 3e-4
     """Peak learning rate."""
     min_lr: float = 3e-5
@@ -301,7 +304,8 @@ class Side:
 # that leaves them at the default keeps the key it had before (its traces stay reusable).
 _ADDED_LATER = (
     {"megatron_core": "installed", "mutant": "", "save_step": 0, "load_step": 0, "resume_from": "", "ep": 1, "expert_gtp": 1,
-     "pipeline_parallel": 1, "virtual_pipeline": None, "grad_reduce_in_fp32": True, "muon_tp_mode": "duplicated"},
+     "pipeline_parallel": 1, "virtual_pipeline": None, "grad_reduce_in_fp32": True, "muon_tp_mode": "duplicated",
+     "muon_blocks": 1},
     {"num_experts": 0, "moe_topk": 2, "moe_aux_loss_coeff": 0.01},
     {"loss_mask": "none"},
 )  # fmt: skip

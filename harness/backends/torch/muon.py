@@ -45,22 +45,33 @@ def scaled_orthogonalize(grad: torch.Tensor) -> torch.Tensor:
 
 class GoldenMuon(OrthogonalizedOptimizer):
     """Muon over whole matrices; ``qkv``: the fused QKV weights and their (q, k, v) rows per
-    query group, orthogonalized apart as megatron-core's ``TensorParallelMuon.orthogonalize``."""
+    query group, orthogonalized apart as megatron-core's ``TensorParallelMuon.orthogonalize``.
+    ``blocks`` > 1 (megatron-core's blockwise mode at TP = blocks): each part is orthogonalized
+    in that many blocks along its TP dim (``tp_dims``, by param id; None: replicated, whole)."""
 
-    def __init__(self, params, lr: float, weight_decay: float, qkv: dict[int, list[int]]):
-        self.qkv = qkv
+    def __init__(self, params, lr: float, weight_decay: float, qkv: dict[int, list[int]],
+                 blocks: int = 1, tp_dims: dict[int, int | None] | None = None):  # fmt: skip
+        self.qkv, self.blocks, self.tp_dims = qkv, blocks, tp_dims or {}
         super().__init__(params, lr, MUON["momentum"], weight_decay, nesterov=MUON["nesterov"],
                          weight_decay_method="decoupled", fp32_matmul_prec="highest",
                          scaled_orthogonalize_fn=scaled_orthogonalize)  # fmt: skip
 
     def orthogonalize(self, p: torch.Tensor, grad: torch.Tensor, **kwargs) -> torch.Tensor:
         shapes = self.qkv.get(id(p)) if MUON["split_qkv"] else None
+        dim = self.tp_dims.get(id(p)) if self.blocks > 1 else None
         if shapes is None:
-            return scaled_orthogonalize(grad)
+            return self._blockwise(grad, dim)
         groups = grad.shape[0] // sum(shapes)
         parts = torch.split(grad.view(groups, sum(shapes), -1), shapes, dim=1)
-        done = [scaled_orthogonalize(g.reshape(-1, grad.shape[-1])).view(groups, -1, grad.shape[-1]) for g in parts]
+        done = [self._blockwise(g.reshape(-1, grad.shape[-1]), dim).view(groups, -1, grad.shape[-1]) for g in parts]
         return torch.cat(done, dim=1).view(grad.shape)
+
+    def _blockwise(self, grad: torch.Tensor, dim: int | None) -> torch.Tensor:
+        """The TP blocks of ``grad`` orthogonalized apart (q, k or v of a QKV weight: its rows
+        are in query-group order, so a TP block is whole query groups)."""
+        if dim is None:
+            return scaled_orthogonalize(grad)
+        return torch.cat([scaled_orthogonalize(b) for b in grad.chunk(self.blocks, dim=dim)], dim=dim)
 
 
 def qkv_split_shapes(model) -> list[int]:

@@ -17,6 +17,7 @@ from typing import Iterable
 
 import torch
 
+from harness.backends.gpt import param_specs
 from harness.common.muon import is_muon_matrix
 from harness.scenario.parse import Side
 
@@ -54,7 +55,9 @@ def build_optimizer(side: Side, named: Iterable[tuple[str, torch.Tensor]], model
         matrices = [(n, p) for n, p in named if is_muon_matrix(n, p.dim())]
         rest = [(n, p) for n, p in named if not is_muon_matrix(n, p.dim())]
         qkv = {id(p): muon.qkv_split_shapes(model) for n, p in matrices if n.endswith("linear_qkv.weight")}
-        golden = muon.GoldenMuon(_groups(side, matrices), side.lr, side.weight_decay, qkv) if matrices else None
+        dims = {id(p): spec.tp_dim for spec in param_specs(model) for n, p in matrices if n == spec.name}
+        golden = muon.GoldenMuon(_groups(side, matrices), side.lr, side.weight_decay, qkv, side.muon_blocks,
+                                 dims) if matrices else None  # fmt: skip
         adam = _adam(side, _groups(side, rest)) if rest else None
         return muon.Chained(golden, adam)
     groups = _groups(side, named)
