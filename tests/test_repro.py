@@ -179,3 +179,18 @@ def test_gtp_wgrad_reduce_scatter_on_main_fixed_for_linears_only(tmp_path):
         assert all(rank["weights"][n]["rs_dtype"] == "float32" for n in rank["groups"]["linear"]["weights"])
         assert rank["groups"]["embedding"]["exact_extra_rounding"]
         assert _rounded_once_more(rank["weights"]["embedding.word_embeddings.weight"])
+
+
+def test_muon_scales_a_padded_gtp_matrix_by_its_padded_shape_on_the_wheel(tmp_path):
+    """FINDINGS J on the wheel: one Muon step, TP1 x GTP2 vs off, FFN 80 (linear_fc1 padded to 96
+    rows): its update is sqrt(96/80) times GTP off's (Muon's spectral scale of the padded shape);
+    every unpadded Muon matrix's update is bitwise GTP off's."""
+    import math
+
+    report = _run("gtp_muon_padding.py", ["duplicated"], tmp_path, flag="--modes")
+    assert sum(r["pad_rows"] > 0 for r in report["duplicated"].values()) == 2  # both linear_fc1
+    for name, r in report["duplicated"].items():
+        if r["pad_rows"]:
+            assert not r["bitwise"] and r["norm_ratio"] == pytest.approx(math.sqrt(96 / 80), rel=1e-4), (name, r)
+        else:
+            assert r["bitwise"], (name, r)
