@@ -61,7 +61,8 @@ def _compare(off: dict, gtp: dict) -> dict:
     for name, u_off in off["updates"].items():
         a, b = torch.tensor(u_off, dtype=torch.float64), torch.tensor(gtp["updates"][name], dtype=torch.float64)
         rows[name] = {"pad_rows": gtp["pads"][name], "norm_ratio": float(b.norm() / a.norm()),
-                      "max_rel_diff": float((b - a).abs().max() / a.abs().max()), "bitwise": bool(torch.equal(a, b))}  # fmt: skip
+                      "max_rel_diff": float((b - a).abs().max() / a.abs().max()),
+                      "bitwise": bool(torch.equal(a, b))}  # fmt: skip
     return rows
 
 
@@ -74,7 +75,8 @@ def main(argv=None) -> int:
         report[mode] = _compare(sides["gtp-off"], sides["gtp2"])
         print(f"muon_tp_mode = {mode}:")
         for name, r in report[mode].items():
-            verdict = "bitwise equal" if r["bitwise"] else f"norm ratio {r['norm_ratio']:.4f}, max rel diff {r['max_rel_diff']:.2e}"
+            verdict = ("bitwise equal" if r["bitwise"] else
+                       f"norm ratio {r['norm_ratio']:.4f}, max rel diff {r['max_rel_diff']:.2e}")  # fmt: skip
             print(f"  {name:<52} pad rows {r['pad_rows']:>2}: {verdict}")
     print(f"spectral scale ratio of a 96- vs an 80-row matrix of 64 columns: {(96 / 80) ** 0.5:.4f}")
     if args.json:

@@ -55,7 +55,7 @@ def test_the_goldens_update_is_megatron_cores_qkv_split_and_scale_bit_for_bit():
     from harness.backends.torch.muon import GoldenMuon
 
     gen = torch.Generator().manual_seed(5)
-    qkv, fc1 = torch.nn.Parameter(torch.randn(192, 64, generator=gen)), torch.nn.Parameter(torch.randn(80, 64, generator=gen))
+    qkv, fc1 = (torch.nn.Parameter(torch.randn(*shape, generator=gen)) for shape in ((192, 64), (80, 64)))
     qkv.is_qkv = True
     theirs = TensorParallelMuon([qkv, fc1], split_qkv=True, is_qkv_fn=lambda p: getattr(p, "is_qkv", False),
                                 qkv_split_shapes=[16, 16, 16], pg_collection=None, tp_mode="duplicated",
@@ -77,7 +77,7 @@ def test_the_goldens_blockwise_update_is_megatron_cores_on_each_tp_shard():
     from harness.backends.torch.muon import GoldenMuon
 
     gen = torch.Generator().manual_seed(7)
-    qkv, fc2 = torch.nn.Parameter(torch.randn(192, 64, generator=gen)), torch.nn.Parameter(torch.randn(64, 80, generator=gen))
+    qkv, fc2 = (torch.nn.Parameter(torch.randn(*shape, generator=gen)) for shape in ((192, 64), (64, 80)))
     kw = {k: MUON[k] for k in ("coefficient_type", "num_ns_steps", "scale_mode", "extra_scale_factor")}
     ours = GoldenMuon([qkv, fc2], lr=1.0, weight_decay=0.0, qkv={id(qkv): [16, 16, 16]}, blocks=2,
                       tp_dims={id(qkv): 0, id(fc2): 1})  # fmt: skip
@@ -87,7 +87,8 @@ def test_the_goldens_blockwise_update_is_megatron_cores_on_each_tp_shard():
         for shard in shards:
             shard.is_qkv = p is qkv
         theirs = TensorParallelMuon(shards, split_qkv=True, is_qkv_fn=lambda q: getattr(q, "is_qkv", False),
-                                    qkv_split_shapes=[16, 16, 16], pg_collection=None, tp_mode="blockwise", **kw)  # fmt: skip
+                                    qkv_split_shapes=[16, 16, 16], pg_collection=None, tp_mode="blockwise",
+                                    **kw)  # fmt: skip
         with _matmul_precision("highest"):
             want = torch.cat([theirs.orthogonalize(sh, b) for sh, b in zip(shards, g.chunk(2, dim=dim))], dim=dim)
             assert torch.equal(ours.orthogonalize(p, g), want), p.shape
@@ -175,7 +176,8 @@ def muon_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("muon")
     mine = [s for s in scenario.load(FEATURES) if s.axes.get("feature", "").startswith("muon-")]
     control = next(s for s in mine if s.name == "muon-unpadded")
-    faulty = dataclasses.replace(control, name="muon-fault", candidate=dataclasses.replace(control.candidate, inject=(FAULT,)))
+    planted = dataclasses.replace(control.candidate, inject=(FAULT,))
+    faulty = dataclasses.replace(control, name="muon-fault", candidate=planted)
     code = run_scenarios([*mine, faulty], out, parallel=2)
     return code, out, {s.name: s for s in mine}
 
