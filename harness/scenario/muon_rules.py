@@ -19,7 +19,8 @@ def validate_muon_side(s: Scenario, side: Side, where: str) -> None:
         raise BadInput(f"{where}.muon_blocks", "the golden's blockwise Muon: a torch side with optimizer = \"muon\"")
     if side.optimizer != "muon":
         if side.muon_tp_mode != Side().muon_tp_mode:
-            raise BadInput(f"{where}.muon_tp_mode", f"takes effect only with optimizer = \"muon\" (got {side.optimizer!r})")
+            raise BadInput(f"{where}.muon_tp_mode",
+                           f"takes effect only with optimizer = \"muon\" (got {side.optimizer!r})")  # fmt: skip
         return
     if find_spec("emerging_optimizers") is None:
         # megatron-core 0.19.2 optimizer/__init__.py: _get_megatron_emerging_optimizer raises ImportError.
