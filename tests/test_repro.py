@@ -191,3 +191,18 @@ def test_a_re_paired_collection_is_ignored_by_every_gtp_weight_on_the_wheel(tmp_
         assert r["collection_gtp_group"] == [[0, 2], [1, 3]][r["rank"] % 2]
         assert len(r["weights"]) == 10 and set(map(tuple, r["weights"].values())) == {tuple(usual[r["rank"]])}
         assert bool(r["replicated_miscounted"]) == (r["rank"] in (1, 2))
+
+
+def test_muon_scales_a_padded_gtp_matrix_by_its_padded_shape_on_the_wheel(tmp_path):
+    """FINDINGS K on the wheel: one Muon step, TP1 x GTP2 vs off, FFN 80 (linear_fc1 padded to 96
+    rows): its update is sqrt(96/80) times GTP off's (Muon's spectral scale of the padded shape);
+    every unpadded Muon matrix's update is bitwise GTP off's."""
+    import math
+
+    report = _run("gtp_muon_padding.py", ["duplicated"], tmp_path, flag="--modes")
+    assert sum(r["pad_rows"] > 0 for r in report["duplicated"].values()) == 2  # both linear_fc1
+    for name, r in report["duplicated"].items():
+        if r["pad_rows"]:
+            assert not r["bitwise"] and r["norm_ratio"] == pytest.approx(math.sqrt(96 / 80), rel=1e-4), (name, r)
+        else:
+            assert r["bitwise"], (name, r)

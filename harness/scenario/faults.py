@@ -224,6 +224,8 @@ def check_reach(name: str, side, data=None) -> str | None:
         # Interleaved, the first stage's later model chunks send input gradients back: holding a
         # backward would hold the schedule's p2p.
         return f"{name!r} is planted on the 1F1B schedule only (virtual_pipeline unset)"
+    if name in MUON_FAULTS and (side.optimizer != "muon" or side.gtp == 1 or side.backend != "megatron"):
+        return f"{name!r} never fires but on a megatron side with optimizer = \"muon\" and GTP (gtp > 1)"
     if name in PRECISION_FAULTS and (problem := _precision_reach(name, side, data)):
         return problem
     if name in GROUP_FAULTS and (problem := _groups_reach(name, side)):
@@ -262,6 +264,22 @@ MOE_FAULTS: dict[str, Fault] = {
     ]
 }
 CATALOG.update(MOE_FAULTS)
+
+
+# Muon under GTP (megatron backend, optimizer = "muon"): tests/test_muon.py plants it.
+MUON_FAULTS: dict[str, Fault] = {
+    f.name: f
+    for f in [
+        Fault(
+            "muon-gtp-gather-tp-group", "right size, wrong group",
+            "Muon's all-gather of a GTP-sharded momentum before Newton-Schulz (and its reshard) runs over "
+            "the TP group instead of the GTP group: at TP = G the matrix is put together from other "
+            "TP blocks' rows",
+            {"step": 1, "phase": "optimizer", "kind": "param", "tensor": "decoder.layers.*", "signature": "not-bitwise"},
+        ),
+    ]
+}
+CATALOG.update(MUON_FAULTS)
 
 
 # The precision bug class: one bf16 rounding where megatron-core keeps fp32 (megatron backend).

@@ -12,6 +12,7 @@ from harness.scenario import checkpoint as checkpointing
 from harness.common.errors import BadInput
 from harness.scenario.faults import check_name, check_reach
 from harness.scenario.moe_rules import moe_parameter_count, validate_moe_model, validate_moe_side
+from harness.scenario.muon_rules import validate_muon_side
 from harness.scenario.schema import (
     BACKENDS, CAPTURE_KINDS, CAPTURE_MODES, COLLECTIVES, LIMITS, LOSS_MASKS, LR_DECAY_STYLES, MEGATRON_PATH_OPTIONS,
     MLM_DATA, OPTIMIZERS, PER_TOKEN_LOSSES, POLICIES, PRECISIONS, PROCESS_GROUPS, RECIPE_NAMES, RECOMPUTES,
@@ -38,6 +39,7 @@ def validate(s: Scenario, limits: bool = True) -> None:
         _validate_paths(s, side, where)
         _validate_mlm(s, side, where)
         validate_moe_side(s, name, side, where)
+        validate_muon_side(s, side, where)
         _validate_pipeline(s, side, where)
         _validate_code(side, where)
         steps[name] = side.steps

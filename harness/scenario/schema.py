@@ -43,7 +43,9 @@ Backend = Literal["megatron", "torch", "mlm"]
 Precision = Literal["fp64", "fp32", "bf16"]
 # "none" or a key of harness.quant.RECIPES (kept literal here: parsing needs no torch).
 Recipe = Literal["none", "delayed", "float8_current_scaling", "mxfp8", "float8_block_scaling", "nvfp4"]
-Optimizer = Literal["adam", "sgd"]
+Optimizer = Literal["adam", "sgd", "muon"]
+# megatron-core's Muon ``tp_mode``: how a TP- (and GTP-) sharded matrix is orthogonalized.
+MuonTpMode = Literal["blockwise", "duplicated", "distributed"]
 DecayStyle = Literal["constant", "linear", "cosine"]
 Recompute = Literal["none", "selective", "full"]
 PerTokenLoss = Literal["none", "transformer-config", "both"]
@@ -58,6 +60,7 @@ PRECISIONS = {"megatron": frozenset({"fp32", "bf16"}), "torch": frozenset(get_ar
 MlmData = Literal["synthetic", "mock"]
 MLM_DATA = frozenset(get_args(MlmData))
 OPTIMIZERS = frozenset(get_args(Optimizer))
+MUON_TP_MODES = frozenset(get_args(MuonTpMode))
 RECIPE_NAMES = frozenset(get_args(Recipe))
 LR_DECAY_STYLES = frozenset(get_args(DecayStyle))
 RECOMPUTES = frozenset(get_args(Recompute))
@@ -173,7 +176,16 @@ class Side:
     seed: int = 1234
     """Seed of the canonical initial weights."""
     optimizer: Optimizer = "adam"
-    """adam (decoupled weight decay, as megatron-core's Adam) or sgd."""
+    """adam (decoupled weight decay, as megatron-core's Adam), sgd, or muon (megatron-core's
+    ``TensorParallelMuon`` from ``emerging-optimizers`` on 2-D weights, Adam on embeddings, the
+    output layer and 1-D params, as megatron-core splits them)."""
+    muon_tp_mode: MuonTpMode = "duplicated"
+    """muon: megatron-core's ``muon_tp_mode``: ``duplicated`` (each rank orthogonalizes the whole
+    gathered matrix), ``distributed`` (Newton-Schulz with its Gram matrices all-reduced over
+    the sharding group) or ``blockwise`` (each TP shard alone; under GTP, see docs/muon.md)."""
+    muon_blocks: int = 1
+    """muon, the golden: orthogonalize each matrix in this many blocks along its TP dim, as the
+    blockwise mode at that TP does (set from the reference's TP for a blockwise scenario)."""
     lr: float = 3e-4
     """Peak learning rate."""
     min_lr: float = 3e-5
@@ -300,7 +312,7 @@ class Side:
 _ADDED_LATER = (
     {"megatron_core": "installed", "mutant": "", "save_step": 0, "load_step": 0, "resume_from": "", "ep": 1, "expert_gtp": 1,
      "pipeline_parallel": 1, "virtual_pipeline": None, "grad_reduce_in_fp32": True,
-     "process_groups": "parallel-state"},
+     "process_groups": "parallel-state", "muon_tp_mode": "duplicated", "muon_blocks": 1},
     {"num_experts": 0, "moe_topk": 2, "moe_aux_loss_coeff": 0.01},
     {"loss_mask": "none"},
 )  # fmt: skip
@@ -310,7 +322,7 @@ _ADDED_LATER = (
 MEGATRON_PATH_OPTIONS = ("gtp_weight_prefetch", "gtp_collectives", "recompute", "per_token_loss",
                          "sequence_parallel", "overlap_grad_reduce", "bucket_size", "distributed_optimizer",
                          "overlap_param_gather", "pipeline_parallel", "virtual_pipeline",
-                         "save_step", "load_step", "resume_from", "process_groups")  # fmt: skip
+                         "save_step", "load_step", "resume_from", "process_groups", "muon_tp_mode")  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

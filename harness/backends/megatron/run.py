@@ -23,6 +23,7 @@ from harness.backends.megatron.optimizer_ranges import optimizer_state, reduced_
 from harness.backends.megatron.terms import GradTerms
 from harness.backends.recording import Materialized, Recording, StepScalars, gathered
 from harness.capture.api import Capture
+from harness.common import muon
 from harness.common.dtypes import DTYPES
 from harness.backends.gpt import canonical_state, captured_modules, layout_of, mesh_of, param_specs
 from harness.common.layout import from_mcore_param, holds, shard
@@ -192,6 +193,7 @@ def _optimizer(job: Job, chunks: list, pgc=None):
             log_num_zeros_in_grad=True,
             use_distributed_optimizer=side.distributed_optimizer,
             overlap_param_gather=side.overlap_param_gather,
+            **_muon_kwargs(side),
         ),
         chunks,
         **groups.optimizer_kwargs(pgc),
@@ -212,6 +214,13 @@ def _optimizer(job: Job, chunks: list, pgc=None):
         wd_incr_style="constant",
     )
     return opt, scheduler
+
+
+def _muon_kwargs(side) -> dict:
+    """megatron-core's Muon switch and the hyper-parameters the golden's Muon computes with."""
+    if side.optimizer != "muon":
+        return {}
+    return {"muon_tp_mode": side.muon_tp_mode, **muon.optimizer_config_kwargs()}
 
 
 def _loss_func(rec: Recording, mb_state: dict, loss_mask, output_tensor):
@@ -244,6 +253,7 @@ def run(job: Job, cap: Capture) -> None:
         ctx.saved.update(data=job.data, pg_collection=pgc)
         faults.install(job.side.inject, ctx)  # before the optimizer: a fault may act on how it is built
         ctx.optimizer, scheduler = _optimizer(job, chunks, ctx.saved["pg_collection"])
+        cap.info["stepped_by"] = muon.stepped_by(ctx.optimizer, named)
         _train(job, cap, ctx, config, chunks, scheduler, mesh, get_forward_backward_func(), finalize_model_grads)
     finally:
         if reach is not None:  # beside the rank's trace files, not in them (see mutation.campaign)

@@ -21,6 +21,7 @@ from harness.backends.gpt import captured_modules, canonical_state, layout_of, p
 from .distributed import run_distributed
 from .model import GPT, token_losses
 from .routed import routed_aux_loss, set_micro_batch_size
+from harness.common.muon import stepped_by
 from .optim import build_optimizer, clip, lr_at
 
 __all__ = ["lr_at", "run"]
@@ -56,7 +57,8 @@ class _GoldenStep:
 
     def __init__(self, job: Job, rec: Recording, model: GPT, specs: dict):
         self.job, self.rec, self.model = job, rec, model
-        self.opt = build_optimizer(job.side, rec.named)
+        self.opt = build_optimizer(job.side, rec.named, job.model)
+        rec.cap.info["stepped_by"] = stepped_by(self.opt, rec.named)
         # The weight each GEMM reads is the parameter itself (materialized, in GTP terms).
         self.materialized = Materialized(rec.cap, rec.layouts, [(n, p) for n, p in rec.named if specs[n].gtp])
 
