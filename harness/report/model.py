@@ -19,7 +19,7 @@ from harness.scenario import COMPARED_ROLES
 from harness.compare.summary import FirstDivergence, Region, ResultRow, ScenarioSummary, Verdict, as_summary
 
 KIND_GROUPS = {
-    "activation": ("activation", "logits", "loss"),
+    "activation": ("activation", "logits", "loss", "mtp_loss"),
     "grad": ("main_grad",),
     "param": ("param_before", "materialized", "param"),
     "optimizer state": ("exp_avg", "exp_avg_sq", "master"),

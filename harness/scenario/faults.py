@@ -226,6 +226,8 @@ def check_reach(name: str, side, data=None) -> str | None:
         return f"{name!r} is planted on the 1F1B schedule only (virtual_pipeline unset)"
     if name in PRECISION_FAULTS and (problem := _precision_reach(name, side, data)):
         return problem
+    if name in MTP_FAULTS and (problem := _mtp_reach(name, side)):
+        return problem
     if side.backend == "torch" and name not in TORCH_FAULTS:
         return f"{name!r} is not implemented by the torch backend; it implements {sorted(TORCH_FAULTS)}"
     if side.backend == "mlm" and name not in MLM_FAULTS:
@@ -323,4 +325,51 @@ def _precision_reach(name: str, side, data) -> str | None:
         return f"{name!r} never fires with one micro-batch per step"
     if name == "adam-exp-avg-sq-bf16-gtp" and side.optimizer != "adam":
         return f"{name!r} needs Adam (optimizer = \"adam\")"
+    return None
+
+
+# Faults of multi-token prediction (megatron backend, [model].mtp_num_layers > 0; MTP's own rules
+# refuse them without MTP). ``backport-gtp-mtp`` is no fault: Megatron-LM's two GTP + MTP fixes
+# on the 0.19.2 wheel, whose GTP raises at MTP's first backward without them.
+MTP_FAULTS: dict[str, Fault] = {
+    f.name: f
+    for f in [
+        Fault(
+            "backport-gtp-mtp", "backport",
+            "Megatron-LM 79e6b6a7f5 (#6242) and d262dbed3d (#6565) on the 0.19.2 wheel: a use of a GTP weight "
+            "with no all-gather of its own gathers on demand, a weight's in-flight wgrad reduce-scatter is "
+            "accumulated before its next one starts, the chain's deferred finalize runs only on a "
+            "reduce-scatter in flight, and the placeholder wgrad of a zero_out_wgrad weight is zeroed",
+            {"step": None, "kind": "main_grad", "tensor": "*", "signature": "none"},  # planted: parity
+        ),
+        Fault(
+            "mtp-output-wgrad-dropped", "a weight used more than once per step",
+            "the wgrad of the output layer's use by the last MTP depth is dropped before GTP reduce-scatters "
+            "it: output_layer.weight's main_grad misses that depth's loss",
+            {"step": 1, "phase": "backward", "kind": "main_grad", "tensor": "output_layer.weight",
+             "signature": "shared-weight-only"},
+            target="output_layer.weight",
+        ),
+        Fault(
+            "mtp-labels-not-shifted", "misrouted data",
+            "MTP depth 0 is scored against the main head's labels: process_mtp_loss skips its first roll "
+            "of the labels (the loss mask still rolls)",
+            {"step": 1, "phase": "loss", "kind": "mtp_loss", "tensor": "mtp.layers.0.loss",
+             "signature": "labels-misaligned"},
+        ),
+    ]
+}
+CATALOG.update(MTP_FAULTS)
+
+
+def _mtp_reach(name: str, side) -> str | None:
+    if side.backend != "megatron":
+        return f"{name!r} is planted on the megatron backend only"
+    if name in ("backport-gtp-mtp", "mtp-output-wgrad-dropped") and side.gtp == 1:
+        return f"{name!r} never fires on a side without GTP (gtp = 1)"
+    if name == "backport-gtp-mtp" and side.megatron_core != "installed":
+        return f"{name!r} is planted on the installed 0.19.2 wheel only (Megatron-LM holds the fixes since d262dbed3d)"
+    if name == "mtp-output-wgrad-dropped" and side.megatron_core == "installed" and "backport-gtp-mtp" not in side.inject:
+        # The wheel's GTP raises at MTP's first backward (repro/FINDINGS.md, J) before the fault could show.
+        return f"{name!r} needs a tree whose GTP runs MTP: on the installed wheel plant it with backport-gtp-mtp"
     return None

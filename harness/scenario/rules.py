@@ -12,6 +12,7 @@ from harness.scenario import checkpoint as checkpointing
 from harness.common.errors import BadInput
 from harness.scenario.faults import check_name, check_reach
 from harness.scenario.moe_rules import moe_parameter_count, validate_moe_model, validate_moe_side
+from harness.scenario.mtp_rules import mtp_parameter_count, validate_mtp_model, validate_mtp_side
 from harness.scenario.schema import (
     BACKENDS, CAPTURE_KINDS, CAPTURE_MODES, COLLECTIVES, LIMITS, LOSS_MASKS, LR_DECAY_STYLES, MEGATRON_PATH_OPTIONS,
     MLM_DATA, OPTIMIZERS, PER_TOKEN_LOSSES, POLICIES, PRECISIONS, RECIPE_NAMES, RECOMPUTES, ModelConfig,
@@ -27,6 +28,7 @@ def validate(s: Scenario, limits: bool = True) -> None:
         _validate_limits(s)
     _validate_model(s)
     validate_moe_model(s)
+    validate_mtp_model(s)
     steps = {}
     for name, side in s.sides.items():
         where = f"{s.source}: [{name}]"
@@ -38,6 +40,7 @@ def validate(s: Scenario, limits: bool = True) -> None:
         _validate_paths(s, side, where)
         _validate_mlm(s, side, where)
         validate_moe_side(s, name, side, where)
+        validate_mtp_side(s, name, side, where)
         _validate_pipeline(s, side, where)
         _validate_code(side, where)
         steps[name] = side.steps
@@ -265,6 +268,9 @@ def _validate_expect(s: Scenario) -> None:
         raise BadInput(f"{s.source}: [expect].fixed_in_version", f"{e.fixed_in_version!r}: a version such as 0.20.0")
     if e.introduced_in is not None and not re.fullmatch(r"[0-9a-f]{7,40}", e.introduced_in):
         raise BadInput(f"{s.source}: [expect].introduced_in", f"{e.introduced_in!r}: a commit id (7 to 40 hex digits)")
+    if e.raises is not None and (not e.raises.strip() or e.signature is not None or e.step is not None):
+        raise BadInput(f"{s.source}: [expect].raises", "the text of the error, with no signature or step (a run "
+                                                       "that raises has no first divergence)")  # fmt: skip
     if e.diverges_after_fix is not None and e.fixed_in is None and e.fixed_in_version is None:
         raise BadInput(f"{s.source}: [expect].diverges_after_fix", "needs the fix it follows (fixed_in or fixed_in_version)")
 
@@ -320,7 +326,7 @@ def parameter_count(m: ModelConfig) -> int:
     h, f, v = m.hidden_size, m.ffn_hidden_size, m.vocab_size
     layer = 4 * h * h + 2 * h * f + 4 * h  # qkv + proj, fc1 + fc2, two LayerNorms (weight, bias)
     return (m.num_layers * layer + v * h * (2 if m.untie_embeddings else 1) + m.seq_length * h + 2 * h
-            + moe_parameter_count(m))
+            + moe_parameter_count(m) + mtp_parameter_count(m))
 
 
 # Block formats need whole blocks along both GEMM dims (TE pads nothing here).

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from harness.backends.faults import precision
 from harness.backends.faults.moe import MOE_INSTALLERS
+from harness.backends.faults.mtp import MTP_INSTALLERS
 from harness.backends.data import rank_sample_ids
 from harness.scenario.faults import CATALOG, RANK_FAULTS, Fault, check_name
 from harness.common.mesh import Mesh
@@ -192,6 +193,7 @@ INSTALLERS: dict[str, Callable[[Context], None]] = {
     "distopt-offsets-ignore-gtp-pad": _distopt_offsets_ignore_pad,
 }
 INSTALLERS.update(MOE_INSTALLERS)
+INSTALLERS.update(MTP_INSTALLERS)
 INSTALLERS.update(precision.PRECISION_INSTALLERS)
 
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from harness.backends import data as data_mod
 from harness.backends import faults
 from harness.run.job import Job
-from harness.backends.megatron import checkpoint, compat, moe, pipeline
+from harness.backends.megatron import checkpoint, compat, moe, mtp, pipeline
 from harness.backends.megatron.gathers import record_gathers
 from harness.backends.megatron.optimizer_ranges import optimizer_state, reduced_grad, updated_param
 from harness.backends.megatron.terms import GradTerms
@@ -64,6 +64,7 @@ def _transformer_config(job: Job):
         sequence_parallel=side.sequence_parallel,
         **_RECOMPUTE[side.recompute],
         **moe.config_kwargs(job),
+        **mtp.config_kwargs(job),
         **pipeline.config_kwargs(side),
     )
 
@@ -110,6 +111,7 @@ def _build(job: Job):
             max_sequence_length=m.seq_length,
             share_embeddings_and_output_weights=not m.untie_embeddings,
             position_embedding_type="learned_absolute",
+            mtp_block_spec=mtp.block_spec(job, config, moe.layer_spec(job)),
             **pipeline.stage_flags(vp),
         )
         _load_canonical(model, job, mesh, coord, vp)
@@ -224,6 +226,7 @@ def run(job: Job, cap: Capture) -> None:
 
     compat.install()
     compat.reset_gtp_state()
+    mtp.reset_tracker()
     reach = None
     try:
         if job.side.mutant:  # a mutation campaign's side: undone with the faults' patches below
@@ -236,7 +239,7 @@ def run(job: Job, cap: Capture) -> None:
                  for c in chunks for n, p in c.named_parameters()]  # fmt: skip
         ctx = faults.Context(backend="megatron", side=job.side, model=chunks, optimizer=None, rank=dist.get_rank(),
                              coord=coord, named_params=named)  # fmt: skip
-        ctx.saved["data"] = job.data
+        ctx.saved["data"], ctx.saved["mtp_depths"] = job.data, job.model.mtp_num_layers
         faults.install(job.side.inject, ctx)  # before the optimizer: a fault may act on how it is built
         ctx.optimizer, scheduler = _optimizer(job, chunks)
         _train(job, cap, ctx, config, chunks, scheduler, mesh, get_forward_backward_func(), finalize_model_grads)
@@ -258,6 +261,7 @@ def _train(job, cap, ctx, config, chunks, scheduler, mesh, forward_backward, fin
     for ddp in chunks:
         inner = ddp.module.module if side.precision == "bf16" else ddp.module
         modules = captured_modules(inner) if side.pipeline_parallel == 1 else pipeline.stage_modules(inner)
+        mtp.attach(inner, cap, job, modules, lambda: fns.loss_mask)
         cap.attach(modules, vocab_parallel=["output_layer"], sequence_parallel=side.sequence_parallel)
         moe.attach_router_capture(inner, cap, job.model.seq_length)
     cap.info["gtp_params"] = {n: getattr(p, "chain_id", None) for n, p in named
@@ -323,7 +327,9 @@ class _MegatronStep:
 
         def forward_step(data_iterator, model):
             tokens, labels, loss_mask = next(data_iterator)
-            out = model(tokens, self.positions.expand(tokens.shape[0], -1), self.mask, labels=labels)
+            self.loss_mask = loss_mask  # what MTP's depths roll (process_mtp_loss)
+            out = model(tokens, self.positions.expand(tokens.shape[0], -1), self.mask, labels=labels,
+                        loss_mask=loss_mask)  # fmt: skip
             return out, partial(_loss_func, self.rec, mb_state, loss_mask)
 
         for chunk in self.chunks:
