@@ -1,4 +1,4 @@
-"""Multi-token prediction (one depth) under GTP 2 vs GTP off (TP1, world 2, gloo, CPU, one step).
+"""Multi-token prediction (one depth) under GTP 2 vs GTP off (TP1, world 2, gloo, CPU, two passes).
 
 MTP uses the word embedding and the output layer twice per forward (the main head and the
 depth). Per side: whether the step raised (and where in megatron-core), else the loss, the
@@ -28,15 +28,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as c  # noqa: E402
 
-SIDES = (c.Run("gtp-off-mtp1", gtp=1, mtp_num_layers=1), c.Run("gtp2-mtp1", gtp=2, mtp_num_layers=1))
+# Two forward/backward passes on the same weights (each from zeroed grad buffers): the second
+# is the first whose DDP hook can read a placeholder the first left in the embedding's .grad.
+SIDES = (c.Run("gtp-off-mtp1", gtp=1, mtp_num_layers=1, iterations=2),
+         c.Run("gtp2-mtp1", gtp=2, mtp_num_layers=1, iterations=2))
 SHARED = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
 def _where(exc: BaseException) -> str:
-    """The innermost megatron-core frame of the exception: file (from megatron/), function, line."""
+    """The innermost two megatron-core frames of the exception: file (from megatron/core/),
+    function and line of each, outer first."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/megatron/core/" in f.filename]
-    f = frames[-1] if frames else traceback.extract_tb(exc.__traceback__)[-1]
-    return f"{f.filename.split('/megatron/core/')[-1]}:{f.name}:{f.lineno}"
+    return " -> ".join(f"{f.filename.split('/megatron/core/')[-1]}:{f.name}:{f.lineno}" for f in frames[-2:])
 
 
 def _side(run: c.Run) -> dict:

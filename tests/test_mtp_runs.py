@@ -53,6 +53,22 @@ def _losses(path: str) -> dict[tuple[int, str, int], float]:
             if kind == names.LOSS_KIND for sid, v in by_id.items()}  # fmt: skip
 
 
+def test_a_known_failure_to_run_reads_as_such_in_junit_and_the_report(mtp_run, tmp_path):
+    from xml.etree import ElementTree as ET
+
+    from harness import report
+
+    _, _, out = mtp_run
+    cases = {c.get("name"): c for c in ET.parse(report.write_junit(out, tmp_path / "j.xml")).getroot().iter("testcase")}
+    for s in FEATURES:
+        skipped = cases[s.name].find("skipped")
+        assert skipped is not None and skipped.get("type") == "known-divergence"
+        assert "raised as known" in skipped.get("message") and "KeyError: None" in skipped.get("message")
+    report.write_index(out, tmp_path / "rep")
+    page = (tmp_path / "rep" / "scenarios" / "mtp1.html").read_text()
+    assert "KNOWN FAILURE TO RUN" in page and "wgrad_reduce_scatter" in page
+
+
 @pytest.mark.parametrize("name", CLEAN)
 def test_backported_gtp_matches_gtp_off_and_the_golden(mtp_run, name):
     _, by_name, out = mtp_run
