@@ -88,7 +88,8 @@ def _output_wgrad_dropped(ctx) -> None:
     # the depths' from the last; the second call's wgrad (the last depth's use) is zeroed.
     target = dict(ctx.named_params).get("output_layer.weight")
     cls = _gtp().GTPShardedParam
-    original, uses, calls = cls.wgrad_reduce_scatter, 1 + ctx.saved["mtp_depths"], [0]
+    uses = 1 + (ctx.model[0].config.mtp_num_layers or 0)  # the model chunk's TransformerConfig
+    original, calls = cls.wgrad_reduce_scatter, [0]
 
     def wgrad_reduce_scatter(self, wgrad, nvtx_label=None):
         if self is target:

@@ -17,7 +17,8 @@ import torch.distributed as dist
 from harness.backends import data as data_mod
 from harness.backends import faults
 from harness.run.job import Job
-from harness.backends.megatron import checkpoint, compat, moe, mtp, pipeline
+from harness.backends.megatron import checkpoint, compat, moe, pipeline
+from harness.backends.megatron import mtp
 from harness.backends.megatron.gathers import record_gathers
 from harness.backends.megatron.optimizer_ranges import optimizer_state, reduced_grad, updated_param
 from harness.backends.megatron.terms import GradTerms
@@ -239,7 +240,7 @@ def run(job: Job, cap: Capture) -> None:
                  for c in chunks for n, p in c.named_parameters()]  # fmt: skip
         ctx = faults.Context(backend="megatron", side=job.side, model=chunks, optimizer=None, rank=dist.get_rank(),
                              coord=coord, named_params=named)  # fmt: skip
-        ctx.saved["data"], ctx.saved["mtp_depths"] = job.data, job.model.mtp_num_layers
+        ctx.saved["data"] = job.data
         faults.install(job.side.inject, ctx)  # before the optimizer: a fault may act on how it is built
         ctx.optimizer, scheduler = _optimizer(job, chunks)
         _train(job, cap, ctx, config, chunks, scheduler, mesh, get_forward_backward_func(), finalize_model_grads)
