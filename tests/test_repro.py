@@ -206,3 +206,33 @@ def test_muon_scales_a_padded_gtp_matrix_by_its_padded_shape_on_the_wheel(tmp_pa
             assert not r["bitwise"] and r["norm_ratio"] == pytest.approx(math.sqrt(96 / 80), rel=1e-4), (name, r)
         else:
             assert r["bitwise"], (name, r)
+
+
+def test_gtp_with_mtp_raises_at_the_first_backward_on_the_wheel(tmp_path):
+    """FINDINGS L on the wheel: one MTP depth, TP1 x GTP2: the embedding's backward for the
+    depth's use finalizes decoder layer 0's reduce-scatter, which has not started: KeyError in
+    wgrad_reduce_scatter's deferred finalize, on every rank. GTP off runs (exit status 1)."""
+    ranks = _run("gtp_mtp_shared_weights.py", ["gtp-off-mtp1", "gtp2-mtp1"], tmp_path, returncode=1)
+    for rank in ranks:
+        assert rank["gtp2-mtp1"]["raised"] == "KeyError: None"
+        assert "generalized_tensor_parallelism.py:wgrad_reduce_scatter:1646" in rank["gtp2-mtp1"]["where"]
+        assert rank["gtp-off-mtp1"]["shared"]["output_layer.weight"]["finite"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("rev", "embedding_finite"), [("79e6b6a7f5", False), ("d262dbed3d", True)])
+def test_gtp_with_mtp_upstream_fixes(tmp_path, rev, embedding_finite):
+    """FINDINGS L on Megatron-LM: 79e6b6a7f5 runs GTP + MTP, but DDP adds the embedding's unzeroed
+    placeholder wgrad (its undefined content, NaN here) from the second pass on; from d262dbed3d
+    every gradient is GTP off's up to summation order (GTP reduces each use's wgrad on its own)."""
+    repo = MAIN_TREE[len("git:"):].rpartition("@")[0] if MAIN_TREE.startswith("git:") else MAIN_TREE
+    if not MAIN_TREE.startswith("git:") or not Path(repo).is_dir():
+        pytest.skip(f"no Megatron-LM repository at {repo} (set GTP_PARITY_MAIN_TREE to git:<repo>@<rev>)")
+    ranks = _run("gtp_mtp_shared_weights.py", ["gtp-off-mtp1", "gtp2-mtp1"], tmp_path,
+                 returncode=0 if embedding_finite else 1, extra=("--megatron", f"git:{repo}@{rev}"))  # fmt: skip
+    for rank in ranks:
+        side = rank["gtp2-mtp1"]
+        assert side["shared"]["embedding.word_embeddings.weight"]["finite"] is embedding_finite
+        assert side["shared"]["output_layer.weight"]["finite"] and side["others_max_rel_diff"] == 0.0  # used once: bitwise
+        if embedding_finite:
+            assert side["loss"] == rank["gtp-off-mtp1"]["loss"]

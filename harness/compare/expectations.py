@@ -27,6 +27,7 @@ import math
 import pandas as pd
 import torch
 
+from harness.common import mtp
 from harness.common.muon import is_muon_matrix
 from harness.compare import bounds
 
@@ -45,7 +46,7 @@ _WHY = {
     "pipeline_parallel": "pipeline stages reduce the embedding's grads over another group",
     "sequence_parallel": "sequence parallelism reduce-scatters activations over TP",
 }
-_FORWARD = ("materialized", "param_before", "activation", "logits", "loss")
+_FORWARD = ("materialized", "param_before", "activation", "logits", "loss", "mtp_loss")
 _OPTIMIZER = ("param", "master", "exp_avg", "exp_avg_sq", "step")
 
 
@@ -137,10 +138,23 @@ def expectation(row: dict, ref: dict, cand: dict, up: _Upstream, why_not: str | 
     if kind in _FORWARD or (kind == "scalar" and name == "reduced_loss"):
         return BITWISE, "the same GEMMs on bitwise-equal weights (GTP's all-gather is a copy) and the same samples"
     if kind == "main_grad":
-        return _main_grad(row, ref)
+        return _per_use(name, ref, cand) or _main_grad(row, ref)
     if kind in _OPTIMIZER or kind.split(":")[0] in _OPTIMIZER:
         return _optimizer(row, ref, cand, up)
     return NOISE, f"no rule for {kind}"
+
+
+def _per_use(name: str, ref: dict, cand: dict) -> tuple[str, str] | None:
+    """A weight used more than once per forward (MTP's shared weights) that GTP shards on a
+    side: GTP reduce-scatters each use's wgrad on its own, where GTP off sums the uses in
+    autograd first; the terms of that other grouping are not recorded."""
+    shared = mtp.shared_of_config(ref)
+    degree = "expert_gtp" if ".mlp.experts." in name else "gtp"
+    if not mtp.gtp_shared(name, shared) or max(int(ref.get(degree, 1)), int(cand.get(degree, 1))) == 1:
+        return None
+    uses = f"1 + {ref['mtp_num_layers']}" if not name.startswith("mtp.") else str(ref["mtp_num_layers"])
+    return NOISE, (f"used {uses} times per forward: GTP reduce-scatters each use's wgrad on its own, GTP off "
+                   "sums the uses in autograd first; no side records the uses' magnitudes")  # fmt: skip
 
 
 def _main_grad(row: dict, ref: dict) -> tuple[str, str]:

@@ -126,6 +126,13 @@ class ModelConfig:
     """Experts each token is routed to."""
     moe_aux_loss_coeff: float = 0.01
     """Coefficient of the load-balancing (``aux_loss``) loss, per layer and micro-batch."""
+    mtp_num_layers: int = 0
+    """Multi-token prediction depths D (0: none): megatron-core's MTP block on the local spec,
+    depth d predicting the token d + 1 places ahead with the shared embedding and output layer."""
+    mtp_use_repeated_layer: bool = False
+    """One MTP layer applied at every depth (``mtp_use_repeated_layer``) instead of D layers."""
+    mtp_loss_scaling_factor: float = 0.1
+    """Weight of the MTP loss: the mean of the D depths' losses times this joins the objective."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -313,7 +320,8 @@ _ADDED_LATER = (
     {"megatron_core": "installed", "mutant": "", "save_step": 0, "load_step": 0, "resume_from": "", "ep": 1, "expert_gtp": 1,
      "pipeline_parallel": 1, "virtual_pipeline": None, "grad_reduce_in_fp32": True,
      "process_groups": "parallel-state", "muon_tp_mode": "duplicated", "muon_blocks": 1},
-    {"num_experts": 0, "moe_topk": 2, "moe_aux_loss_coeff": 0.01},
+    {"num_experts": 0, "moe_topk": 2, "moe_aux_loss_coeff": 0.01, "mtp_num_layers": 0,
+     "mtp_use_repeated_layer": False, "mtp_loss_scaling_factor": 0.1},
     {"loss_mask": "none"},
 )  # fmt: skip
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from harness.backends.faults import groups, precision
 from harness.backends.faults.moe import MOE_INSTALLERS
 from harness.backends.faults.muon import MUON_INSTALLERS
+from harness.backends.faults.mtp import MTP_INSTALLERS
 from harness.backends.data import rank_sample_ids
 from harness.scenario.faults import CATALOG, RANK_FAULTS, Fault, check_name
 from harness.common.mesh import Mesh
@@ -194,6 +195,7 @@ INSTALLERS: dict[str, Callable[[Context], None]] = {
 }
 INSTALLERS.update(MOE_INSTALLERS)
 INSTALLERS.update(MUON_INSTALLERS)
+INSTALLERS.update(MTP_INSTALLERS)
 INSTALLERS.update(precision.PRECISION_INSTALLERS)
 INSTALLERS.update(groups.INSTALLERS)
 before_build = groups.before_build  # the construction-time ones (harness.backends.megatron.run)

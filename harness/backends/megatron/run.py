@@ -18,6 +18,7 @@ from harness.backends import data as data_mod
 from harness.backends import faults
 from harness.run.job import Job
 from harness.backends.megatron import checkpoint, compat, groups, moe, pipeline
+from harness.backends.megatron import mtp
 from harness.backends.megatron.gathers import record_gathers
 from harness.backends.megatron.optimizer_ranges import optimizer_state, reduced_grad, updated_param
 from harness.backends.megatron.terms import GradTerms
@@ -65,6 +66,7 @@ def _transformer_config(job: Job):
         sequence_parallel=side.sequence_parallel,
         **_RECOMPUTE[side.recompute],
         **moe.config_kwargs(job),
+        **mtp.config_kwargs(job),
         **pipeline.config_kwargs(side),
     )
 
@@ -113,6 +115,7 @@ def _build(job: Job):
             max_sequence_length=m.seq_length,
             share_embeddings_and_output_weights=not m.untie_embeddings,
             position_embedding_type="learned_absolute",
+            mtp_block_spec=mtp.block_spec(job, config, moe.layer_spec(job)),
             **pipeline.stage_flags(vp),
             **groups.kwargs(pgc),
         )
@@ -238,6 +241,7 @@ def run(job: Job, cap: Capture) -> None:
 
     compat.install()
     compat.reset_gtp_state()
+    mtp.reset_tracker()
     reach = None
     try:
         if job.side.mutant:  # a mutation campaign's side: undone with the faults' patches below
@@ -273,6 +277,7 @@ def _train(job, cap, ctx, config, chunks, scheduler, mesh, forward_backward, fin
     for ddp in chunks:
         inner = ddp.module.module if side.precision == "bf16" else ddp.module
         modules = captured_modules(inner) if side.pipeline_parallel == 1 else pipeline.stage_modules(inner)
+        mtp.attach(inner, cap, job, modules, lambda: fns.loss_mask)
         cap.attach(modules, vocab_parallel=["output_layer"], sequence_parallel=side.sequence_parallel)
         moe.attach_router_capture(inner, cap, job.model.seq_length)
     cap.info["gtp_params"] = {n: getattr(p, "chain_id", None) for n, p in named
@@ -336,7 +341,9 @@ class _MegatronStep:
 
         def forward_step(data_iterator, model):
             tokens, labels, loss_mask = next(data_iterator)
-            out = model(tokens, self.positions.expand(tokens.shape[0], -1), self.mask, labels=labels)
+            self.loss_mask = loss_mask  # what MTP's depths roll (process_mtp_loss)
+            out = model(tokens, self.positions.expand(tokens.shape[0], -1), self.mask, labels=labels,
+                        loss_mask=loss_mask)  # fmt: skip
             return out, partial(_loss_func, self.rec, mb_state, loss_mask)
 
         for chunk in self.chunks:
