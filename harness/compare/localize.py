@@ -51,6 +51,8 @@ SIGNATURES = {
                    "-lr*wd*param (weight decay)",
     "extra-rounding": "one side is the other rounded once more to a narrower dtype (named): a "
                       "reduction or accumulation in bf16/fp16 where the other keeps fp32",
+    "dtype-changed": "the same values held in another dtype (named per side): a buffer or a reduction built in "
+                     "another precision than the other side's",
     "not-bitwise": "the same operations on the same values (a bitwise expectation) gave other bits, with no "
                    "recognised pattern: an operation added, reordered or run in another kernel",
     "beyond-sum-bound": "a sum of the same terms differs by more than any order of summing them allows "
@@ -355,6 +357,12 @@ def _signature(first: dict, df: pd.DataFrame, logical: dict, mesh: dict, key,
         c = torch.stack([cand.samples[key][i] for i in ids]) if ids else None
     if r is None or c is None:
         return "mismatch", {}
+    if r.dtype != c.dtype and r.is_floating_point() and c.is_floating_point():
+        dtypes = {"reference": str(r.dtype).removeprefix("torch."), "candidate": str(c.dtype).removeprefix("torch.")}
+        wide = torch.promote_types(r.dtype, c.dtype)
+        r, c = r.to(wide), c.to(wide)  # the patterns below, in the wider of the two
+        if torch.equal(r, c):
+            return "dtype-changed", {"dtypes": dtypes}
     ratio = signatures.ratio(r, c, mesh)
     if ratio:
         return ratio, {}

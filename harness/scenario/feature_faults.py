@@ -57,6 +57,16 @@ PRECISION_FAULTS: dict[str, Fault] = {
             {"step": 1, "phase": "backward", "kind": "main_grad", "tensor": "*", "signature": "extra-rounding"},
         ),
         Fault(
+            "grad-reduce-bf16-ignored", "extra rounding",
+            "a side's grad_reduce_in_fp32 = false does not reach DDP: main_grad and its reductions stay fp32, so "
+            "the configured run rounds to bf16 where this one does not",
+            # GTP's own weights first (backward order): on the 0.19.2 wheel their RS is bf16 either way, so
+            # the values agree and the buffer's dtype is what differs; the replicated params' fp32 sums
+            # show the rounding (the reference rounded once more).
+            {"step": 1, "phase": "backward", "kind": "main_grad", "tensor": "output_layer.weight",
+             "signature": "dtype-changed"},
+        ),
+        Fault(
             "adam-exp-avg-sq-bf16-gtp", "extra rounding",
             "Adam's second moment of GTP-sharded params is kept in bf16 (rounded after each step)",
             {"step": 1, "phase": "optimizer", "kind": "exp_avg_sq", "tensor": "*.weight",
@@ -80,6 +90,8 @@ def _precision_reach(name: str, side, data) -> str | None:
         return f"{name!r} needs the distributed optimizer (distributed_optimizer)"
     if name == "microbatch-accum-bf16" and data is not None and side.num_microbatches(data) < 2:
         return f"{name!r} never fires with one micro-batch per step"
+    if name == "grad-reduce-bf16-ignored" and (side.precision != "bf16" or side.grad_reduce_in_fp32):
+        return f"{name!r} acts where main_grad is configured bf16 (precision bf16, grad_reduce_in_fp32 = false)"
     if name == "adam-exp-avg-sq-bf16-gtp" and side.optimizer != "adam":
         return f"{name!r} needs Adam (optimizer = \"adam\")"
     return None

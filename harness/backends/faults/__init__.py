@@ -198,7 +198,6 @@ INSTALLERS.update(MUON_INSTALLERS)
 INSTALLERS.update(MTP_INSTALLERS)
 INSTALLERS.update(precision.PRECISION_INSTALLERS)
 INSTALLERS.update(groups.INSTALLERS)
-before_build = groups.before_build  # the construction-time ones (harness.backends.megatron.run)
 
 
 def install(names: tuple[str, ...], ctx: Context) -> None:
@@ -210,6 +209,12 @@ def install(names: tuple[str, ...], ctx: Context) -> None:
     for name in names:
         if name in INSTALLERS:
             INSTALLERS[name](ctx)
+
+
+def before_build(names: tuple[str, ...], pgc) -> None:
+    """The faults that act on how the model and DDP are built: installed before they are."""
+    groups.before_build(names, pgc)
+    precision.before_build(names)
 
 
 def uninstall() -> None:
