@@ -59,6 +59,9 @@ SIGNATURES = {
                                     "was reused before the GEMM read it",
     "pad-rows-as-data": "the candidate is the reference with zero rows inserted and the rows behind "
                         "them shifted down: pad rows were counted as data (a saved GTP shard's padding)",
+    "permuted-tensors": "the candidate's tensor is, bit for bit, the reference's tensor of another "
+                        "parameter (named): whole tensors permuted, e.g. saved under another expert's "
+                        "or layer's index",
 }
 
 _PHASE_OF_KIND = {
@@ -336,6 +339,8 @@ def _signature(first: dict, df: pd.DataFrame, logical: dict, mesh: dict, key,
         c = torch.stack([cand.samples[key][i] for i in ids]) if ids else None
     if r is None or c is None:
         return "mismatch", {}
+    if kind in _OPTIMIZER_KINDS and (other := signatures.other_tensor(c, key, ref.tensors)):
+        return "permuted-tensors", {"holds": other}
     ratio = signatures.ratio(r, c, mesh)
     if ratio:
         return ratio, {}

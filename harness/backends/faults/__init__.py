@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from harness.backends.faults import precision
+from harness.backends.faults.checkpoint import CHECKPOINT_INSTALLERS
 from harness.backends.faults.moe import MOE_INSTALLERS
 from harness.backends.data import rank_sample_ids
 from harness.scenario.faults import CATALOG, RANK_FAULTS, Fault, check_name
@@ -193,6 +194,7 @@ INSTALLERS: dict[str, Callable[[Context], None]] = {
 }
 INSTALLERS.update(MOE_INSTALLERS)
 INSTALLERS.update(precision.PRECISION_INSTALLERS)
+INSTALLERS.update(CHECKPOINT_INSTALLERS)
 
 
 def install(names: tuple[str, ...], ctx: Context) -> None:
