@@ -107,7 +107,7 @@ def causal_key(row) -> tuple:
     pos = _layer_position(name)
     if kind == "main_grad":
         pos = -pos  # backward runs in reverse layer order
-    return (int(row["step"]), phase_idx, pos, name)
+    return (int(row["step"]), phase_idx, pos, name, kind)  # kind: Adam's two moments in one order
 
 
 def phase_of(kind: str, name: str) -> str:

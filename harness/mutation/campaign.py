@@ -33,6 +33,8 @@ DETECTED = (KILLED, CRASHED, TIMEOUT)
 # What a mutated function computes, as the tensor kinds its first divergence should name:
 # (module suffix, function pattern) -> kinds. The first match wins.
 EXPECTED_KINDS = [
+    # GTP's checkpoint offsets: what a load reads (a checkpoint scenario's load step).
+    ("generalized_tensor_parallelism", "*checkpoint*", {"param", "exp_avg", "exp_avg_sq", "master"}),
     ("generalized_tensor_parallelism", "*reduce_scatter*", {"main_grad"}),
     ("generalized_tensor_parallelism", "*wgrad*", {"main_grad"}),
     ("generalized_tensor_parallelism", "*grad*", {"main_grad"}),

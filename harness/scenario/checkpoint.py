@@ -3,8 +3,9 @@
 A checkpoint scenario's ``[reference]`` is the uninterrupted run of the source topology. The
 source side (the reference's configuration with ``save_step``) trains to step k and saves a
 ``torch_dist`` checkpoint; each entry of ``load_into`` is a candidate: the reference's
-configuration with the entry's keys (another TP, G, world size, distributed optimizer), which
-loads the checkpoint, is recorded right after loading as step k, and trains on to the last
+configuration with the entry's keys (another TP, G, world size, pipeline or expert layout,
+distributed optimizer; a ``[candidate]`` table, where a matrix's base has one, gives keys every
+loader starts from), which loads the checkpoint, is recorded right after loading as step k, and trains on to the last
 step. Its step-k weights and optimizer state are judged bitwise (``exact_steps``), the steps
 after it under the scenario's policy against the same golden::
 
@@ -149,7 +150,7 @@ def _save_fault_reach(fault: str, src: Side) -> str | None:
 def expert_optimizer(side: Side, num_experts: int, fixed: bool) -> bool:
     """Whether megatron-core gives ``side``'s routed experts an optimizer of their own (a second
     one in its ChainedOptimizer): it does for parameters tagged ``allreduce = False``, the expert
-    topology (optimizer/__init__.py l.348, l.1193-1221 on 0.19.2). ``fixed``: the tree holds
+    topology (optimizer/__init__.py l.348, l.1181-1224 on 0.19.2). ``fixed``: the tree holds
     :data:`EXPERT_TOPOLOGY_FIX`, where experts take that topology under expert parallelism or an
     expert GTP other than the dense one (tensor_parallel/layers.py l.1033-1037 on main). On
     0.19.2 only expert parallelism puts them there (layers.py l.961-964), and

@@ -26,6 +26,9 @@ def _expert_index_shifted(ctx) -> None:
     # r * E/EP + i on the axis after the offsets it is handed; here it counts from EP rank r + 1.
     from megatron.core.transformer.moe.experts import SequentialMLP
 
+    if not ctx.side.save_step:  # the loader carries the fault to its saver; it loads as built
+        return
+
     original = SequentialMLP.sharded_state_dict
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
@@ -43,6 +46,9 @@ def _stage_layers_mirrored(ctx) -> None:
     # layer p * L/P + j as layer (P - 1 - p) * L/P + j.
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_block import TransformerBlock
+
+    if not ctx.side.save_step:
+        return
 
     original = TransformerBlock.sharded_state_dict
 
