@@ -92,6 +92,14 @@ def test_a_save_fault_the_saved_layout_cannot_fire_is_refused(label, fault, prob
         _expand(doc, src)
 
 
+def test_an_sgd_run_is_refused():
+    """megatron-core's load calls the optimizer's init_state_fn, which SGD does not have."""
+    _, (doc, src) = _docs()
+    doc["train"] = {**doc["train"], "optimizer": "sgd"}
+    with pytest.raises(BadInput, match="SGD optimizer's checkpoint"):
+        _expand(doc, src)
+
+
 def _chain_case(**loader) -> scenario.Scenario:
     (doc, src), = [(d, s) for d, s in _docs() if d["axes"]["feature"] == "ckpt-ep2-egtp2"]
     doc["checkpoint"]["load_into"] = [{"label": "x", "world_size": 2, **loader}]

@@ -122,6 +122,12 @@ def check(s: Scenario) -> None:
         if side.virtual_pipeline:
             raise BadInput(where, f"the {role} is interleaved (virtual_pipeline): checkpoints of one model "
                                   "chunk per rank only (not covered yet)")  # fmt: skip
+    if src.optimizer == "sgd":
+        # get_megatron_optimizer gives SGD no init_state_fn (optimizer/__init__.py l.624 on 0.19.2,
+        # l.628 on main), which a load calls (FP32Optimizer.sharded_state_dict, optimizer.py l.1362;
+        # l.1394 on main): "TypeError: 'NoneType' object is not callable".
+        raise BadInput(f"{s.source}: [reference].optimizer", "megatron-core cannot load an SGD optimizer's "
+                       "checkpoint (it calls the init_state_fn get_megatron_optimizer leaves None for SGD): use adam")  # fmt: skip
     if not 1 <= k < src.steps:
         raise BadInput(f"{where}.save_step", f"must be in 1..{src.steps - 1} (steps continue after loading), got {k}")
     for key in CONTINUED:
