@@ -127,7 +127,7 @@ def test_the_refusal_is_exit_2_before_anything_launches(tmp_path, capsys):
 
 
 @pytest.mark.multirank
-def test_the_chain_rule_is_the_installed_wheels(tmp_path):
+def test_the_chain_rule_is_the_installed_wheels():
     """The optimizers megatron-core chains for each layout of the EP scenarios, built on 4 ranks."""
     from repro._common import spawn
 
