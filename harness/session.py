@@ -15,13 +15,15 @@ from harness.common.jsonio import write_json
 from harness.compare import split
 from harness.compare.outcome import compare_scenario, failure_outcome, scenario_config
 from harness.compare.summary import ScenarioSummary, Verdict, overall
-from harness.run.code import CodeTree, check_imports, resolve_all
+from harness.run.code import CodeTree, check_imports, holds, resolve_all
 from harness.run.job import Job
 from harness.run.launch import launch, mark_interrupted, worker_env
 from harness.run.nodes import Nodes, node_commands, read_plan
 from harness.run.plan import clear_incomplete, execute, job_for, launches, pending_jobs, plan, write_plans
 from harness.run.provenance import code_identity
 from harness.scenario import Role, Scenario
+from harness.scenario import checkpoint as checkpointing
+from harness.scenario.checkpoint import EXPERT_TOPOLOGY_FIX
 
 
 def skip_reason(s: Scenario) -> str | None:
@@ -69,6 +71,8 @@ def plan_checked(scenarios: list[Scenario], out: Path) -> dict[str, dict[str, Jo
     """The scenarios' jobs, every megatron-core tree resolved and imported once first."""
     trees = resolve_all(scenarios)
     check_trees(trees, scenarios)
+    for s in scenarios:  # what a checkpoint's loader can take depends on the tree
+        checkpointing.check_expert_optimizers(s, lambda side: holds(trees[side.megatron_core], *EXPERT_TOPOLOGY_FIX))
     return plan(scenarios, out, trees=trees)
 
 

@@ -236,3 +236,31 @@ def test_gtp_with_mtp_upstream_fixes(tmp_path, rev, embedding_finite):
         assert side["shared"]["output_layer.weight"]["finite"] and side["others_max_rel_diff"] == 0.0  # used once: bitwise
         if embedding_finite:
             assert side["loss"] == rank["gtp-off-mtp1"]["loss"]
+
+
+def test_an_expert_parallel_checkpoint_loads_only_into_its_optimizer_chain(tmp_path):
+    """FINDINGS N on the wheel: EP 2 x expert GTP 2 x GTP 2 keeps its experts in the dense optimizer
+    (F drops their allreduce tag), so its checkpoint loads as is and at EP 1, and an EP 2 layout
+    without expert GTP (experts in an optimizer of their own) raises in load_state_dict."""
+    ranks = _run("ckpt_ep_optimizer_chain.py", ["ep2-egtp2-gtp2", "ep2-egtpoff-gtpoff", "ep1-egtpoff-gtpoff"],
+                 tmp_path, flag="--loads")  # fmt: skip
+    for rank in ranks:
+        assert rank["saved"] == {"optimizers": 1, "expert_allreduce": "absent"}
+        assert rank["ep2-egtp2-gtp2"]["load"] == rank["ep1-egtpoff-gtpoff"]["load"] == "loaded"
+        assert rank["ep2-egtpoff-gtpoff"]["optimizers"] == 2
+        assert rank["ep2-egtpoff-gtpoff"]["load"] == "RuntimeError: Expected 2 entries in state dict, but got 4."
+
+
+@pytest.mark.slow
+def test_an_expert_parallel_checkpoint_on_main_does_not_load_at_ep1(tmp_path):
+    """FINDINGS N on Megatron-LM main: abf04f46e3 keeps the experts' tag, the saved run has two
+    optimizers: EP 2 without expert GTP loads, EP 1 (one optimizer) raises."""
+    repo = MAIN_TREE[len("git:"):].rpartition("@")[0] if MAIN_TREE.startswith("git:") else MAIN_TREE
+    if not Path(repo).is_dir():
+        pytest.skip(f"no Megatron-LM tree at {repo} (set GTP_PARITY_MAIN_TREE)")
+    ranks = _run("ckpt_ep_optimizer_chain.py", ["ep2-egtpoff-gtpoff", "ep1-egtpoff-gtpoff"], tmp_path,
+                 flag="--loads", extra=("--megatron", MAIN_TREE))  # fmt: skip
+    for rank in ranks:
+        assert rank["saved"] == {"optimizers": 2, "expert_allreduce": "False"}
+        assert rank["ep2-egtpoff-gtpoff"]["load"] == "loaded"
+        assert rank["ep1-egtpoff-gtpoff"]["load"].startswith("ValueError: Could not find parameter group")

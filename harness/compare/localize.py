@@ -66,6 +66,9 @@ SIGNATURES = {
                           "per-weight state written for one use (one use's gradient lost or counted twice)",
     "labels-misaligned": "a loss differs while the logits it is computed from agree: it read other labels or "
                          "another loss mask (labels not shifted, or shifted by another depth)",
+    "permuted-tensors": "the candidate's tensor is, bit for bit, the reference's tensor of another "
+                        "parameter (named): whole tensors permuted, e.g. saved under another expert's "
+                        "or layer's index",
 }
 
 _PHASE_OF_KIND = {
@@ -121,7 +124,7 @@ def causal_key(row) -> tuple:
     pos = _layer_position(name)
     if kind == "main_grad":
         pos = -pos  # backward runs in reverse layer order
-    return (int(row["step"]), phase_idx, pos, name)
+    return (int(row["step"]), phase_idx, pos, name, kind)  # kind: Adam's two moments in one order
 
 
 def phase_of(kind: str, name: str) -> str:
@@ -357,6 +360,8 @@ def _signature(first: dict, df: pd.DataFrame, logical: dict, mesh: dict, key,
         c = torch.stack([cand.samples[key][i] for i in ids]) if ids else None
     if r is None or c is None:
         return "mismatch", {}
+    if kind in _OPTIMIZER_KINDS and (other := signatures.other_tensor(c, key, ref.tensors)):
+        return "permuted-tensors", {"holds": other}
     if r.dtype != c.dtype and r.is_floating_point() and c.is_floating_point():
         dtypes = {"reference": str(r.dtype).removeprefix("torch."), "candidate": str(c.dtype).removeprefix("torch.")}
         wide = torch.promote_types(r.dtype, c.dtype)

@@ -82,6 +82,21 @@ def inserted_zero_rows(ref: torch.Tensor, cand: torch.Tensor) -> dict | None:
     return {"row": i, "count": p} if ok else None
 
 
+def other_tensor(cand: torch.Tensor, key: tuple, tensors) -> str | None:
+    """The name of the reference's other tensor of the same step and kind that ``cand`` equals
+    bit for bit (``tensors``: the reference's logical tensors by (step, kind, name)), or None:
+    whole tensors permuted between parameters (saved under another expert's or layer's index)."""
+    step, kind, name = key
+    if not bool(cand.any()):  # zeros equal any other zeros: no permutation is shown by them
+        return None
+    for other in tensors.keys():
+        if other[:2] == (step, kind) and other[2] != name:
+            ref = tensors[other]
+            if ref.shape == cand.shape and ref.dtype == cand.dtype and torch.equal(ref, cand):
+                return other[2]
+    return None
+
+
 NARROWER = (torch.bfloat16, torch.float16)
 EXTRA_ROUNDING_ULPS = 2
 """How far (in ULPs of the narrower dtype) a side rounded once more may be from the other: one

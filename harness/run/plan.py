@@ -76,7 +76,8 @@ def plan(scenarios: list[Scenario], out: Path, provenance: dict | None = None,
     for s in scenarios:
         roles, ckpt = {}, ""
         if s.saver is not None:  # the checkpoint lives beside the saving side's trace
-            job = job_for(s, Role.SAVER, traces, *code_of(s, Role.SAVER))
+            identity, root = code_of(s, Role.SAVER)  # the saver imports its own tree, as the sides do
+            job = job_for(s, Role.SAVER, traces, identity, megatron_root=root)
             ckpt = str(Path(job.trace_dir) / "checkpoint")
             roles[Role.SAVER] = jobs.setdefault(job.key, dataclasses.replace(job, checkpoint_dir=ckpt))
         for role in COMPARED_ROLES:

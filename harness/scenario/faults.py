@@ -120,6 +120,21 @@ CATALOG: dict[str, Fault] = {
              "signature": "pad-rows-as-data"},
         ),
         Fault(
+            "ckpt-expert-index-shifted", "shard ordering",
+            "a checkpoint's routed experts are saved under the next EP rank's expert indices (global "
+            "expert r * E/EP + i counted from EP rank r + 1), weights and Adam moments alike; planted on "
+            "a [checkpoint] scenario's candidate, it acts where the checkpoint is saved",
+            {"step": None, "kind": "exp_avg", "tensor": "decoder.layers.0.mlp.experts.local_experts.0.*",
+             "signature": "permuted-tensors"},
+        ),
+        Fault(
+            "ckpt-stage-layers-mirrored", "shard ordering",
+            "a pipelined run's checkpoint saves each stage's layers under the mirrored stage's layer "
+            "numbers (stage p of P at offset (P - 1 - p) x L/P), weights and Adam moments alike; planted "
+            "on a [checkpoint] scenario's candidate, it acts where the checkpoint is saved",
+            {"step": None, "kind": "exp_avg", "tensor": "decoder.layers.0.*", "signature": "permuted-tensors"},
+        ),
+        Fault(
             "fp8-unreduced-amax", "precision loss",
             "FP8 quantized all-gather of GTP weights (torch backend): each shard is quantized with "
             "its own per-tensor amax, not the amax reduced over the GTP group, and the gathered "
@@ -168,7 +183,8 @@ MLM_FAULTS = frozenset(CATALOG) - {"gtp-peers-same-sample", "fp8-unreduced-amax"
                                     "gtp-prescale-under-per-token-loss", "token-count-without-gtp-peers",
                                     "gtp-prefetch-missing-wait", "gtp-wgrad-rs-finalized-twice",
                                     "distopt-offsets-ignore-gtp-pad", "pp-swap-microbatch-grads",
-                                    "ckpt-pad-rows-as-data"}  # fmt: skip
+                                    "ckpt-pad-rows-as-data", "ckpt-expert-index-shifted",
+                                    "ckpt-stage-layers-mirrored"}  # fmt: skip
 
 
 def check_reach(name: str, side, data=None) -> str | None:
@@ -203,7 +219,7 @@ def check_reach(name: str, side, data=None) -> str | None:
         # In fp32 the optimizer steps views of the params themselves: the misplaced copy then
         # overlaps its own source and torch raises instead of diverging.
         return f"{name!r} needs the distributed optimizer (distributed_optimizer) in bf16"
-    if name == "ckpt-pad-rows-as-data" and not side.load_step:
+    if name in ("ckpt-pad-rows-as-data", "ckpt-expert-index-shifted", "ckpt-stage-layers-mirrored") and not side.load_step:
         return f"{name!r} never fires outside a [checkpoint] scenario's candidate (it acts where the checkpoint is saved)"
     if name == "microbatch-grad-overwrite" and data is not None and side.num_microbatches(data) < 2:
         return f"{name!r} never fires with one micro-batch per step"

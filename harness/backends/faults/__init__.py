@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from harness.backends.faults import groups, precision
+from harness.backends.faults.checkpoint import CHECKPOINT_INSTALLERS
 from harness.backends.faults.moe import MOE_INSTALLERS
 from harness.backends.faults.muon import MUON_INSTALLERS
 from harness.backends.faults.mtp import MTP_INSTALLERS
@@ -198,6 +199,7 @@ INSTALLERS.update(MUON_INSTALLERS)
 INSTALLERS.update(MTP_INSTALLERS)
 INSTALLERS.update(precision.PRECISION_INSTALLERS)
 INSTALLERS.update(groups.INSTALLERS)
+INSTALLERS.update(CHECKPOINT_INSTALLERS)
 
 
 def install(names: tuple[str, ...], ctx: Context) -> None:

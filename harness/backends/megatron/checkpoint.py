@@ -33,7 +33,8 @@ from harness.backends import faults
 # What Megatron-LM passes to sharded_state_dict: the distributed optimizer's format that
 # reshards across data-parallel sizes (per-parameter tensors in model space), and layer-stacked
 # (not per-layer singleton) shards.
-METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "singleton_local_shards": False}
+METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "singleton_local_shards": False,
+            "chained_optim_avoid_prefix": True}
 
 # The only globals a torch_dist ``.metadata`` pickle may name: torch's checkpoint-metadata
 # dataclasses and enums (megatron-core keeps the save plans in it too), sizes, dtypes, layouts.
