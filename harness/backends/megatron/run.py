@@ -17,7 +17,8 @@ import torch.distributed as dist
 from harness.backends import data as data_mod
 from harness.backends import faults
 from harness.run.job import Job
-from harness.backends.megatron import checkpoint, compat, moe, pipeline
+from harness.backends.evaluation import EvalRecorder
+from harness.backends.megatron import checkpoint, compat, evaluation, moe, pipeline
 from harness.backends.megatron.gathers import record_gathers
 from harness.backends.megatron.optimizer_ranges import optimizer_state, reduced_grad, updated_param
 from harness.backends.megatron.terms import GradTerms
@@ -294,6 +295,7 @@ class _MegatronStep:
         self.positions = torch.arange(m.seq_length)[None]
         self.data_group = ps.get_data_parallel_group()  # GTP-inclusive: the data-distribution group
         self.skipped = 0
+        self.evals = EvalRecorder(rec.cap)
         self.terms = GradTerms(job.side, job.model, rec.cap, rec.named)
         gtp_on = moe.uses_gtp(job.side)
         # Where GTP is off the weight each GEMM reads is the parameter itself.
@@ -352,6 +354,9 @@ class _MegatronStep:
 
     def optimizer_state(self):
         return optimizer_state(self.opt, self.rec.named)
+
+    def evaluate(self, step: int) -> None:
+        evaluation.evaluate(self, self.evals)
 
     def scalars(self, step: int) -> StepScalars:
         totals = pipeline.loss_totals(self.losses)  # zeros before the last pipeline stage

@@ -13,6 +13,7 @@ import torch
 
 from harness.backends import data as data_mod
 from harness.run.job import Job
+from harness.backends.evaluation import EvalRecorder, eval_points, eval_sample_ids
 from harness.backends.recording import Materialized, Recording, StepScalars, train
 from harness.capture.api import Capture
 from harness.common.dtypes import DTYPES
@@ -48,7 +49,7 @@ def _run_golden(job: Job, cap: Capture) -> None:
     named = list(model.named_parameters())
     cap.attach(captured_modules(model), vocab_parallel=["output_layer"])
     rec = Recording(cap, named, layouts)
-    train(rec, side.steps, _GoldenStep(job, rec, model, specs))
+    train(rec, side.steps, _GoldenStep(job, rec, model, specs), evals=eval_points(side))
 
 
 class _GoldenStep:
@@ -59,6 +60,7 @@ class _GoldenStep:
         self.opt = build_optimizer(job.side, rec.named)
         # The weight each GEMM reads is the parameter itself (materialized, in GTP terms).
         self.materialized = Materialized(rec.cap, rec.layouts, [(n, p) for n, p in rec.named if specs[n].gtp])
+        self.evals = EvalRecorder(rec.cap)
 
     def begin(self, step: int) -> None:
         self.materialized.begin_step()
@@ -81,6 +83,24 @@ class _GoldenStep:
         for i, sid in enumerate(ids):
             self.rec.loss(per_sample[i].item(), 0, [sid])
         self.rec.grads(lambda p: p.grad)
+
+    def evaluate(self, step: int) -> None:
+        """Each iteration's global batch in one forward (eval mode, no graph): per-sample losses
+        and the token mean over every iteration's samples, as Megatron-LM reports it."""
+        d, m, side = self.job.data, self.job.model, self.job.side
+        index, total, tokens = self.evals.begin(), 0.0, 0.0
+        self.model.eval()
+        with torch.no_grad():
+            for it in range(side.eval_iters):
+                ids = eval_sample_ids(index, it, side, d)
+                inputs, labels = data_mod.batch(d.seed, ids, m)
+                mask = data_mod.loss_mask(d, ids, m.seq_length).to(torch.float64)
+                losses = token_losses(self.model(inputs), labels).to(torch.float64) * mask
+                for i, sid in enumerate(ids):
+                    self.evals.sample((losses[i].sum() / mask[i].sum()).item(), [sid], mask[i].sum().item(), it, 0)
+                total, tokens = total + losses.sum().item(), tokens + mask.sum().item()
+        self.model.train()
+        self.evals.report(total / tokens)
 
     def prepare_update(self, step: int) -> None:
         side, gbs = self.job.side, self.job.data.global_batch_size
