@@ -27,8 +27,15 @@ def _side(ns: argparse.Namespace, flags: list[str], nproc: int) -> Side:
         raise BadInput(f"{WHERE}: --data-path", "runs read --mock-data or, without it, the harness's synthetic samples")
     if ns.train_iters is None:
         raise BadInput(f"{WHERE}: --train-iters", "required (the harness records a number of steps)")
+    for flag in ("eval_global_batch_size", "eval_micro_batch_size", "start_eval_at_iter"):
+        if getattr(ns, flag, None) is not None:
+            raise BadInput(f"{WHERE}: --{flag.replace('_', '-')}",
+                           "the harness evaluates global batches of the training size from the first interval on")  # fmt: skip
     tp = ns.tensor_model_parallel_size
     shards = getattr(ns, "tensor_parallel_num_weight_shards", None) or tp
+    # Megatron-LM evaluates after every --eval-interval steps (none given: only after the last)
+    # and after the last step, --eval-iters iterations each; with no iterations, never.
+    evaluates = (ns.eval_iters or 0) > 0
     return Side(
         backend="mlm", world_size=nproc, tp=tp, gtp=shards // tp, precision="bf16" if ns.bf16 else "fp32",
         steps=ns.train_iters, seed=ns.seed, optimizer=ns.optimizer, lr=ns.lr,
@@ -36,6 +43,8 @@ def _side(ns: argparse.Namespace, flags: list[str], nproc: int) -> Side:
         lr_decay_style=ns.lr_decay_style, weight_decay=ns.weight_decay, clip_grad=ns.clip_grad,
         adam_beta1=ns.adam_beta1, adam_beta2=ns.adam_beta2, adam_eps=ns.adam_eps, sgd_momentum=ns.sgd_momentum,
         args=tuple(flags), data="mock" if ns.mock_data else "synthetic",
+        eval_interval=(ns.eval_interval or ns.train_iters + 100) if evaluates else 0,
+        eval_iters=ns.eval_iters if evaluates else 1,
     )  # fmt: skip
 
 
