@@ -19,7 +19,7 @@ import pandas as pd
 import torch
 from torch.distributed.tensor import Shard
 
-from harness.compare import signatures
+from harness.compare import evaluation, signatures
 from harness.compare.summary import FirstDivergence, Region, ScenarioSummary, Verdict
 from harness.compare.tolerance import tolerances, within_tolerance
 from harness.compare.updates import befores, update_term
@@ -39,6 +39,8 @@ SIGNATURES = {
     "stale-update": "the weight after the step equals the weight before it: the update did not land",
     "misrouted-samples": "ranks read the wrong samples (duplicated or missing sample ids)",
     "loss-report-only": "every tensor agrees, only the reported (reduced) loss differs",
+    "partial-average": "the reported loss is the mean over some data ranks' samples only: reduced over a "
+                       "group that leaves out ranks reading other samples (GTP peers are data ranks)",
     "grad-norm-only": "gradients agree, only the grad norm differs: double counting in the norm",
     "precision-loss": "within the format's tolerance of the reference, but further from the fp64 "
                       "golden than the reference's noise floor allows: precision lost (e.g. an "
@@ -74,6 +76,7 @@ _PHASE_OF_KIND = {
     "exp_avg_sq": (7, "optimizer"),
     "master": (8, "optimizer"),
     "param": (9, "optimizer"),
+    "eval": (10, "eval"),  # an evaluation on the step's updated weights
 }
 _SCALAR_PHASE = {"reduced_loss": (4, "loss"), "grad_norm": (6, "reduce"), "lr": (7, "optimizer"),
                  "skipped": (7, "optimizer")}  # fmt: skip
@@ -101,7 +104,7 @@ def causal_key(row) -> tuple:
     kind, name = row["kind"], row["tensor"]
     phase_idx, _ = _SCALAR_PHASE.get(name, _PHASE_OF_KIND.get(kind, (5, "other"))) if kind == "scalar" \
         else _PHASE_OF_KIND.get(kind, (5, "other"))  # fmt: skip
-    pos = _layer_position(name)
+    pos = evaluation.position(name) if kind == "eval" else _layer_position(name)
     if kind == "main_grad":
         pos = -pos  # backward runs in reverse layer order
     return (int(row["step"]), phase_idx, pos, name)
@@ -191,6 +194,8 @@ def summarize(df: pd.DataFrame, logical: dict, traces: dict, policy, recipe: str
         if sig is None and hit:
             sig = label
             first = {**first, "ranks": hit[0].get("ranks") or [hit[0].get("rank")], "rows": hit[0].get("rows")}
+    if sig is None and kind == "eval":
+        sig, extra = evaluation.signature(first, df, traces["candidate"])
     if sig is None:
         sig, extra = _signature(first, df, logical, mesh, key, recipe, _StepContext.of(traces, step, recipe))
     owner = cand.shard_owner.get(key)
@@ -213,13 +218,7 @@ def summarize(df: pd.DataFrame, logical: dict, traces: dict, policy, recipe: str
     if sig.startswith("ratio") or sig in ("missing-gradient", "stale-update"):
         # A whole-tensor pattern: every rank holding the tensor shows it, not only the worst one.
         ranks = sorted(int(r) for r in traces["candidate"].coords())
-    explanation = SIGNATURES.get(sig, "")
-    if sig == "extra-rounding":
-        er = extra["extra_rounding"]
-        how = ("the other side rounded to it" if er["pattern"] == "exact" else
-               f"off by {er['median_ulps']:.2g} {er['dtype']} ULP (median): partial sums rounded to it")  # fmt: skip
-        explanation = (f"the {er['rounded']} was rounded once more to {er['dtype']} ({er['elements']} elements "
-                       f"differ, {how}): a reduction or accumulation in {er['dtype']} where the other keeps fp32")  # fmt: skip
+    explanation = _explanation(sig, extra)
     if consumed := consumed_foreign(traces["candidate"], step):
         extra = {**extra, "consumed": consumed["events"]}
         # Another parameter's weight in a GEMM explains whatever diverged after it; a weight
@@ -230,6 +229,23 @@ def summarize(df: pd.DataFrame, logical: dict, traces: dict, policy, recipe: str
         step=step, phase=phase_of(kind, name), kind=kind, tensor=name, ranks=ranks, region=Region.of(**region),
         signature=sig, explanation=explanation, measured=metrics, extra=extra,
     ))  # fmt: skip
+
+
+def _explanation(sig: str, extra: dict) -> str:
+    """The signature's explanation, with what was measured where it names it."""
+    if sig == "extra-rounding":
+        er = extra["extra_rounding"]
+        how = ("the other side rounded to it" if er["pattern"] == "exact" else
+               f"off by {er['median_ulps']:.2g} {er['dtype']} ULP (median): partial sums rounded to it")  # fmt: skip
+        return (f"the {er['rounded']} was rounded once more to {er['dtype']} ({er['elements']} elements "
+                f"differ, {how}): a reduction or accumulation in {er['dtype']} where the other keeps fp32")  # fmt: skip
+    if sig == "partial-average":
+        pa = extra["partial_average"]
+        who = "; ".join(f"rank {r}: data ranks {d}" for r, d in pa["averaged"].items())
+        return (f"the reported loss is the mean over some of the {pa['data_ranks']} data ranks' samples only "
+                f"({who}): reduced over a group that leaves out ranks reading other samples (GTP peers "
+                "are data ranks)")  # fmt: skip
+    return SIGNATURES.get(sig, "")
 
 
 def consumed_foreign(trace, step: int) -> dict | None:
