@@ -10,7 +10,7 @@ import pytest
 
 from harness import cli
 from harness import scenario
-from harness.scenario.faults import MOE_FAULTS, PRECISION_FAULTS
+from harness.scenario.faults import EVAL_FAULTS, MOE_FAULTS, PRECISION_FAULTS
 from harness.backends.faults import CATALOG
 from tests.helpers import ASSETS, ROOT, run, summary
 
@@ -35,10 +35,11 @@ def test_every_megatron_fault_is_planted():
     # The MoE faults need an MoE model: tests/test_moe.py plants them; the FP8 fault is planted in
     # tests/test_fp8.py, the pipeline one in tests/test_pipeline.py, the checkpoint one in
     # tests/test_checkpoint.py; the precision faults (one bf16 rounding each, and the backport they
-    # are planted against) in tests/test_expectations.py, whose per-tensor expectations catch them.
+    # are planted against) in tests/test_expectations.py, whose per-tensor expectations catch them;
+    # the evaluation's faults on evaluating sides in tests/test_eval.py.
     assert set(PLANTED) | set(UPDATE_FAULTS) == (set(CATALOG) - {"fp8-unreduced-amax", "pp-swap-microbatch-grads",
                                                                  "ckpt-pad-rows-as-data"} - set(MOE_FAULTS)
-                                                 - set(PRECISION_FAULTS))
+                                                 - set(PRECISION_FAULTS) - set(EVAL_FAULTS))
 
 
 @pytest.mark.parametrize("fault", PLANTED)

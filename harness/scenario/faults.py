@@ -168,7 +168,7 @@ _NEEDS_GTP = frozenset({"gtp-rs-no-prescale", "gtp-ag-swap-shards", "gtp-ln-grad
                         "grad-norm-double-count", "fp8-unreduced-amax", "gtp-update-no-weight-decay",
                         "gtp-update-lr-mult", "gtp-prescale-under-per-token-loss", "token-count-without-gtp-peers",
                         "gtp-prefetch-missing-wait", "gtp-wgrad-rs-finalized-twice",
-                        "distopt-offsets-ignore-gtp-pad"})  # fmt: skip
+                        "distopt-offsets-ignore-gtp-pad", "gtp-eval-stale-gather", "eval-loss-wrong-group"})  # fmt: skip
 # What the torch backend can plant (the others patch megatron-core's own functions).
 TORCH_FAULTS = frozenset({"fp8-unreduced-amax", "gtp-peers-same-sample", "gtp-pad-leak", "optimizer-skips-weight"})
 # What Megatron-LM's loop (the mlm backend) can plant: its sampler hands out the samples and
@@ -200,6 +200,8 @@ def check_reach(name: str, side, data=None) -> str | None:
         return f"{name!r} never fires unless gtp > 1 and ep > 1 (the dense and expert GTP groups differ)"
     if name in _NEEDS_GTP and side.gtp == 1:
         return f"{name!r} never fires on a side without GTP (gtp = 1)"
+    if name in ("gtp-eval-stale-gather", "eval-loss-wrong-group") and getattr(side, "eval_interval", 0) <= 0:
+        return f"{name!r} never fires on a side that does not evaluate (eval_interval = 0)"
     if name == "gtp-prescale-under-per-token-loss" and side.per_token_loss != "both":
         return f"{name!r} never fires unless GTP is told the loss is per-token (per_token_loss = \"both\")"
     if name == "token-count-without-gtp-peers" and side.per_token_loss == "none":
@@ -260,6 +262,33 @@ MOE_FAULTS: dict[str, Fault] = {
     ]
 }
 CATALOG.update(MOE_FAULTS)
+
+
+# Faults only an evaluation exposes (sides with eval_interval > 0; tests/test_eval.py plants them).
+EVAL_FAULTS: dict[str, Fault] = {
+    f.name: f
+    for f in [
+        Fault(
+            "gtp-eval-stale-gather", "stale or clobbered buffer",
+            "forward-only passes (evaluation) are handed the weight GTP gathered at the last training "
+            "forward for decoder.layers.0.mlp.linear_fc1.weight, which the optimizer step does not "
+            "invalidate: evaluation reads that weight as it was before the step",
+            {"step": 1, "phase": "eval", "kind": "eval", "tensor": "eval_loss[sample *]",
+             "signature": "gemm-consumed-foreign-weight"},
+            target="decoder.layers.0.mlp.linear_fc1.weight",
+        ),
+        Fault(
+            "eval-loss-wrong-group", "loss reporting",
+            "the evaluation's loss is all-reduced over the replicate-DP group, leaving out GTP peers: "
+            "each rank reports the mean over its replicate group's samples (megatron backend's loop)",
+            {"step": 1, "phase": "eval", "kind": "eval", "tensor": "eval_loss[eval 0]", "signature": "partial-average"},
+        ),
+    ]
+}
+CATALOG.update(EVAL_FAULTS)
+# Megatron-LM's evaluate() picks its own reduction group (on 0.19.2 the replicate one already):
+# of these, the mlm backend plants the stale gather, inside megatron-core's GTP.
+MLM_FAULTS = MLM_FAULTS | {"gtp-eval-stale-gather"}
 
 
 # The precision bug class: one bf16 rounding where megatron-core keeps fp32 (megatron backend).

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from harness.backends.faults import precision
+from harness.backends.faults.evaluation import EVAL_INSTALLERS
 from harness.backends.faults.moe import MOE_INSTALLERS
 from harness.backends.data import rank_sample_ids
 from harness.scenario.faults import CATALOG, RANK_FAULTS, Fault, check_name
@@ -192,6 +193,7 @@ INSTALLERS: dict[str, Callable[[Context], None]] = {
     "distopt-offsets-ignore-gtp-pad": _distopt_offsets_ignore_pad,
 }
 INSTALLERS.update(MOE_INSTALLERS)
+INSTALLERS.update(EVAL_INSTALLERS)
 INSTALLERS.update(precision.PRECISION_INSTALLERS)
 
 
@@ -313,6 +315,17 @@ def amax_reduction_group(ctx: Context, group):
 
 def loss_report_group(ctx: Context, group):
     if "loss-report-wrong-group" in ctx.active:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_group(with_gtp_remat=False)
+    return group
+
+
+def eval_report_group(ctx: Context, group):
+    """The group an evaluation's loss is reduced over (the harness's loop): under
+    ``eval-loss-wrong-group`` the replicate-DP group, leaving out GTP peers (what Megatron-LM's
+    ``evaluate()`` does on megatron-core 0.19.2)."""
+    if "eval-loss-wrong-group" in ctx.active:
         from megatron.core import parallel_state as ps
 
         return ps.get_data_parallel_group(with_gtp_remat=False)
