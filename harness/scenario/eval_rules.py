@@ -26,8 +26,8 @@ def validate_eval(s: Scenario) -> None:
             raise BadInput(f"{where}.args", f"{flag}: set eval_interval and eval_iters on the side instead")
     alike = {name: (side.eval_interval, side.eval_iters) for name, side in sides.items()}
     if len(set(alike.values())) != 1:
-        raise BadInput(f"{s.source}: eval_interval",
-                       f"every side must evaluate alike (eval_interval, eval_iters), got {alike}: set them in [train]")  # fmt: skip
+        raise BadInput(f"{s.source}: eval_interval", f"every side must evaluate alike (eval_interval, "
+                                                     f"eval_iters), got {alike}: set them in [train]")  # fmt: skip
     for name, side in sides.items():
         if side.eval_interval:
             _validate_evaluating(s, name, side, f"{s.source}: [{name}]")

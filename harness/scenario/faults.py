@@ -270,10 +270,11 @@ EVAL_FAULTS: dict[str, Fault] = {
     for f in [
         Fault(
             "gtp-eval-stale-gather", "stale or clobbered buffer",
-            "forward-only passes (evaluation) are handed the weight GTP gathered at the last training "
-            "forward for decoder.layers.0.mlp.linear_fc1.weight, which the optimizer step does not "
-            "invalidate: evaluation reads that weight as it was before the step",
-            {"step": 1, "phase": "eval", "kind": "eval", "tensor": "eval_loss[sample *]",
+            "in eval mode (an evaluation's forward-only passes) decoder.layers.0.mlp.linear_fc1.weight's "
+            "consumer is handed the weight GTP gathered at the last training forward, which the optimizer "
+            "step does not invalidate: the evaluation reads that weight as it was before the step",
+            # tensor: an fnmatch pattern, "[[]" a literal "["
+            {"step": 1, "phase": "eval", "kind": "eval", "tensor": "eval_loss[[]sample *]",
              "signature": "gemm-consumed-foreign-weight"},
             target="decoder.layers.0.mlp.linear_fc1.weight",
         ),
@@ -281,7 +282,8 @@ EVAL_FAULTS: dict[str, Fault] = {
             "eval-loss-wrong-group", "loss reporting",
             "the evaluation's loss is all-reduced over the replicate-DP group, leaving out GTP peers: "
             "each rank reports the mean over its replicate group's samples (megatron backend's loop)",
-            {"step": 1, "phase": "eval", "kind": "eval", "tensor": "eval_loss[eval 0]", "signature": "partial-average"},
+            {"step": 1, "phase": "eval", "kind": "eval", "tensor": "eval_loss[[]eval 0]",
+             "signature": "partial-average"},
         ),
     ]
 }
