@@ -13,7 +13,7 @@ from pathlib import Path
 from harness.common.errors import EXIT_PARITY_FAIL, EXIT_PASS, EXIT_RUN_FAILED, BadInput, RunFailed
 from harness.common.jsonio import write_json
 from harness.compare import split
-from harness.compare.outcome import compare_scenario, scenario_config
+from harness.compare.outcome import compare_scenario, failure_outcome, scenario_config
 from harness.compare.summary import ScenarioSummary, Verdict, overall
 from harness.run.code import CodeTree, check_imports, resolve_all
 from harness.run.job import Job
@@ -102,12 +102,12 @@ def run_scenarios(scenarios: list[Scenario], out: Path, parallel: int = 2, verbo
         sdir = out / "scenarios" / s.name
         failed = {role: failures[j.key] for role, j in jobs.items() if j.key in failures}
         if failed:
-            summary = ScenarioSummary.of(scenario=s.name, verdict=Verdict.ERROR, error=failed, axes=dict(s.axes),
-                                         config=scenario_config(s),
-                                         traces={r: j.trace_dir for r, j in jobs.items()})  # fmt: skip
+            summary = failure_outcome(s, failed, jobs)
             write_json(sdir / "summary.json", summary.to_json())
-            say(f"\n== {s.name}: run failed\n" + "\n".join(f"  {r}: {m}" for r, m in failed.items()))
-            worst = max(worst, EXIT_RUN_FAILED)
+            known = summary.verdict == Verdict.KNOWN_DIVERGENCE
+            say(f"\n== {s.name}: run failed" + (f", {summary.expectation}" if known else "") + "\n"
+                + "\n".join(f"  {r}: {m}" for r, m in failed.items()))  # fmt: skip
+            worst = worst if known else max(worst, EXIT_RUN_FAILED)
             results.append(summary)
             continue
         paths = {r: Path(j.trace_dir) for r, j in jobs.items() if r != Role.SAVER}  # the saver: not compared

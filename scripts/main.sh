@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job: set up, run the default scenario matrix (megatron-core GTP), the FP8/FP4
-# matrix (emulated recipes) and GTP's other code paths on CPU; reports/index.html,
-# reports/fp8/index.html and reports/paths/index.html.
+# matrix (emulated recipes), GTP's other code paths and GTP with the features users turn on
+# alongside it, on CPU; reports/index.html, reports/fp8/index.html, reports/paths/index.html
+# and reports/features/index.html.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit $?
@@ -11,5 +12,8 @@ main=$?
 fp8=$?
 .venv/bin/gtp-parity matrix scenarios/gtp_paths.toml --out runs/paths --report reports/paths "$@"
 paths=$?
-worst=$(( main > fp8 ? main : fp8 ))
-exit $(( worst > paths ? worst : paths ))
+.venv/bin/gtp-parity matrix scenarios/features.toml --out runs/features --report reports/features "$@"
+features=$?
+worst=0
+for code in $main $fp8 $paths $features; do worst=$(( code > worst ? code : worst )); done
+exit $worst

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from harness.mutation import campaign
-from harness.scenario.mutants import TARGETS, Mutant, diff, mutants_of
+from harness.scenario.mutants import OPT_IN, TARGETS, Mutant, diff, mutants_of
 from harness.scenario.parse import DataConfig, ModelConfig, Side
 from tests.helpers import ROOT
 
@@ -61,7 +61,7 @@ def test_identity_survives_regeneration_and_edits_elsewhere(tmp_path):
 
 @pytest.mark.slow
 def test_every_target_has_mutants():
-    for module in TARGETS:
+    for module in (*TARGETS, *OPT_IN):
         ms = mutants_of(module, validate=False)
         assert ms, module
         assert len({m.id for m in ms}) == len(ms), module
@@ -191,7 +191,7 @@ def test_the_triage_names_mutants_of_the_installed_source():
 
     triage = campaign.read_triage(TRIAGE)
     assert triage
-    generated = {m.id: m for module in TARGETS for m in mutants_of(module, validate=False)}
+    generated = {m.id: m for module in (*TARGETS, *OPT_IN) for m in mutants_of(module, validate=False)}
     for mid, entry in triage.items():
         assert mid in generated, f"{mid}: no such mutant (megatron-core changed?)"
         assert entry["status"] in (campaign.EQUIVALENT, campaign.UNREACHABLE)

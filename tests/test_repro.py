@@ -181,6 +181,63 @@ def test_gtp_wgrad_reduce_scatter_on_main_fixed_for_linears_only(tmp_path):
         assert _rounded_once_more(rank["weights"]["embedding.word_embeddings.weight"])
 
 
+def test_a_re_paired_collection_is_ignored_by_every_gtp_weight_on_the_wheel(tmp_path):
+    """FINDINGS J on the wheel: under a collection pairing GTP peers [0, 2], [1, 3], every GTP
+    weight still gathers over parallel_state's [0, 1], [2, 3], and the grad norm keeps replicated
+    grads by parallel_state's GTP rank (wrong on ranks 1 and 2). Exit 1: nothing follows it."""
+    ranks = _run("gtp_custom_process_groups.py", ["collection-permuted"], tmp_path, returncode=1)
+    usual = {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3]}
+    for r in ranks:
+        assert r["collection_gtp_group"] == [[0, 2], [1, 3]][r["rank"] % 2]
+        assert len(r["weights"]) == 10 and set(map(tuple, r["weights"].values())) == {tuple(usual[r["rank"]])}
+        assert bool(r["replicated_miscounted"]) == (r["rank"] in (1, 2))
+
+
+def test_muon_scales_a_padded_gtp_matrix_by_its_padded_shape_on_the_wheel(tmp_path):
+    """FINDINGS K on the wheel: one Muon step, TP1 x GTP2 vs off, FFN 80 (linear_fc1 padded to 96
+    rows): its update is sqrt(96/80) times GTP off's (Muon's spectral scale of the padded shape);
+    every unpadded Muon matrix's update is bitwise GTP off's."""
+    import math
+
+    report = _run("gtp_muon_padding.py", ["duplicated"], tmp_path, flag="--modes")
+    assert sum(r["pad_rows"] > 0 for r in report["duplicated"].values()) == 2  # both linear_fc1
+    for name, r in report["duplicated"].items():
+        if r["pad_rows"]:
+            assert not r["bitwise"] and r["norm_ratio"] == pytest.approx(math.sqrt(96 / 80), rel=1e-4), (name, r)
+        else:
+            assert r["bitwise"], (name, r)
+
+
+def test_gtp_with_mtp_raises_at_the_first_backward_on_the_wheel(tmp_path):
+    """FINDINGS L on the wheel: one MTP depth, TP1 x GTP2: the embedding's backward for the
+    depth's use finalizes decoder layer 0's reduce-scatter, which has not started: KeyError in
+    wgrad_reduce_scatter's deferred finalize, on every rank. GTP off runs (exit status 1)."""
+    ranks = _run("gtp_mtp_shared_weights.py", ["gtp-off-mtp1", "gtp2-mtp1"], tmp_path, returncode=1)
+    for rank in ranks:
+        assert rank["gtp2-mtp1"]["raised"] == "KeyError: None"
+        assert "generalized_tensor_parallelism.py:wgrad_reduce_scatter:1646" in rank["gtp2-mtp1"]["where"]
+        assert rank["gtp-off-mtp1"]["shared"]["output_layer.weight"]["finite"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("rev", "embedding_finite"), [("79e6b6a7f5", False), ("d262dbed3d", True)])
+def test_gtp_with_mtp_upstream_fixes(tmp_path, rev, embedding_finite):
+    """FINDINGS L on Megatron-LM: 79e6b6a7f5 runs GTP + MTP, but DDP adds the embedding's unzeroed
+    placeholder wgrad (its undefined content, NaN here) from the second pass on; from d262dbed3d
+    every gradient is GTP off's up to summation order (GTP reduces each use's wgrad on its own)."""
+    repo = MAIN_TREE[len("git:"):].rpartition("@")[0] if MAIN_TREE.startswith("git:") else MAIN_TREE
+    if not MAIN_TREE.startswith("git:") or not Path(repo).is_dir():
+        pytest.skip(f"no Megatron-LM repository at {repo} (set GTP_PARITY_MAIN_TREE to git:<repo>@<rev>)")
+    ranks = _run("gtp_mtp_shared_weights.py", ["gtp-off-mtp1", "gtp2-mtp1"], tmp_path,
+                 returncode=0 if embedding_finite else 1, extra=("--megatron", f"git:{repo}@{rev}"))  # fmt: skip
+    for rank in ranks:
+        side = rank["gtp2-mtp1"]
+        assert side["shared"]["embedding.word_embeddings.weight"]["finite"] is embedding_finite
+        assert side["shared"]["output_layer.weight"]["finite"] and side["others_max_rel_diff"] == 0.0  # used once: bitwise
+        if embedding_finite:
+            assert side["loss"] == rank["gtp-off-mtp1"]["loss"]
+
+
 def _eval_sides(ranks: list) -> list[dict]:
     """Per rank, {label: that side's evaluate() result} of eval_loss_gtp_group.py."""
     return [{side["label"]: side for side in rank} for rank in ranks]
@@ -193,7 +250,7 @@ def _within_fp32_sum(a: float, b: float, terms: int) -> bool:
 
 
 def test_megatron_lm_eval_loss_averages_each_ranks_own_samples_on_the_wheel(tmp_path):
-    """FINDINGS J on the wheel: Megatron-LM's evaluate() at TP1 x GTP2 reports, on each rank, the
+    """FINDINGS M on the wheel: Megatron-LM's evaluate() at TP1 x GTP2 reports, on each rank, the
     mean over that rank's samples only (its reduction group leaves the GTP peer out); GTP off
     reports the whole batch's. Both sides compute the same per-micro-batch losses. Exit 1."""
     for rank in _eval_sides(_run("eval_loss_gtp_group.py", ["gtp-off", "gtp2"], tmp_path, returncode=1)):
@@ -206,7 +263,7 @@ def test_megatron_lm_eval_loss_averages_each_ranks_own_samples_on_the_wheel(tmp_
 
 @pytest.mark.slow
 def test_megatron_lm_eval_loss_on_main_averages_the_whole_batch(tmp_path):
-    """FINDINGS J on Megatron-LM main (d98e8a64dd): df197a816f reduces over the GTP-inclusive
+    """FINDINGS M on Megatron-LM main (d98e8a64dd): df197a816f reduces over the GTP-inclusive
     data-parallel group; every rank reports the whole batch's mean. Exit 0."""
     repo = MAIN_TREE[len("git:"):].rpartition("@")[0] if MAIN_TREE.startswith("git:") else MAIN_TREE
     if not Path(repo).is_dir():

@@ -3,7 +3,10 @@
 Ranks are ordered as megatron-core orders them for the dense decoder: TP fastest, then GTP,
 then DP, then the pipeline stage (``parallel_state._inject_gtp_remat_axis`` turns the default
 ``tp-cp-ep-dp-pp`` into ``tp-gtp_remat-cp-ep-dp-pp``; CP = EP = 1 here), so
-``rank = tp + TP * (gtp + G * (dp + DP * pp))``. The ``pp`` axis is named only in a pipelined
+``rank = tp + TP * (gtp + G * (dp + DP * pp))``. A caller may hand megatron-core groups that
+pair ranks otherwise (``Side.process_groups = "collection-permuted"``): GTP peers across
+replicate DP, ``rank = tp + TP * (dp + DP * gtp)`` (:data:`PERMUTED`), the same sizes on another
+pairing; the data rank is the same either way. The ``pp`` axis is named only in a pipelined
 mesh (PP > 1): an unpipelined side's coordinates and traces read as they always have. A
 stage's tensors are laid out on the stage's own (tp, gtp, dp) mesh (:meth:`Mesh.stage_sizes`).
 New axes (expert parallel, expert GTP, pipeline stage) belong here and nowhere else.
@@ -30,6 +33,8 @@ class Axis(StrEnum):
 
 AXES = tuple(Axis)
 """Every axis, fastest-varying first (the rank order)."""
+PERMUTED = (Axis.TP, Axis.DP, Axis.GTP, Axis.PP)
+"""The rank order of a collection pairing GTP peers across replicate DP (see the module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -38,20 +43,23 @@ class Mesh:
     gtp: int = 1
     dp: int = 1
     pp: int = 1
+    order: tuple[Axis, ...] = AXES
+    """The axes, fastest-varying first: :data:`AXES` (megatron-core's) or :data:`PERMUTED`."""
 
     @classmethod
-    def of_world(cls, world_size: int, tp: int = 1, gtp: int = 1, pp: int = 1) -> Mesh:
+    def of_world(cls, world_size: int, tp: int = 1, gtp: int = 1, pp: int = 1, order=AXES) -> Mesh:
         """The mesh of ``world_size`` ranks with TP, G and PP given (DP is what remains)."""
         if world_size % (tp * gtp * pp):
             what = "TP x G" if pp == 1 else "TP x G x PP"
             raise ValueError(f"world size {world_size} is not a multiple of {what} = {tp * gtp * pp}")
-        return cls(tp, gtp, world_size // (tp * gtp * pp), pp)
+        return cls(tp, gtp, world_size // (tp * gtp * pp), pp, tuple(order))
 
     @classmethod
     def of_side(cls, side) -> Mesh:
         """The mesh of a scenario side (anything with ``world_size``, ``tp``, ``gtp`` and,
-        optionally, ``pipeline_parallel``)."""
-        return cls.of_world(side.world_size, side.tp, side.gtp, getattr(side, "pipeline_parallel", 1))
+        optionally, ``pipeline_parallel`` and ``process_groups``)."""
+        order = PERMUTED if getattr(side, "process_groups", "") == "collection-permuted" else AXES
+        return cls.of_world(side.world_size, side.tp, side.gtp, getattr(side, "pipeline_parallel", 1), order)
 
     @property
     def world_size(self) -> int:
@@ -77,8 +85,9 @@ class Mesh:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside a mesh of {self.world_size} ranks")
         out = {}
-        for axis in AXES:
+        for axis in self.order:
             rank, out[axis.value] = divmod(rank, self.size(axis))
+        out = {a.value: out[a.value] for a in AXES}  # listed in the usual order whatever the rank order
         if self.pp == 1:
             del out[Axis.PP.value]
         return out
@@ -86,7 +95,7 @@ class Mesh:
     def rank(self, coord: Mapping[str, int]) -> int:
         """The rank at ``coord`` (an axis left out is coordinate 0)."""
         rank, stride = 0, 1
-        for axis in AXES:
+        for axis in self.order:
             c = coord.get(axis.value, 0)
             if not 0 <= c < self.size(axis):
                 raise ValueError(f"{axis.value} coordinate {c} is outside 0..{self.size(axis) - 1}")
@@ -107,7 +116,7 @@ class Mesh:
         """Every group spanning ``axes`` (the other axes fixed), each in rank order, listed by
         first rank: the groups megatron-core's ``RankGenerator.get_ranks`` makes for them."""
         varying = {Axis(a) for a in axes}
-        fixed = [a for a in AXES if a not in varying]
+        fixed = [a for a in self.order if a not in varying]
         out: dict[tuple, list[int]] = {}
         for rank in range(self.world_size):
             c = self.coord(rank)

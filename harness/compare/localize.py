@@ -19,6 +19,7 @@ import pandas as pd
 import torch
 from torch.distributed.tensor import Shard
 
+from harness.common import mtp
 from harness.compare import evaluation, signatures
 from harness.compare.summary import FirstDivergence, Region, ScenarioSummary, Verdict
 from harness.compare.tolerance import tolerances, within_tolerance
@@ -61,6 +62,10 @@ SIGNATURES = {
                                     "was reused before the GEMM read it",
     "pad-rows-as-data": "the candidate is the reference with zero rows inserted and the rows behind "
                         "them shifted down: pad rows were counted as data (a saved GTP shard's padding)",
+    "shared-weight-only": "only a weight used more than once per step differs, every weight used once agrees: "
+                          "per-weight state written for one use (one use's gradient lost or counted twice)",
+    "labels-misaligned": "a loss differs while the logits it is computed from agree: it read other labels or "
+                         "another loss mask (labels not shifted, or shifted by another depth)",
 }
 
 _PHASE_OF_KIND = {
@@ -70,6 +75,7 @@ _PHASE_OF_KIND = {
     "activation": (2, "forward"),
     "logits": (3, "forward"),
     "loss": (4, "loss"),
+    "mtp_loss": (4, "loss"),
     "main_grad": (5, "backward"),
     "scalar": (6, "reduce"),
     "exp_avg": (7, "optimizer"),
@@ -81,6 +87,10 @@ _PHASE_OF_KIND = {
 _SCALAR_PHASE = {"reduced_loss": (4, "loss"), "grad_norm": (6, "reduce"), "lr": (7, "optimizer"),
                  "skipped": (7, "optimizer")}  # fmt: skip
 _FORWARD_SUBS = ["input_layernorm", "self_attention", "pre_mlp_layernorm", "mlp", ""]
+# An MTP depth's modules in forward order (its parameters by the module holding them); between
+# the decoder's final LayerNorm and the main head's output layer, depth after depth.
+_MTP_SUBS = ["embedding", "enorm", "hnorm", "eh_proj", *(f"mtp_model_layer.{s}" for s in _FORWARD_SUBS[:-1]),
+             "mtp_model_layer", "final_layernorm", "", "output_layer", "loss"]
 
 
 def _layer_position(name: str) -> float:
@@ -91,6 +101,11 @@ def _layer_position(name: str) -> float:
         return 1e6 + 1
     if name.startswith("decoder.final_layernorm"):
         return 1e6
+    if m := re.match(r"mtp\.layers\.(\d+)\.?(.*)", name):
+        rest = m.group(2)
+        sub = next((i for i, s in enumerate(_MTP_SUBS) if s and (rest == s or rest.startswith(s + "."))),
+                   _MTP_SUBS.index(""))  # fmt: skip
+        return 1e6 + (1 + int(m.group(1)) * 20 + sub) / 1000
     m = re.match(r"decoder\.layers\.(\d+)\.?([a-z_]*)", name)
     if not m:
         return 5e5
@@ -211,7 +226,7 @@ def summarize(df: pd.DataFrame, logical: dict, traces: dict, policy, recipe: str
     ranks = first.get("ranks")
     if not isinstance(ranks, list):
         ranks = region.get("ranks")
-    if kind in ("activation", "logits", "loss") and not ranks:
+    if kind in ("activation", "logits", "loss", "mtp_loss") and not ranks:
         ranks, sample = _sample_readers(first, cand, traces["candidate"], step)
         if sample is not None:
             region = {**region, "sample_id": sample}
@@ -289,8 +304,9 @@ class _StepContext:
     """What the signatures need from the traces beyond tensors: the candidate's LR and weight
     decay at the step, and whether the candidate has a precision mechanism at all."""
 
-    def __init__(self, lr=None, wd=None, precision_mechanism=True):
+    def __init__(self, lr=None, wd=None, precision_mechanism=True, shared=()):
         self.lr, self.wd, self.precision_mechanism = lr, wd, precision_mechanism
+        self.shared = shared  # patterns of the weights used more than once per step (MTP)
 
     @classmethod
     def of(cls, traces: dict, step: int, recipe: str) -> "_StepContext":
@@ -303,7 +319,7 @@ class _StepContext:
         # precise than its reference can lose precision; fp32 against fp32 without a recipe
         # cannot, so a difference there is a logic error however small.
         mechanism = recipe != "none" or bits_c < 32 or bits_c < bits_r
-        return cls(lr, wd, mechanism)
+        return cls(lr, wd, mechanism, mtp.shared_of_config(cand.get("config")))
 
 
 def _update_signature(kind: str, name: str, step: int, ref, cand, ctx: "_StepContext") -> dict | None:
@@ -322,6 +338,9 @@ def _signature(first: dict, df: pd.DataFrame, logical: dict, mesh: dict, key,
     ref, cand = logical["reference"], logical["candidate"]
     if kind == "input":
         return "misrouted-samples", {}
+    if kind == mtp.LOSS_KIND:  # its depth's logits agree: the labels or mask it read do not
+        logits = df[(df["step"] == step) & (df["tensor"] == name.rsplit(".", 1)[0] + ".output_layer")]
+        return ("labels-misaligned" if not logits.empty and logits["passed"].all() else "mismatch"), {}
     if kind == "scalar" or kind == "loss":
         tensors_ok = df[(df["step"] == step) & ~df["kind"].isin(["scalar", "loss"])]["passed"].all()
         if name == "reduced_loss":
@@ -368,6 +387,11 @@ def _signature(first: dict, df: pd.DataFrame, logical: dict, mesh: dict, key,
         rtol, atol = tolerances(recipe, c.dtype)
         if within_tolerance(r, c, rtol, atol):
             return "precision-loss", {"tolerance": {"rtol": rtol, "atol": atol, "recipe": recipe}}
+    if kind == "main_grad" and mtp.is_shared(name, ctx.shared):
+        grads = df[(df["step"] == step) & (df["kind"] == "main_grad")]
+        once = grads[[not mtp.is_shared(t, ctx.shared) for t in grads["tensor"]]]
+        if not once.empty and once["passed"].all():
+            return "shared-weight-only", {}
     return _EXPECTATION_BROKEN.get(first.get("policy"), "mismatch"), {}
 
 

@@ -42,6 +42,7 @@ EXPECTED_KINDS = [
     ("distributed_data_parallel", "*", {"main_grad"}),
     ("optimizer", "*", {"param", "master", "exp_avg", "exp_avg_sq", "scalar"}),
     ("parallel_state", "*", {"input", "materialized", "main_grad", "scalar"}),
+    ("emerging_optimizers", "*", {"param", "master"}),  # Muon's update: the new weight
 ]
 
 

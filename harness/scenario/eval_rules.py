@@ -38,6 +38,9 @@ def _validate_evaluating(s: Scenario, name: str, side: Side, where: str) -> None
         raise BadInput(f"{where}.eval_interval", "the torch backend evaluates on its single-process golden side only")
     if side.backend == "mlm" and side.data == "mock":
         raise BadInput(f"{where}.eval_interval", "evaluation reads the synthetic validation samples (data = \"synthetic\")")
+    if getattr(s.model, "mtp_num_layers", 0):
+        raise BadInput(f"{where}.eval_interval", "the harness evaluates models without multi-token prediction "
+                                                 "(mtp_num_layers = 0)")  # fmt: skip
     if side.pipeline_parallel > 1:
         raise BadInput(f"{where}.eval_interval", "the harness evaluates without pipeline stages (pipeline_parallel = 1)")
     if side.save_step or side.load_step:

@@ -6,18 +6,10 @@ can name faults; :mod:`harness.backends.faults` implements them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-
-@dataclass(frozen=True)
-class Fault:
-    name: str
-    bug_class: str
-    description: str
-    expect: dict
-    """Expected first divergence: step, phase, kind, tensor (fnmatch), signature."""
-    target: str = ""
-    """The parameter the fault acts on, where it acts on one."""
+from harness.scenario.fault import Fault
+from harness.scenario.feature_faults import (
+    EVAL_FAULTS, GROUP_FAULTS, MTP_FAULTS, MUON_FAULTS, PRECISION_FAULTS, feature_reach,
+)  # fmt: skip
 
 
 CATALOG: dict[str, Fault] = {
@@ -168,7 +160,7 @@ _NEEDS_GTP = frozenset({"gtp-rs-no-prescale", "gtp-ag-swap-shards", "gtp-ln-grad
                         "grad-norm-double-count", "fp8-unreduced-amax", "gtp-update-no-weight-decay",
                         "gtp-update-lr-mult", "gtp-prescale-under-per-token-loss", "token-count-without-gtp-peers",
                         "gtp-prefetch-missing-wait", "gtp-wgrad-rs-finalized-twice",
-                        "distopt-offsets-ignore-gtp-pad", "gtp-eval-stale-gather", "eval-loss-wrong-group"})  # fmt: skip
+                        "distopt-offsets-ignore-gtp-pad"})  # fmt: skip
 # What the torch backend can plant (the others patch megatron-core's own functions).
 TORCH_FAULTS = frozenset({"fp8-unreduced-amax", "gtp-peers-same-sample", "gtp-pad-leak", "optimizer-skips-weight"})
 # What Megatron-LM's loop (the mlm backend) can plant: its sampler hands out the samples and
@@ -179,6 +171,8 @@ MLM_FAULTS = frozenset(CATALOG) - {"gtp-peers-same-sample", "fp8-unreduced-amax"
                                     "gtp-prefetch-missing-wait", "gtp-wgrad-rs-finalized-twice",
                                     "distopt-offsets-ignore-gtp-pad", "pp-swap-microbatch-grads",
                                     "ckpt-pad-rows-as-data"}  # fmt: skip
+# Of the evaluation's faults the mlm backend plants the stale gather, inside megatron-core's GTP.
+MLM_FAULTS = MLM_FAULTS | {"gtp-eval-stale-gather"}
 
 
 def check_reach(name: str, side, data=None) -> str | None:
@@ -200,8 +194,6 @@ def check_reach(name: str, side, data=None) -> str | None:
         return f"{name!r} never fires unless gtp > 1 and ep > 1 (the dense and expert GTP groups differ)"
     if name in _NEEDS_GTP and side.gtp == 1:
         return f"{name!r} never fires on a side without GTP (gtp = 1)"
-    if name in ("gtp-eval-stale-gather", "eval-loss-wrong-group") and getattr(side, "eval_interval", 0) <= 0:
-        return f"{name!r} never fires on a side that does not evaluate (eval_interval = 0)"
     if name == "gtp-prescale-under-per-token-loss" and side.per_token_loss != "both":
         return f"{name!r} never fires unless GTP is told the loss is per-token (per_token_loss = \"both\")"
     if name == "token-count-without-gtp-peers" and side.per_token_loss == "none":
@@ -226,7 +218,7 @@ def check_reach(name: str, side, data=None) -> str | None:
         # Interleaved, the first stage's later model chunks send input gradients back: holding a
         # backward would hold the schedule's p2p.
         return f"{name!r} is planted on the 1F1B schedule only (virtual_pipeline unset)"
-    if name in PRECISION_FAULTS and (problem := _precision_reach(name, side, data)):
+    if (problem := feature_reach(name, side, data)) is not None:
         return problem
     if side.backend == "torch" and name not in TORCH_FAULTS:
         return f"{name!r} is not implemented by the torch backend; it implements {sorted(TORCH_FAULTS)}"
@@ -264,94 +256,9 @@ MOE_FAULTS: dict[str, Fault] = {
 CATALOG.update(MOE_FAULTS)
 
 
-# Faults only an evaluation exposes (sides with eval_interval > 0; tests/test_eval.py plants them).
-EVAL_FAULTS: dict[str, Fault] = {
-    f.name: f
-    for f in [
-        Fault(
-            "gtp-eval-stale-gather", "stale or clobbered buffer",
-            "in eval mode (an evaluation's forward-only passes) decoder.layers.0.mlp.linear_fc1.weight's "
-            "consumer is handed the weight GTP gathered at the last training forward, which the optimizer "
-            "step does not invalidate: the evaluation reads that weight as it was before the step",
-            # tensor: an fnmatch pattern, "[[]" a literal "["
-            {"step": 1, "phase": "eval", "kind": "eval", "tensor": "eval_loss[[]sample *]",
-             "signature": "gemm-consumed-foreign-weight"},
-            target="decoder.layers.0.mlp.linear_fc1.weight",
-        ),
-        Fault(
-            "eval-loss-wrong-group", "loss reporting",
-            "the evaluation's loss is all-reduced over the replicate-DP group, leaving out GTP peers: "
-            "each rank reports the mean over its replicate group's samples (megatron backend's loop)",
-            {"step": 1, "phase": "eval", "kind": "eval", "tensor": "eval_loss[[]eval 0]",
-             "signature": "partial-average"},
-        ),
-    ]
-}
-CATALOG.update(EVAL_FAULTS)
-# Megatron-LM's evaluate() picks its own reduction group (on 0.19.2 the replicate one already):
-# of these, the mlm backend plants the stale gather, inside megatron-core's GTP.
-MLM_FAULTS = MLM_FAULTS | {"gtp-eval-stale-gather"}
-
-
-# The precision bug class: one bf16 rounding where megatron-core keeps fp32 (megatron backend).
-# ``backport-gtp-wgrad-fp32`` and ``patch-gtp-embedding-wgrad-fp32`` are no faults: Megatron-LM's fix and the
-# embedding's proposed one, the baseline the precision faults show against on the 0.19.2 wheel.
-PRECISION_FAULTS: dict[str, Fault] = {
-    f.name: f
-    for f in [
-        Fault(
-            "backport-gtp-wgrad-fp32", "backport",
-            "Megatron-LM e5542e85f2 (#6624) on an older tree: GTP's wgrad is reduce-scattered in main_grad's dtype",
-            {"step": None, "kind": "main_grad", "tensor": "*.weight", "signature": "none"},  # planted: bitwise
-        ),
-        Fault(
-            "patch-gtp-embedding-wgrad-fp32", "proposed fix",
-            "the word embedding's GTP wgrad reduce-scattered in main_grad's dtype, as repro/FINDINGS.md (I) "
-            "proposes (still bf16 on Megatron-LM main d98e8a64dd)",
-            {"step": None, "kind": "main_grad", "tensor": "embedding.word_embeddings.weight", "signature": "none"},
-        ),
-        Fault(
-            "gtp-rs-bf16", "extra rounding",
-            "GTP's wgrad reduce-scatter runs in bf16 although main_grad is fp32 (the 0.19.2 wheel's own "
-            "behaviour for bf16 params: planted on top of backport-gtp-wgrad-fp32)",
-            {"step": 1, "phase": "backward", "kind": "main_grad", "tensor": "*.weight", "signature": "extra-rounding"},
-        ),
-        Fault(
-            "distopt-grad-rs-bf16", "extra rounding",
-            "the distributed optimizer's DDP grad reduce-scatter runs in bf16 although grad_reduce_in_fp32 "
-            "keeps the buffer fp32",
-            {"step": 1, "phase": "backward", "kind": "main_grad", "tensor": "*", "signature": "extra-rounding"},
-        ),
-        Fault(
-            "microbatch-accum-bf16", "extra rounding",
-            "the fp32 micro-batch accumulation of main_grad rounds to bf16 after each micro-batch's add",
-            {"step": 1, "phase": "backward", "kind": "main_grad", "tensor": "*", "signature": "extra-rounding"},
-        ),
-        Fault(
-            "adam-exp-avg-sq-bf16-gtp", "extra rounding",
-            "Adam's second moment of GTP-sharded params is kept in bf16 (rounded after each step)",
-            {"step": 1, "phase": "optimizer", "kind": "exp_avg_sq", "tensor": "*.weight",
-             "signature": "extra-rounding"},
-        ),
-    ]
-}
+# The catalogues of the features GTP is combined with (harness.scenario.feature_faults).
+CATALOG.update(MUON_FAULTS)
 CATALOG.update(PRECISION_FAULTS)
-
-
-def _precision_reach(name: str, side, data) -> str | None:
-    if side.backend != "megatron":
-        return f"{name!r} is planted on the megatron backend only"
-    if side.gtp == 1 and name in ("backport-gtp-wgrad-fp32", "patch-gtp-embedding-wgrad-fp32", "gtp-rs-bf16",
-                                  "adam-exp-avg-sq-bf16-gtp"):
-        return f"{name!r} never fires on a side without GTP (gtp = 1)"
-    if name == "gtp-rs-bf16" and side.precision == "bf16" and (not side.grad_reduce_in_fp32 or (
-            "backport-gtp-wgrad-fp32" not in side.inject and side.megatron_core == "installed")):  # fmt: skip
-        # The installed 0.19.2 wheel's local linears hand GTP a bf16 wgrad: the RS is bf16 already.
-        return f"{name!r} never fires in bf16 unless main_grad is fp32 and the wgrad is too (backport-gtp-wgrad-fp32)"
-    if name == "distopt-grad-rs-bf16" and not side.distributed_optimizer:
-        return f"{name!r} needs the distributed optimizer (distributed_optimizer)"
-    if name == "microbatch-accum-bf16" and data is not None and side.num_microbatches(data) < 2:
-        return f"{name!r} never fires with one micro-batch per step"
-    if name == "adam-exp-avg-sq-bf16-gtp" and side.optimizer != "adam":
-        return f"{name!r} needs Adam (optimizer = \"adam\")"
-    return None
+CATALOG.update(GROUP_FAULTS)
+CATALOG.update(MTP_FAULTS)
+CATALOG.update(EVAL_FAULTS)

@@ -43,12 +43,15 @@ Backend = Literal["megatron", "torch", "mlm"]
 Precision = Literal["fp64", "fp32", "bf16"]
 # "none" or a key of harness.quant.RECIPES (kept literal here: parsing needs no torch).
 Recipe = Literal["none", "delayed", "float8_current_scaling", "mxfp8", "float8_block_scaling", "nvfp4"]
-Optimizer = Literal["adam", "sgd"]
+Optimizer = Literal["adam", "sgd", "muon"]
+# megatron-core's Muon ``tp_mode``: how a TP- (and GTP-) sharded matrix is orthogonalized.
+MuonTpMode = Literal["blockwise", "duplicated", "distributed"]
 DecayStyle = Literal["constant", "linear", "cosine"]
 Recompute = Literal["none", "selective", "full"]
 PerTokenLoss = Literal["none", "transformer-config", "both"]
 Collectives = Literal["async", "eager", "lagging"]
 LossMask = Literal["none", "variable"]
+ProcessGroups = Literal["parallel-state", "collection", "collection-permuted"]
 
 BACKENDS = frozenset(get_args(Backend))
 PRECISIONS = {"megatron": frozenset({"fp32", "bf16"}), "torch": frozenset(get_args(Precision)),
@@ -57,12 +60,14 @@ PRECISIONS = {"megatron": frozenset({"fp32", "bf16"}), "torch": frozenset(get_ar
 MlmData = Literal["synthetic", "mock"]
 MLM_DATA = frozenset(get_args(MlmData))
 OPTIMIZERS = frozenset(get_args(Optimizer))
+MUON_TP_MODES = frozenset(get_args(MuonTpMode))
 RECIPE_NAMES = frozenset(get_args(Recipe))
 LR_DECAY_STYLES = frozenset(get_args(DecayStyle))
 RECOMPUTES = frozenset(get_args(Recompute))
 PER_TOKEN_LOSSES = frozenset(get_args(PerTokenLoss))
 COLLECTIVES = frozenset(get_args(Collectives))
 LOSS_MASKS = frozenset(get_args(LossMask))
+PROCESS_GROUPS = frozenset(get_args(ProcessGroups))
 
 # The top-level keys of a scenario file (a matrix file adds [matrix]).
 TOP_KEYS = frozenset({
@@ -121,6 +126,13 @@ class ModelConfig:
     """Experts each token is routed to."""
     moe_aux_loss_coeff: float = 0.01
     """Coefficient of the load-balancing (``aux_loss``) loss, per layer and micro-batch."""
+    mtp_num_layers: int = 0
+    """Multi-token prediction depths D (0: none): megatron-core's MTP block on the local spec,
+    depth d predicting the token d + 1 places ahead with the shared embedding and output layer."""
+    mtp_use_repeated_layer: bool = False
+    """One MTP layer applied at every depth (``mtp_use_repeated_layer``) instead of D layers."""
+    mtp_loss_scaling_factor: float = 0.1
+    """Weight of the MTP loss: the mean of the D depths' losses times this joins the objective."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -171,7 +183,16 @@ class Side:
     seed: int = 1234
     """Seed of the canonical initial weights."""
     optimizer: Optimizer = "adam"
-    """adam (decoupled weight decay, as megatron-core's Adam) or sgd."""
+    """adam (decoupled weight decay, as megatron-core's Adam), sgd, or muon (megatron-core's
+    ``TensorParallelMuon`` from ``emerging-optimizers`` on 2-D weights, Adam on embeddings, the
+    output layer and 1-D params, as megatron-core splits them)."""
+    muon_tp_mode: MuonTpMode = "duplicated"
+    """muon: megatron-core's ``muon_tp_mode``: ``duplicated`` (each rank orthogonalizes the whole
+    gathered matrix), ``distributed`` (Newton-Schulz with its Gram matrices all-reduced over
+    the sharding group) or ``blockwise`` (each TP shard alone; under GTP, see docs/muon.md)."""
+    muon_blocks: int = 1
+    """muon, the golden: orthogonalize each matrix in this many blocks along its TP dim, as the
+    blockwise mode at that TP does (set from the reference's TP for a blockwise scenario)."""
     lr: float = 3e-4
     """Peak learning rate."""
     min_lr: float = 3e-5
@@ -229,6 +250,11 @@ class Side:
     distributed_optimizer: bool = False
     """megatron-core's DistributedOptimizer: grads reduce-scattered over the data-parallel
     group, each rank steps its range of every buffer, params all-gathered after the step."""
+    process_groups: ProcessGroups = "parallel-state"
+    """Where megatron-core's layers, DDP, finalize, optimizer and schedule take their groups:
+    ``parallel-state`` (its globals), ``collection`` (a ``ProcessGroupCollection`` of the same
+    groups, passed explicitly) or ``collection-permuted`` (one whose GTP peers are paired across
+    replicate DP instead: the same sizes, another pairing; :class:`harness.common.mesh.Mesh`)."""
     args: tuple[str, ...] = ()
     """mlm backend: extra pretrain_gpt.py flags, after the side's own (checked by Megatron-LM's parser)."""
     data: MlmData = "synthetic"
@@ -297,9 +323,11 @@ class Side:
 # that leaves them at the default keeps the key it had before (its traces stay reusable).
 _ADDED_LATER = (
     {"megatron_core": "installed", "mutant": "", "save_step": 0, "load_step": 0, "resume_from": "", "ep": 1, "expert_gtp": 1,
-     "pipeline_parallel": 1, "virtual_pipeline": None, "grad_reduce_in_fp32": True, "eval_interval": 0,
-     "eval_iters": 1},
-    {"num_experts": 0, "moe_topk": 2, "moe_aux_loss_coeff": 0.01},
+     "pipeline_parallel": 1, "virtual_pipeline": None, "grad_reduce_in_fp32": True,
+     "process_groups": "parallel-state", "muon_tp_mode": "duplicated", "muon_blocks": 1,
+     "eval_interval": 0, "eval_iters": 1},
+    {"num_experts": 0, "moe_topk": 2, "moe_aux_loss_coeff": 0.01, "mtp_num_layers": 0,
+     "mtp_use_repeated_layer": False, "mtp_loss_scaling_factor": 0.1},
     {"loss_mask": "none"},
 )  # fmt: skip
 
@@ -308,7 +336,7 @@ _ADDED_LATER = (
 MEGATRON_PATH_OPTIONS = ("gtp_weight_prefetch", "gtp_collectives", "recompute", "per_token_loss",
                          "sequence_parallel", "overlap_grad_reduce", "bucket_size", "distributed_optimizer",
                          "overlap_param_gather", "pipeline_parallel", "virtual_pipeline",
-                         "save_step", "load_step", "resume_from")  # fmt: skip
+                         "save_step", "load_step", "resume_from", "process_groups", "muon_tp_mode")  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -17,9 +17,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from harness.backends.faults import precision
+from harness.backends.faults import groups, precision
 from harness.backends.faults.evaluation import EVAL_INSTALLERS
 from harness.backends.faults.moe import MOE_INSTALLERS
+from harness.backends.faults.muon import MUON_INSTALLERS
+from harness.backends.faults.mtp import MTP_INSTALLERS
 from harness.backends.data import rank_sample_ids
 from harness.scenario.faults import CATALOG, RANK_FAULTS, Fault, check_name
 from harness.common.mesh import Mesh
@@ -193,8 +195,12 @@ INSTALLERS: dict[str, Callable[[Context], None]] = {
     "distopt-offsets-ignore-gtp-pad": _distopt_offsets_ignore_pad,
 }
 INSTALLERS.update(MOE_INSTALLERS)
+INSTALLERS.update(MUON_INSTALLERS)
+INSTALLERS.update(MTP_INSTALLERS)
 INSTALLERS.update(EVAL_INSTALLERS)
 INSTALLERS.update(precision.PRECISION_INSTALLERS)
+INSTALLERS.update(groups.INSTALLERS)
+before_build = groups.before_build  # the construction-time ones (harness.backends.megatron.run)
 
 
 def install(names: tuple[str, ...], ctx: Context) -> None:

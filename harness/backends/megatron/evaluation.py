@@ -16,6 +16,7 @@ import torch.distributed as dist
 from harness.backends import data as data_mod
 from harness.backends import faults
 from harness.backends.evaluation import EvalRecorder, rank_eval_sample_ids
+from harness.backends.megatron import groups
 
 
 def _loss_func(evals: EvalRecorder, where: dict, loss_mask, output_tensor):
@@ -52,7 +53,7 @@ def evaluate(fns, evals: EvalRecorder) -> None:
             losses = fns.forward_backward_func(
                 forward_step_func=forward_step, data_iterator=batches(it), model=fns.chunks,
                 num_microbatches=side.num_microbatches(d), seq_length=m.seq_length,
-                micro_batch_size=d.micro_batch_size, forward_only=True,
+                micro_batch_size=d.micro_batch_size, forward_only=True, **groups.kwargs(ctx.saved["pg_collection"]),
             )  # fmt: skip
             part = torch.vstack([x["lm loss"].view(-1) for x in losses]).sum(dim=0)
             dist.all_reduce(part, group=group)

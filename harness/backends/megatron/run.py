@@ -18,12 +18,14 @@ from harness.backends import data as data_mod
 from harness.backends import faults
 from harness.run.job import Job
 from harness.backends.evaluation import EvalRecorder
-from harness.backends.megatron import checkpoint, compat, evaluation, moe, pipeline
+from harness.backends.megatron import checkpoint, compat, evaluation, groups, moe, pipeline
+from harness.backends.megatron import mtp
 from harness.backends.megatron.gathers import record_gathers
 from harness.backends.megatron.optimizer_ranges import optimizer_state, reduced_grad, updated_param
 from harness.backends.megatron.terms import GradTerms
 from harness.backends.recording import Materialized, Recording, StepScalars, gathered
 from harness.capture.api import Capture
+from harness.common import muon
 from harness.common.dtypes import DTYPES
 from harness.backends.gpt import canonical_state, captured_modules, layout_of, mesh_of, param_specs
 from harness.common.layout import from_mcore_param, holds, shard
@@ -65,6 +67,7 @@ def _transformer_config(job: Job):
         sequence_parallel=side.sequence_parallel,
         **_RECOMPUTE[side.recompute],
         **moe.config_kwargs(job),
+        **mtp.config_kwargs(job),
         **pipeline.config_kwargs(side),
     )
 
@@ -83,6 +86,8 @@ def _build(job: Job):
         raise NotImplementedError(f"recipe {side.recipe!r} needs the Transformer Engine path of this backend")
     ps.initialize_model_parallel(tensor_model_parallel_size=side.tp, gtp_remat_size=side.gtp,
                                  **moe.parallel_kwargs(side), **pipeline.parallel_state_kwargs(side))  # fmt: skip
+    pgc = groups.collection(side)  # None: every module reads parallel_state's groups
+    faults.before_build(side.inject, pgc)
     model_parallel_cuda_manual_seed(side.seed)
     torch.manual_seed(side.seed)
     if moe.uses_gtp(side):
@@ -111,13 +116,16 @@ def _build(job: Job):
             max_sequence_length=m.seq_length,
             share_embeddings_and_output_weights=not m.untie_embeddings,
             position_embedding_type="learned_absolute",
+            mtp_block_spec=mtp.block_spec(job, config, moe.layer_spec(job)),
             **pipeline.stage_flags(vp),
+            **groups.kwargs(pgc),
         )
         _load_canonical(model, job, mesh, coord, vp)
         if bf16:
             model = Float16Module(config, model)
         # As Megatron-LM's get_model: only the first chunk buckets its grads.
-        chunks.append(DistributedDataParallel(config, ddp_config, model, disable_bucketing=bool(chunks)))
+        chunks.append(DistributedDataParallel(config, ddp_config, model, disable_bucketing=bool(chunks),
+                                              **groups.kwargs(pgc)))  # fmt: skip
     if side.overlap_param_gather:  # Megatron-LM's train(): no pre-hooks until the first step is done
         for chunk in chunks:
             chunk.disable_forward_pre_hook(param_sync=False)
@@ -126,7 +134,7 @@ def _build(job: Job):
         config.grad_sync_func = pipeline.one_or_list([c.start_grad_sync for c in chunks])
     if moe.uses_gtp(side):
         gtp_api.classify_gtp_remat_chains(chunks)
-    return config, chunks, mesh, coord
+    return config, chunks, mesh, coord, pgc
 
 
 # TransformerConfig's recompute settings per scenario choice (full: one layer per checkpoint).
@@ -168,7 +176,7 @@ def _load_canonical(model, job: Job, mesh: dict, coord: dict, vp: int | None = N
         raise RuntimeError(f"megatron-core did not build {sorted(missing)}")
 
 
-def _optimizer(job: Job, chunks: list):
+def _optimizer(job: Job, chunks: list, pgc=None):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -189,8 +197,10 @@ def _optimizer(job: Job, chunks: list):
             log_num_zeros_in_grad=True,
             use_distributed_optimizer=side.distributed_optimizer,
             overlap_param_gather=side.overlap_param_gather,
+            **_muon_kwargs(side),
         ),
         chunks,
+        **groups.optimizer_kwargs(pgc),
     )
     gbs = job.data.global_batch_size
     # Megatron-LM counts scheduler steps in samples.
@@ -210,6 +220,13 @@ def _optimizer(job: Job, chunks: list):
     return opt, scheduler
 
 
+def _muon_kwargs(side) -> dict:
+    """megatron-core's Muon switch and the hyper-parameters the golden's Muon computes with."""
+    if side.optimizer != "muon":
+        return {}
+    return {"muon_tp_mode": side.muon_tp_mode, **muon.optimizer_config_kwargs()}
+
+
 def _loss_func(rec: Recording, mb_state: dict, loss_mask, output_tensor):
     losses = output_tensor.float()
     loss = torch.sum(losses * loss_mask)
@@ -225,21 +242,23 @@ def run(job: Job, cap: Capture) -> None:
 
     compat.install()
     compat.reset_gtp_state()
+    mtp.reset_tracker()
     reach = None
     try:
         if job.side.mutant:  # a mutation campaign's side: undone with the faults' patches below
             from harness.backends.faults.mutant import apply
 
             reach = apply(job.side.mutant, watch=True)
-        config, chunks, mesh, coord = _build(job)
+        config, chunks, mesh, coord, pgc = _build(job)
         # Names: global layer numbers on every stage, global expert indices on every EP rank.
         named = [(moe.global_name(pipeline.canonical_names(c, canonical_name)[n], job), p)
                  for c in chunks for n, p in c.named_parameters()]  # fmt: skip
         ctx = faults.Context(backend="megatron", side=job.side, model=chunks, optimizer=None, rank=dist.get_rank(),
                              coord=coord, named_params=named)  # fmt: skip
-        ctx.saved["data"] = job.data
+        ctx.saved.update(data=job.data, pg_collection=pgc)
         faults.install(job.side.inject, ctx)  # before the optimizer: a fault may act on how it is built
-        ctx.optimizer, scheduler = _optimizer(job, chunks)
+        ctx.optimizer, scheduler = _optimizer(job, chunks, ctx.saved["pg_collection"])
+        cap.info["stepped_by"] = muon.stepped_by(ctx.optimizer, named)
         _train(job, cap, ctx, config, chunks, scheduler, mesh, get_forward_backward_func(), finalize_model_grads)
     finally:
         if reach is not None:  # beside the rank's trace files, not in them (see mutation.campaign)
@@ -259,6 +278,7 @@ def _train(job, cap, ctx, config, chunks, scheduler, mesh, forward_backward, fin
     for ddp in chunks:
         inner = ddp.module.module if side.precision == "bf16" else ddp.module
         modules = captured_modules(inner) if side.pipeline_parallel == 1 else pipeline.stage_modules(inner)
+        mtp.attach(inner, cap, job, modules, lambda: fns.loss_mask)
         cap.attach(modules, vocab_parallel=["output_layer"], sequence_parallel=side.sequence_parallel)
         moe.attach_router_capture(inner, cap, job.model.seq_length)
     cap.info["gtp_params"] = {n: getattr(p, "chain_id", None) for n, p in named
@@ -286,14 +306,12 @@ class _MegatronStep:
     """One step as Megatron-LM's ``train_step`` runs it: MCore's schedule, optimizer, scheduler."""
 
     def __init__(self, job, rec: Recording, ctx, config, chunks, opt, scheduler, forward_backward):
-        from megatron.core import parallel_state as ps
-
         self.job, self.rec, self.ctx, self.chunks, self.opt, self.scheduler = job, rec, ctx, chunks, opt, scheduler
         self.forward_backward_func = forward_backward
         m = job.model
         self.mask = torch.triu(torch.ones(1, 1, m.seq_length, m.seq_length, dtype=torch.bool), 1)
         self.positions = torch.arange(m.seq_length)[None]
-        self.data_group = ps.get_data_parallel_group()  # GTP-inclusive: the data-distribution group
+        self.data_group = groups.data_group(ctx.saved["pg_collection"])  # GTP-inclusive: where samples are spread
         self.skipped = 0
         self.evals = EvalRecorder(rec.cap)
         self.terms = GradTerms(job.side, job.model, rec.cap, rec.named)
@@ -325,7 +343,9 @@ class _MegatronStep:
 
         def forward_step(data_iterator, model):
             tokens, labels, loss_mask = next(data_iterator)
-            out = model(tokens, self.positions.expand(tokens.shape[0], -1), self.mask, labels=labels)
+            self.loss_mask = loss_mask  # what MTP's depths roll (process_mtp_loss)
+            out = model(tokens, self.positions.expand(tokens.shape[0], -1), self.mask, labels=labels,
+                        loss_mask=loss_mask)  # fmt: skip
             return out, partial(_loss_func, self.rec, mb_state, loss_mask)
 
         for chunk in self.chunks:
@@ -336,7 +356,7 @@ class _MegatronStep:
         self.losses = self.forward_backward_func(
             forward_step_func=forward_step, data_iterator=pipeline.one_or_list(iterators), model=self.chunks,
             num_microbatches=side.num_microbatches(d), seq_length=m.seq_length,
-            micro_batch_size=d.micro_batch_size, forward_only=False,
+            micro_batch_size=d.micro_batch_size, forward_only=False, **groups.kwargs(self.ctx.saved["pg_collection"]),
         )  # fmt: skip
 
     def prepare_update(self, step: int) -> None:
