@@ -264,3 +264,39 @@ def test_an_expert_parallel_checkpoint_on_main_does_not_load_at_ep1(tmp_path):
         assert rank["saved"] == {"optimizers": 2, "expert_allreduce": "False"}
         assert rank["ep2-egtpoff-gtpoff"]["load"] == "loaded"
         assert rank["ep1-egtpoff-gtpoff"]["load"].startswith("ValueError: Could not find parameter group")
+
+
+def _eval_sides(ranks: list) -> list[dict]:
+    """Per rank, {label: that side's evaluate() result} of eval_loss_gtp_group.py."""
+    return [{side["label"]: side for side in rank} for rank in ranks]
+
+
+def _within_fp32_sum(a: float, b: float, terms: int) -> bool:
+    """Two fp32 computations of one token mean: each micro-batch's sum rounded once, ``terms``
+    added, one division: within (terms + 2) eps_fp32 of each other, relative."""
+    return abs(a - b) <= (terms + 2) * 2.0**-23 * abs(b)
+
+
+def test_megatron_lm_eval_loss_averages_each_ranks_own_samples_on_the_wheel(tmp_path):
+    """FINDINGS M on the wheel: Megatron-LM's evaluate() at TP1 x GTP2 reports, on each rank, the
+    mean over that rank's samples only (its reduction group leaves the GTP peer out); GTP off
+    reports the whole batch's. Both sides compute the same per-micro-batch losses. Exit 1."""
+    for rank in _eval_sides(_run("eval_loss_gtp_group.py", ["gtp-off", "gtp2"], tmp_path, returncode=1)):
+        off, gtp2 = rank["gtp-off"], rank["gtp2"]
+        assert (off["own"], off["batch"]) == (gtp2["own"], gtp2["batch"])  # the same samples and weights
+        assert _within_fp32_sum(off["reported"], off["batch"], off["micro_batch_terms"])
+        assert _within_fp32_sum(gtp2["reported"], gtp2["own"], gtp2["micro_batch_terms"])
+        assert not _within_fp32_sum(gtp2["reported"], gtp2["batch"], gtp2["micro_batch_terms"])
+
+
+@pytest.mark.slow
+def test_megatron_lm_eval_loss_on_main_averages_the_whole_batch(tmp_path):
+    """FINDINGS M on Megatron-LM main (d98e8a64dd): df197a816f reduces over the GTP-inclusive
+    data-parallel group; every rank reports the whole batch's mean. Exit 0."""
+    repo = MAIN_TREE[len("git:"):].rpartition("@")[0] if MAIN_TREE.startswith("git:") else MAIN_TREE
+    if not Path(repo).is_dir():
+        pytest.skip(f"no Megatron-LM tree at {repo} (set GTP_PARITY_MAIN_TREE)")
+    ranks = _run("eval_loss_gtp_group.py", ["gtp-off", "gtp2"], tmp_path, extra=("--megatron", MAIN_TREE))
+    for rank in _eval_sides(ranks):
+        for side in rank.values():
+            assert _within_fp32_sum(side["reported"], side["batch"], side["micro_batch_terms"]), side

@@ -281,7 +281,7 @@ class Capture:
                     self.tensor(kind, name, state[key].view(p.shape), layout=layout)
 
     def scalar(self, name: str, value: float, **extra) -> None:
-        if self.wants("scalar") or name in ("loss", "reduced_loss"):
+        if self.wants("scalar") or name in ("loss", "reduced_loss", "eval_loss", "eval_sample_loss"):
             self._scalars.append({"step": self.step, "name": name, "value": float(value), **extra})
 
     def progress(self, phase: str) -> None:

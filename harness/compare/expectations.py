@@ -133,6 +133,8 @@ def expectation(row: dict, ref: dict, cand: dict, up: _Upstream, why_not: str | 
         return NOISE, why_not
     if kind == "scalar" and name in ("lr", "skipped"):
         return BITWISE, "the same schedule over the same sample count"
+    if kind == "eval":
+        return _evaluation(row, ref, up)
     if not up.all_bitwise(step - 1, "param"):
         return NOISE, f"the weights this step read (step {step - 1}) differ: no bound carries through the steps"
     if kind in _FORWARD or (kind == "scalar" and name == "reduced_loss"):
@@ -168,6 +170,20 @@ def _main_grad(row: dict, ref: dict) -> tuple[str, str]:
         return NOISE, (f"a sum of {n} terms in another order, whose magnitudes no side recorded (GTP on both "
                        "sides, PP, MoE, sequence parallelism, an overlapped reduce, a per-token loss, mlm)")  # fmt: skip
     return BOUNDED, f"the same {n} wgrad terms ({ref['micro_batches']} micro-batches x {ranks} data ranks) summed in {acc} in another order: 2 gamma_{2 * n} sum|x_i|"
+
+
+def _evaluation(row: dict, ref: dict, up: _Upstream) -> tuple[str, str]:
+    """An evaluation after step N reads the weights after N's update."""
+    step = int(row["step"])
+    if not up.all_bitwise(step, "param"):
+        return NOISE, f"the weights the evaluation read (after step {step}) differ: no bound carries through"
+    if row["tensor"].startswith("eval_loss[sample"):
+        return BITWISE, "the same forward-only pass (eval mode) on bitwise-equal weights and the same samples"
+    ranks = _data_ranks(ref)
+    if ranks <= 2:
+        return BITWISE, (f"the token mean of the same micro-batch losses: each data rank's sum in the same order, "
+                         f"then a sum over {ranks} data rank{'s' * (ranks > 1)} (commutative) and one division")  # fmt: skip
+    return NOISE, f"a sum over {ranks} data ranks' partial losses in the order the all-reduce takes"
 
 
 def _optimizer(row: dict, ref: dict, cand: dict, up: _Upstream) -> tuple[str, str]:
@@ -257,7 +273,7 @@ def judge_rows(df: pd.DataFrame, traces: dict, policy) -> pd.DataFrame:
 
 
 # Judgements an expectation leaves alone: already bitwise, or decided by what no rounding explains.
-_DECIDED = ("exact", "nonfinite", "shape", "consistency", "fingerprint")
+_DECIDED = ("exact", "nonfinite", "shape", "consistency", "fingerprint", "replica")
 
 
 def _number(value) -> bool:

@@ -20,56 +20,13 @@ import torch
 from torch.distributed.tensor import Shard
 
 from harness.common import mtp
-from harness.compare import signatures
+from harness.compare import evaluation, signatures
 from harness.compare.summary import FirstDivergence, Region, ScenarioSummary, Verdict
 from harness.compare.tolerance import tolerances, within_tolerance
 from harness.compare.updates import befores, update_term
 
-SIGNATURES = {
-    "ratio-G": "candidate = G x reference: a mean over the GTP group became a sum (missing 1/G)",
-    "ratio-1/G": "candidate = reference / G: the GTP mean was taken twice",
-    "ratio-TP": "candidate = TP x reference: a TP mean became a sum",
-    "ratio-1/TP": "candidate = reference / TP",
-    "ratio-2": "candidate = 2 x reference: a reduction counted twice",
-    "ratio-1/2": "candidate = reference / 2: a reduction halved",
-    "log-TP-offset": "losses differ by log(TP): logits normalized over one TP shard only",
-    "permuted-blocks": "the candidate equals the reference with shard blocks permuted: shard order",
-    "pad-rows": "GTP pad rows are non-zero: padding leaked into the weight or received gradient",
-    "replica-drift": "a replicated tensor differs across ranks: a partial gradient was not reduced",
-    "missing-gradient": "the candidate gradient is zero where the reference is not",
-    "stale-update": "the weight after the step equals the weight before it: the update did not land",
-    "misrouted-samples": "ranks read the wrong samples (duplicated or missing sample ids)",
-    "loss-report-only": "every tensor agrees, only the reported (reduced) loss differs",
-    "grad-norm-only": "gradients agree, only the grad norm differs: double counting in the norm",
-    "precision-loss": "within the format's tolerance of the reference, but further from the fp64 "
-                      "golden than the reference's noise floor allows: precision lost (e.g. an "
-                      "amax not reduced, a reduction in lower precision); named only where the "
-                      "candidate has a precision mechanism (a recipe, bf16, or a precision below "
-                      "the reference's)",
-    "update-term": "the optimizer step's update (after - before) differs from the reference's by "
-                   "a structure: a factor (an LR multiplier, a clip factor) or a term such as "
-                   "-lr*wd*param (weight decay)",
-    "extra-rounding": "one side is the other rounded once more to a narrower dtype (named): a "
-                      "reduction or accumulation in bf16/fp16 where the other keeps fp32",
-    "dtype-changed": "the same values held in another dtype (named per side): a buffer or a reduction built in "
-                     "another precision than the other side's",
-    "not-bitwise": "the same operations on the same values (a bitwise expectation) gave other bits, with no "
-                   "recognised pattern: an operation added, reordered or run in another kernel",
-    "beyond-sum-bound": "a sum of the same terms differs by more than any order of summing them allows "
-                        "(a bounded expectation): a term lost, added or rounded",
-    "mismatch": "values differ beyond the policy with no recognised pattern",
-    "gemm-consumed-foreign-weight": "a GEMM consumed another parameter's weight: a GTP gather buffer "
-                                    "was reused before the GEMM read it",
-    "pad-rows-as-data": "the candidate is the reference with zero rows inserted and the rows behind "
-                        "them shifted down: pad rows were counted as data (a saved GTP shard's padding)",
-    "shared-weight-only": "only a weight used more than once per step differs, every weight used once agrees: "
-                          "per-weight state written for one use (one use's gradient lost or counted twice)",
-    "labels-misaligned": "a loss differs while the logits it is computed from agree: it read other labels or "
-                         "another loss mask (labels not shifted, or shifted by another depth)",
-    "permuted-tensors": "the candidate's tensor is, bit for bit, the reference's tensor of another "
-                        "parameter (named): whole tensors permuted, e.g. saved under another expert's "
-                        "or layer's index",
-}
+# The signatures' meanings live beside their detectors; the report reads them from here too.
+SIGNATURES = signatures.SIGNATURES
 
 _PHASE_OF_KIND = {
     "input": (0, "data"),
@@ -85,6 +42,7 @@ _PHASE_OF_KIND = {
     "exp_avg_sq": (7, "optimizer"),
     "master": (8, "optimizer"),
     "param": (9, "optimizer"),
+    "eval": (10, "eval"),  # an evaluation on the step's updated weights
 }
 _SCALAR_PHASE = {"reduced_loss": (4, "loss"), "grad_norm": (6, "reduce"), "lr": (7, "optimizer"),
                  "skipped": (7, "optimizer")}  # fmt: skip
@@ -121,7 +79,7 @@ def causal_key(row) -> tuple:
     kind, name = row["kind"], row["tensor"]
     phase_idx, _ = _SCALAR_PHASE.get(name, _PHASE_OF_KIND.get(kind, (5, "other"))) if kind == "scalar" \
         else _PHASE_OF_KIND.get(kind, (5, "other"))  # fmt: skip
-    pos = _layer_position(name)
+    pos = evaluation.position(name) if kind == "eval" else _layer_position(name)
     if kind == "main_grad":
         pos = -pos  # backward runs in reverse layer order
     return (int(row["step"]), phase_idx, pos, name, kind)  # kind: Adam's two moments in one order
@@ -211,6 +169,8 @@ def summarize(df: pd.DataFrame, logical: dict, traces: dict, policy, recipe: str
         if sig is None and hit:
             sig = label
             first = {**first, "ranks": hit[0].get("ranks") or [hit[0].get("rank")], "rows": hit[0].get("rows")}
+    if sig is None and kind == "eval":
+        sig, extra = evaluation.signature(first, df, traces["candidate"])
     if sig is None:
         sig, extra = _signature(first, df, logical, mesh, key, recipe, _StepContext.of(traces, step, recipe))
     owner = cand.shard_owner.get(key)
@@ -233,13 +193,7 @@ def summarize(df: pd.DataFrame, logical: dict, traces: dict, policy, recipe: str
     if sig.startswith("ratio") or sig in ("missing-gradient", "stale-update"):
         # A whole-tensor pattern: every rank holding the tensor shows it, not only the worst one.
         ranks = sorted(int(r) for r in traces["candidate"].coords())
-    explanation = SIGNATURES.get(sig, "")
-    if sig == "extra-rounding":
-        er = extra["extra_rounding"]
-        how = ("the other side rounded to it" if er["pattern"] == "exact" else
-               f"off by {er['median_ulps']:.2g} {er['dtype']} ULP (median): partial sums rounded to it")  # fmt: skip
-        explanation = (f"the {er['rounded']} was rounded once more to {er['dtype']} ({er['elements']} elements "
-                       f"differ, {how}): a reduction or accumulation in {er['dtype']} where the other keeps fp32")  # fmt: skip
+    explanation = _explanation(sig, extra)
     if consumed := consumed_foreign(traces["candidate"], step):
         extra = {**extra, "consumed": consumed["events"]}
         # Another parameter's weight in a GEMM explains whatever diverged after it; a weight
@@ -250,6 +204,23 @@ def summarize(df: pd.DataFrame, logical: dict, traces: dict, policy, recipe: str
         step=step, phase=phase_of(kind, name), kind=kind, tensor=name, ranks=ranks, region=Region.of(**region),
         signature=sig, explanation=explanation, measured=metrics, extra=extra,
     ))  # fmt: skip
+
+
+def _explanation(sig: str, extra: dict) -> str:
+    """The signature's explanation, with what was measured where it names it."""
+    if sig == "extra-rounding":
+        er = extra["extra_rounding"]
+        how = ("the other side rounded to it" if er["pattern"] == "exact" else
+               f"off by {er['median_ulps']:.2g} {er['dtype']} ULP (median): partial sums rounded to it")  # fmt: skip
+        return (f"the {er['rounded']} was rounded once more to {er['dtype']} ({er['elements']} elements "
+                f"differ, {how}): a reduction or accumulation in {er['dtype']} where the other keeps fp32")  # fmt: skip
+    if sig == "partial-average":
+        pa = extra["partial_average"]
+        who = "; ".join(f"rank {r}: data ranks {d}" for r, d in pa["averaged"].items())
+        return (f"the reported loss is the mean over some of the {pa['data_ranks']} data ranks' samples only "
+                f"({who}): reduced over a group that leaves out ranks reading other samples (GTP peers "
+                "are data ranks)")  # fmt: skip
+    return SIGNATURES.get(sig, "")
 
 
 def consumed_foreign(trace, step: int) -> dict | None:

@@ -7,7 +7,9 @@ can name faults; :mod:`harness.backends.faults` implements them.
 from __future__ import annotations
 
 from harness.scenario.fault import Fault
-from harness.scenario.feature_faults import GROUP_FAULTS, MTP_FAULTS, MUON_FAULTS, PRECISION_FAULTS, feature_reach
+from harness.scenario.feature_faults import (
+    EVAL_FAULTS, GROUP_FAULTS, MTP_FAULTS, MUON_FAULTS, PRECISION_FAULTS, feature_reach,
+)  # fmt: skip
 
 
 CATALOG: dict[str, Fault] = {
@@ -185,6 +187,8 @@ MLM_FAULTS = frozenset(CATALOG) - {"gtp-peers-same-sample", "fp8-unreduced-amax"
                                     "distopt-offsets-ignore-gtp-pad", "pp-swap-microbatch-grads",
                                     "ckpt-pad-rows-as-data", "ckpt-expert-index-shifted",
                                     "ckpt-stage-layers-mirrored"}  # fmt: skip
+# Of the evaluation's faults the mlm backend plants the stale gather, inside megatron-core's GTP.
+MLM_FAULTS = MLM_FAULTS | {"gtp-eval-stale-gather"}
 
 
 def check_reach(name: str, side, data=None) -> str | None:
@@ -273,3 +277,4 @@ CATALOG.update(MUON_FAULTS)
 CATALOG.update(PRECISION_FAULTS)
 CATALOG.update(GROUP_FAULTS)
 CATALOG.update(MTP_FAULTS)
+CATALOG.update(EVAL_FAULTS)

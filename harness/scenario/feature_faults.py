@@ -1,5 +1,5 @@
 """The planted faults of the features GTP is combined with: Muon, the precision bug class,
-caller-supplied process groups, multi-token prediction. Part of the catalogue
+caller-supplied process groups, multi-token prediction, evaluation. Part of the catalogue
 (:mod:`harness.scenario.faults` merges them into ``CATALOG``); torch-free."""
 
 from __future__ import annotations
@@ -176,6 +176,44 @@ def _mtp_reach(name: str, side) -> str | None:
     return None
 
 
+# Faults only an evaluation exposes (sides with eval_interval > 0; tests/test_eval.py plants them).
+EVAL_FAULTS: dict[str, Fault] = {
+    f.name: f
+    for f in [
+        Fault(
+            "gtp-eval-stale-gather", "stale or clobbered buffer",
+            "in eval mode (an evaluation's forward-only passes) decoder.layers.0.mlp.linear_fc1.weight's "
+            "consumer is handed the weight GTP gathered at the last training forward, which the optimizer "
+            "step does not invalidate: the evaluation reads that weight as it was before the step",
+            # tensor: an fnmatch pattern, "[[]" a literal "["
+            {"step": 1, "phase": "eval", "kind": "eval", "tensor": "eval_loss[[]sample *]",
+             "signature": "gemm-consumed-foreign-weight"},
+            target="decoder.layers.0.mlp.linear_fc1.weight",
+        ),
+        Fault(
+            "eval-loss-wrong-group", "loss reporting",
+            "the evaluation's loss is all-reduced over the replicate-DP group, leaving out GTP peers: "
+            "each rank reports the mean over its replicate group's samples (megatron backend's loop)",
+            {"step": 1, "phase": "eval", "kind": "eval", "tensor": "eval_loss[[]eval 0]",
+             "signature": "partial-average"},
+        ),
+    ]
+}
+
+
+def _eval_reach(name: str, side) -> str | None:
+    if side.gtp == 1:
+        return f"{name!r} never fires on a side without GTP (gtp = 1)"
+    if getattr(side, "eval_interval", 0) <= 0:
+        return f"{name!r} never fires on a side that does not evaluate (eval_interval = 0)"
+    if name == "eval-loss-wrong-group" and side.backend != "megatron":
+        # Megatron-LM's evaluate() picks its own group (on 0.19.2 the replicate one already).
+        return f"{name!r} is planted on the megatron backend's loop only"
+    if side.backend not in ("megatron", "mlm"):
+        return f"{name!r} is planted on the megatron and mlm backends only"
+    return None
+
+
 def feature_reach(name: str, side, data=None) -> str | None:
     """Why fault ``name`` of one of these catalogues cannot fire on ``side`` (None: it can, or it is
     not one of them); :func:`harness.scenario.faults.check_reach` asks this first."""
@@ -187,4 +225,6 @@ def feature_reach(name: str, side, data=None) -> str | None:
         return _groups_reach(name, side)
     if name in MTP_FAULTS:
         return _mtp_reach(name, side)
+    if name in EVAL_FAULTS:
+        return _eval_reach(name, side)
     return None

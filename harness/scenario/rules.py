@@ -11,6 +11,7 @@ import re
 from harness.scenario import checkpoint as checkpointing
 from harness.common.errors import BadInput
 from harness.scenario.faults import check_name, check_reach
+from harness.scenario.eval_rules import validate_eval
 from harness.scenario.moe_rules import moe_parameter_count, validate_moe_model, validate_moe_side
 from harness.scenario.mtp_rules import mtp_parameter_count, validate_mtp_model, validate_mtp_side
 from harness.scenario.muon_rules import validate_muon_side
@@ -48,6 +49,7 @@ def validate(s: Scenario, limits: bool = True) -> None:
         steps[name] = side.steps
     if len(set(steps.values())) != 1:
         raise BadInput(f"{s.source}: steps", f"every side must run the same number of steps, got {steps}")
+    validate_eval(s)
     _validate_capture_compare(s)
     _validate_expect(s)
     checkpointing.check(s)

@@ -212,6 +212,11 @@ class Side:
     adam_eps: float = 1e-8
     sgd_momentum: float = 0.0
     """SGD momentum (0: plain SGD, which exposes gradient scaling faults)."""
+    eval_interval: int = 0
+    """Evaluate after every this many steps and after the last (Megatron-LM's
+    ``--eval-interval`` and final validation; :mod:`harness.backends.evaluation`); 0: never."""
+    eval_iters: int = 1
+    """Forward-only iterations of one global batch of validation samples per evaluation."""
     # --- GTP's other code paths (megatron backend; the golden does not inherit them) ---
     gtp_weight_prefetch: bool = True
     """GTP's weight prefetch chains (megatron-core's default): ``update_gtp_config(weight_prefetch=)``."""
@@ -319,7 +324,8 @@ class Side:
 _ADDED_LATER = (
     {"megatron_core": "installed", "mutant": "", "save_step": 0, "load_step": 0, "resume_from": "", "ep": 1, "expert_gtp": 1,
      "pipeline_parallel": 1, "virtual_pipeline": None, "grad_reduce_in_fp32": True,
-     "process_groups": "parallel-state", "muon_tp_mode": "duplicated", "muon_blocks": 1},
+     "process_groups": "parallel-state", "muon_tp_mode": "duplicated", "muon_blocks": 1,
+     "eval_interval": 0, "eval_iters": 1},
     {"num_experts": 0, "moe_topk": 2, "moe_aux_loss_coeff": 0.01, "mtp_num_layers": 0,
      "mtp_use_repeated_layer": False, "mtp_loss_scaling_factor": 0.1},
     {"loss_mask": "none"},

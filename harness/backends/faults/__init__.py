@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from harness.backends.faults import groups, precision
 from harness.backends.faults.checkpoint import CHECKPOINT_INSTALLERS
+from harness.backends.faults.evaluation import EVAL_INSTALLERS
 from harness.backends.faults.moe import MOE_INSTALLERS
 from harness.backends.faults.muon import MUON_INSTALLERS
 from harness.backends.faults.mtp import MTP_INSTALLERS
@@ -197,6 +198,7 @@ INSTALLERS: dict[str, Callable[[Context], None]] = {
 INSTALLERS.update(MOE_INSTALLERS)
 INSTALLERS.update(MUON_INSTALLERS)
 INSTALLERS.update(MTP_INSTALLERS)
+INSTALLERS.update(EVAL_INSTALLERS)
 INSTALLERS.update(precision.PRECISION_INSTALLERS)
 INSTALLERS.update(groups.INSTALLERS)
 INSTALLERS.update(CHECKPOINT_INSTALLERS)
@@ -326,6 +328,17 @@ def amax_reduction_group(ctx: Context, group):
 
 def loss_report_group(ctx: Context, group):
     if "loss-report-wrong-group" in ctx.active:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_group(with_gtp_remat=False)
+    return group
+
+
+def eval_report_group(ctx: Context, group):
+    """The group an evaluation's loss is reduced over (the harness's loop): under
+    ``eval-loss-wrong-group`` the replicate-DP group, leaving out GTP peers (what Megatron-LM's
+    ``evaluate()`` does on megatron-core 0.19.2)."""
+    if "eval-loss-wrong-group" in ctx.active:
         from megatron.core import parallel_state as ps
 
         return ps.get_data_parallel_group(with_gtp_remat=False)

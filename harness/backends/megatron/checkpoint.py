@@ -177,6 +177,7 @@ def load(ddp, opt, scheduler, directory: str | Path) -> None:
 
 def train(job, rec, fns, ddp, opt, scheduler, ctx=None) -> None:
     """The side's steps around its checkpoint: resume from one, save one, or neither."""
+    from harness.backends.evaluation import eval_points
     from harness.backends.recording import train as run_steps
 
     side = job.side
@@ -189,4 +190,4 @@ def train(job, rec, fns, ddp, opt, scheduler, ctx=None) -> None:
         rec.cap.progress("save")
         save(ddp, opt, scheduler, job.checkpoint_dir, ctx)
     else:
-        run_steps(rec, side.steps, fns)
+        run_steps(rec, side.steps, fns, evals=eval_points(side))

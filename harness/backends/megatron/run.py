@@ -17,7 +17,8 @@ import torch.distributed as dist
 from harness.backends import data as data_mod
 from harness.backends import faults
 from harness.run.job import Job
-from harness.backends.megatron import checkpoint, compat, groups, moe, pipeline
+from harness.backends.evaluation import EvalRecorder
+from harness.backends.megatron import checkpoint, compat, evaluation, groups, moe, pipeline
 from harness.backends.megatron import mtp
 from harness.backends.megatron.gathers import record_gathers
 from harness.backends.megatron.optimizer_ranges import optimizer_state, reduced_grad, updated_param
@@ -312,6 +313,7 @@ class _MegatronStep:
         self.positions = torch.arange(m.seq_length)[None]
         self.data_group = groups.data_group(ctx.saved["pg_collection"])  # GTP-inclusive: where samples are spread
         self.skipped = 0
+        self.evals = EvalRecorder(rec.cap)
         self.terms = GradTerms(job.side, job.model, rec.cap, rec.named)
         gtp_on = moe.uses_gtp(job.side)
         # Where GTP is off the weight each GEMM reads is the parameter itself.
@@ -372,6 +374,9 @@ class _MegatronStep:
 
     def optimizer_state(self):
         return optimizer_state(self.opt, self.rec.named)
+
+    def evaluate(self, step: int) -> None:
+        evaluation.evaluate(self, self.evals)
 
     def scalars(self, step: int) -> StepScalars:
         totals = pipeline.loss_totals(self.losses)  # zeros before the last pipeline stage

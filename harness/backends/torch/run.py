@@ -14,6 +14,7 @@ import torch
 from harness.backends import data as data_mod
 from harness.backends import mtp
 from harness.run.job import Job
+from harness.backends.evaluation import EvalRecorder, eval_points, eval_sample_ids
 from harness.backends.recording import Materialized, Recording, StepScalars, train
 from harness.capture.api import Capture
 from harness.common.dtypes import DTYPES
@@ -52,7 +53,7 @@ def _run_golden(job: Job, cap: Capture) -> None:
     depths = mtp.attach(cap, model, m.mtp_num_layers, modules)
     cap.attach(modules, vocab_parallel=["output_layer"])
     rec = Recording(cap, named, layouts)
-    train(rec, side.steps, _GoldenStep(job, rec, model, specs, depths))
+    train(rec, side.steps, _GoldenStep(job, rec, model, specs, depths), evals=eval_points(side))
 
 
 class _GoldenStep:
@@ -64,6 +65,7 @@ class _GoldenStep:
         rec.cap.info["stepped_by"] = stepped_by(self.opt, rec.named)
         # The weight each GEMM reads is the parameter itself (materialized, in GTP terms).
         self.materialized = Materialized(rec.cap, rec.layouts, [(n, p) for n, p in rec.named if specs[n].gtp])
+        self.evals = EvalRecorder(rec.cap)
 
     def begin(self, step: int) -> None:
         self.materialized.begin_step()
@@ -100,6 +102,24 @@ class _GoldenStep:
             self.depths.record_loss(depth, mtp.per_sample(losses, kept))
             total = total + (losses * kept).sum() / kept.sum().clamp(min=1)
         return total * (m.mtp_loss_scaling_factor / m.mtp_num_layers) if m.mtp_num_layers else total
+
+    def evaluate(self, step: int) -> None:
+        """Each iteration's global batch in one forward (eval mode, no graph): per-sample losses
+        and the token mean over every iteration's samples, as Megatron-LM reports it."""
+        d, m, side = self.job.data, self.job.model, self.job.side
+        index, total, tokens = self.evals.begin(), 0.0, 0.0
+        self.model.eval()
+        with torch.no_grad():
+            for it in range(side.eval_iters):
+                ids = eval_sample_ids(index, it, side, d)
+                inputs, labels = data_mod.batch(d.seed, ids, m)
+                mask = data_mod.loss_mask(d, ids, m.seq_length).to(torch.float64)
+                losses = token_losses(self.model(inputs), labels).to(torch.float64) * mask
+                for i, sid in enumerate(ids):
+                    self.evals.sample((losses[i].sum() / mask[i].sum()).item(), [sid], mask[i].sum().item(), it, 0)
+                total, tokens = total + losses.sum().item(), tokens + mask.sum().item()
+        self.model.train()
+        self.evals.report(total / tokens)
 
     def prepare_update(self, step: int) -> None:
         side, gbs = self.job.side, self.job.data.global_batch_size
