@@ -65,6 +65,7 @@ class Run:
     # the second pass is the first to use links and chains built lazily by the first
     bf16: bool = False  # bf16 params and activations (Float16Module, as training wraps them);
     # main_grad stays fp32 (DDP grad_reduce_in_fp32)
+    mtp_num_layers: int = 0  # multi-token prediction depths (the local spec's MTP block)
     model: Model = field(default_factory=Model)
 
 
@@ -110,7 +111,7 @@ def build(run: Run, collection=None):
     ``collection``: makes the ProcessGroupCollection passed to both, once parallel_state is up."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel import generalized_tensor_parallelism as gtp
     from megatron.core.tensor_parallel import gtp_api
@@ -137,14 +138,16 @@ def build(run: Run, collection=None):
         gradient_accumulation_fusion=False, attention_softmax_in_fp32=True,
         bf16=run.bf16, params_dtype=dtype, pipeline_dtype=dtype, init_method_std=0.05,
         deterministic_mode=True, sequence_parallel=run.sequence_parallel,
-        calculate_per_token_loss=run.per_token_loss, **recompute,
+        calculate_per_token_loss=run.per_token_loss, mtp_num_layers=run.mtp_num_layers or None, **recompute,
     )  # fmt: skip
     undo = _norm_without_sp_assert()
+    spec = get_gpt_layer_local_spec()
     try:
         model = GPTModel(
-            config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+            config=config, transformer_layer_spec=spec,
             vocab_size=m.vocab_size, max_sequence_length=m.seq_length,
             share_embeddings_and_output_weights=False, position_embedding_type="learned_absolute", **groups,
+            mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if run.mtp_num_layers else None,
         )  # fmt: skip
     finally:
         undo()

@@ -187,6 +187,20 @@ def test_a_commit_changes_the_side_key(repo):
     assert installed["candidate"].megatron_root == "" and "megatron_core" not in installed["candidate"].provenance
 
 
+@pytest.mark.slow
+def test_a_checkpoints_saving_side_imports_the_scenarios_tree(repo):
+    """--megatron-core names the tree of every side, the saving side of a checkpoint included:
+    its launch puts that tree first on the path, as its trace's provenance says."""
+    path, commits = repo
+    (s, *_) = scenario.load(ASSETS / "checkpoint_fast.toml")
+    (t,) = with_code([s], every=f"git:{path}@{commits[0]}")
+    jobs = plan([t], Path("/nonexistent"))[t.name]
+    saver, candidate = jobs["saver"], jobs["candidate"]
+    assert saver.megatron_root == candidate.megatron_root and saver.megatron_root.endswith(commits[0])
+    assert saver.provenance["megatron_core"]["commit"] == commits[0]
+    assert candidate.checkpoint_dir == saver.checkpoint_dir == str(Path(saver.trace_dir) / "checkpoint")
+
+
 def test_fixed_in_is_checked_against_the_candidates_history(repo):
     path, commits = repo
     tree = code.resolve(f"git:{path}@{commits[1]}", "t").to_json()

@@ -139,7 +139,8 @@ def precision_run(tmp_path_factory):
     return out
 
 
-FAULTS = ["gtp-rs-bf16", "distopt-grad-rs-bf16", "microbatch-accum-bf16", "adam-exp-avg-sq-bf16-gtp"]
+FAULTS = ["gtp-rs-bf16", "distopt-grad-rs-bf16", "microbatch-accum-bf16", "adam-exp-avg-sq-bf16-gtp",
+          "grad-reduce-bf16-ignored"]
 
 
 @pytest.mark.multirank
@@ -153,8 +154,10 @@ def test_a_precision_fault_breaks_its_expectation_where_the_noise_floor_passes_i
     s = summary(precision_run, f"precision-{fault}")
     fd, expect = s["first_divergence"], CATALOG[fault].expect
     assert s["verdict"] == "fail"
-    assert (fd["step"], fd["kind"], fd["signature"]) == (expect["step"], expect["kind"], "extra-rounding"), fd
-    assert fnmatch.fnmatchcase(fd["tensor"], expect["tensor"]) and "bfloat16" in fd["explanation"], fd
+    assert (fd["step"], fd["kind"], fd["signature"]) == (expect["step"], expect["kind"], expect["signature"]), fd
+    assert fnmatch.fnmatchcase(fd["tensor"], expect["tensor"]), fd
+    # the narrower dtype is named: the extra rounding's, or the buffer's that ignored its configuration
+    assert "bfloat16" in fd["explanation"] or fd.get("dtypes") == {"reference": "bfloat16", "candidate": "float32"}, fd
     df = results(precision_run, f"precision-{fault}")
     broken = df[~df["passed"].astype(bool)]
     assert set(broken["expectation"]) <= {"bitwise", "bounded"} and len(broken)

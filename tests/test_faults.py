@@ -10,7 +10,7 @@ import pytest
 
 from harness import cli
 from harness import scenario
-from harness.scenario.faults import MOE_FAULTS, PRECISION_FAULTS
+from harness.scenario.faults import EVAL_FAULTS, GROUP_FAULTS, MOE_FAULTS, MTP_FAULTS, MUON_FAULTS, PRECISION_FAULTS
 from harness.backends.faults import CATALOG
 from tests.helpers import ASSETS, ROOT, run, summary
 
@@ -33,12 +33,17 @@ def fault_run(tmp_path_factory):
 
 def test_every_megatron_fault_is_planted():
     # The MoE faults need an MoE model: tests/test_moe.py plants them; the FP8 fault is planted in
-    # tests/test_fp8.py, the pipeline one in tests/test_pipeline.py, the checkpoint one in
-    # tests/test_checkpoint.py; the precision faults (one bf16 rounding each, and the backport they
-    # are planted against) in tests/test_expectations.py, whose per-tensor expectations catch them.
+    # tests/test_fp8.py, the pipeline one in tests/test_pipeline.py, the checkpoint ones in
+    # tests/test_checkpoint.py and tests/test_checkpoint_parallel.py; the precision faults (one bf16 rounding each, and the backport they
+    # are planted against) in tests/test_expectations.py, whose per-tensor expectations catch them;
+    # the Muon fault (optimizer = "muon") in tests/test_muon.py; the MTP faults need an MTP model:
+    # tests/test_mtp_runs.py; the process-group ones a caller's collection: tests/test_process_groups.py;
+    # the evaluation's faults an evaluating side: tests/test_eval.py.
     assert set(PLANTED) | set(UPDATE_FAULTS) == (set(CATALOG) - {"fp8-unreduced-amax", "pp-swap-microbatch-grads",
-                                                                 "ckpt-pad-rows-as-data"} - set(MOE_FAULTS)
-                                                 - set(PRECISION_FAULTS))
+                                                                 "ckpt-pad-rows-as-data", "ckpt-expert-index-shifted",
+                                                                 "ckpt-stage-layers-mirrored"} - set(MOE_FAULTS)
+                                                 - set(PRECISION_FAULTS) - set(MUON_FAULTS) - set(MTP_FAULTS) - set(GROUP_FAULTS)
+                                                 - set(EVAL_FAULTS))
 
 
 @pytest.mark.parametrize("fault", PLANTED)

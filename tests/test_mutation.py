@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from harness.mutation import campaign
-from harness.scenario.mutants import TARGETS, Mutant, diff, mutants_of
+from harness.scenario.mutants import OPT_IN, TARGETS, Mutant, diff, mutants_of
 from harness.scenario.parse import DataConfig, ModelConfig, Side
 from tests.helpers import ROOT
 
@@ -59,9 +59,36 @@ def test_identity_survives_regeneration_and_edits_elsewhere(tmp_path):
     assert all(shifted[i].line == first[i].line + 2 for i in first)
 
 
+def test_a_checkpoint_stage_runs_the_mutant_where_it_saves_and_where_it_loads(tmp_path, monkeypatch):
+    """In a checkpoint scenario the saving side runs the mutant too (GTP's checkpoint code runs
+    there), launched before the loader; a saver that crashes leaves its loader unlaunched."""
+    from types import SimpleNamespace
+
+    from harness import scenario
+
+    (ckpt,) = [s for s in scenario.load(ROOT / "scenarios" / "mutate.toml") if s.saver is not None]
+    ms = [Mutant(id=mid, module="m", file="f", function="f", operator="branch", line=1, end_line=1, start=0,
+                 end=1, original="a", replacement="b") for mid in ("x-save-crash", "x-survives")]  # fmt: skip
+    clean = {ckpt.name: {"candidate": SimpleNamespace(provenance={"digest": "0" * 12})}}
+    launched = []
+
+    def run_jobs(jobs, *a, **k):
+        launched.append(sorted((j.side.mutant, bool(j.side.save_step)) for j in jobs))
+        return {j.key: "crashed" for j in jobs if j.side.mutant == "x-save-crash" and j.side.save_step}
+
+    monkeypatch.setattr(campaign, "run_clean", lambda *a: clean)
+    monkeypatch.setattr(campaign, "run_mutant_jobs", run_jobs)
+    monkeypatch.setattr(campaign, "_verdict", lambda s, by_s, failed, out, clean: None if any(
+        j.key in failed for j in campaign.mutant_jobs(by_s[s.name])) else {"scenario": s.name, "verdict": "pass"})
+    monkeypatch.setattr(campaign, "reached", lambda trace_dir: True)
+    doc = campaign.run_campaign(ms, [ckpt], tmp_path, timeout_s=90, per_launch=12, triage={}, say=lambda *a: None)
+    assert launched == [[("x-save-crash", True), ("x-survives", True)], [("x-survives", False)]]
+    assert [m["status"] for m in doc["mutants"]] == ["crashed", "survived"]
+
+
 @pytest.mark.slow
 def test_every_target_has_mutants():
-    for module in TARGETS:
+    for module in (*TARGETS, *OPT_IN):
         ms = mutants_of(module, validate=False)
         assert ms, module
         assert len({m.id for m in ms}) == len(ms), module
@@ -191,7 +218,7 @@ def test_the_triage_names_mutants_of_the_installed_source():
 
     triage = campaign.read_triage(TRIAGE)
     assert triage
-    generated = {m.id: m for module in TARGETS for m in mutants_of(module, validate=False)}
+    generated = {m.id: m for module in (*TARGETS, *OPT_IN) for m in mutants_of(module, validate=False)}
     for mid, entry in triage.items():
         assert mid in generated, f"{mid}: no such mutant (megatron-core changed?)"
         assert entry["status"] in (campaign.EQUIVALENT, campaign.UNREACHABLE)

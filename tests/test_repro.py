@@ -191,3 +191,112 @@ def test_a_re_paired_collection_is_ignored_by_every_gtp_weight_on_the_wheel(tmp_
         assert r["collection_gtp_group"] == [[0, 2], [1, 3]][r["rank"] % 2]
         assert len(r["weights"]) == 10 and set(map(tuple, r["weights"].values())) == {tuple(usual[r["rank"]])}
         assert bool(r["replicated_miscounted"]) == (r["rank"] in (1, 2))
+
+
+def test_muon_scales_a_padded_gtp_matrix_by_its_padded_shape_on_the_wheel(tmp_path):
+    """FINDINGS K on the wheel: one Muon step, TP1 x GTP2 vs off, FFN 80 (linear_fc1 padded to 96
+    rows): its update is sqrt(96/80) times GTP off's (Muon's spectral scale of the padded shape);
+    every unpadded Muon matrix's update is bitwise GTP off's."""
+    import math
+
+    report = _run("gtp_muon_padding.py", ["duplicated"], tmp_path, flag="--modes")
+    assert sum(r["pad_rows"] > 0 for r in report["duplicated"].values()) == 2  # both linear_fc1
+    for name, r in report["duplicated"].items():
+        if r["pad_rows"]:
+            assert not r["bitwise"] and r["norm_ratio"] == pytest.approx(math.sqrt(96 / 80), rel=1e-4), (name, r)
+        else:
+            assert r["bitwise"], (name, r)
+
+
+def test_gtp_with_mtp_raises_at_the_first_backward_on_the_wheel(tmp_path):
+    """FINDINGS L on the wheel: one MTP depth, TP1 x GTP2: the embedding's backward for the
+    depth's use finalizes decoder layer 0's reduce-scatter, which has not started: KeyError in
+    wgrad_reduce_scatter's deferred finalize, on every rank. GTP off runs (exit status 1)."""
+    ranks = _run("gtp_mtp_shared_weights.py", ["gtp-off-mtp1", "gtp2-mtp1"], tmp_path, returncode=1)
+    for rank in ranks:
+        assert rank["gtp2-mtp1"]["raised"] == "KeyError: None"
+        assert "generalized_tensor_parallelism.py:wgrad_reduce_scatter:1646" in rank["gtp2-mtp1"]["where"]
+        assert rank["gtp-off-mtp1"]["shared"]["output_layer.weight"]["finite"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("rev", "embedding_finite"), [("79e6b6a7f5", False), ("d262dbed3d", True)])
+def test_gtp_with_mtp_upstream_fixes(tmp_path, rev, embedding_finite):
+    """FINDINGS L on Megatron-LM: 79e6b6a7f5 runs GTP + MTP, but DDP adds the embedding's unzeroed
+    placeholder wgrad (its undefined content, NaN here) from the second pass on; from d262dbed3d
+    every gradient is GTP off's up to summation order (GTP reduces each use's wgrad on its own)."""
+    repo = MAIN_TREE[len("git:"):].rpartition("@")[0] if MAIN_TREE.startswith("git:") else MAIN_TREE
+    if not MAIN_TREE.startswith("git:") or not Path(repo).is_dir():
+        pytest.skip(f"no Megatron-LM repository at {repo} (set GTP_PARITY_MAIN_TREE to git:<repo>@<rev>)")
+    ranks = _run("gtp_mtp_shared_weights.py", ["gtp-off-mtp1", "gtp2-mtp1"], tmp_path,
+                 returncode=0 if embedding_finite else 1, extra=("--megatron", f"git:{repo}@{rev}"))  # fmt: skip
+    for rank in ranks:
+        side = rank["gtp2-mtp1"]
+        assert side["shared"]["embedding.word_embeddings.weight"]["finite"] is embedding_finite
+        assert side["shared"]["output_layer.weight"]["finite"] and side["others_max_rel_diff"] == 0.0  # used once: bitwise
+        if embedding_finite:
+            assert side["loss"] == rank["gtp-off-mtp1"]["loss"]
+
+
+def test_an_expert_parallel_checkpoint_loads_only_into_its_optimizer_chain(tmp_path):
+    """FINDINGS N on the wheel: EP 2 x expert GTP 2 x GTP 2 keeps its experts in the dense optimizer
+    (F drops their allreduce tag), so its checkpoint loads as is and at EP 1, and an EP 2 layout
+    without expert GTP (experts in an optimizer of their own) raises in load_state_dict."""
+    ranks = _run("ckpt_ep_optimizer_chain.py", ["ep2-egtp2-gtp2", "ep2-egtpoff-gtpoff", "ep1-egtpoff-gtpoff"],
+                 tmp_path, flag="--loads")  # fmt: skip
+    for rank in ranks:
+        assert rank["saved"] == {"optimizers": 1, "expert_allreduce": "absent"}
+        assert rank["ep2-egtp2-gtp2"]["load"] == rank["ep1-egtpoff-gtpoff"]["load"] == "loaded"
+        assert rank["ep2-egtpoff-gtpoff"]["optimizers"] == 2
+        assert rank["ep2-egtpoff-gtpoff"]["load"] == "RuntimeError: Expected 2 entries in state dict, but got 4."
+
+
+@pytest.mark.slow
+def test_an_expert_parallel_checkpoint_on_main_does_not_load_at_ep1(tmp_path):
+    """FINDINGS N on Megatron-LM main: abf04f46e3 keeps the experts' tag, the saved run has two
+    optimizers: EP 2 without expert GTP loads, EP 1 (one optimizer) raises."""
+    repo = MAIN_TREE[len("git:"):].rpartition("@")[0] if MAIN_TREE.startswith("git:") else MAIN_TREE
+    if not Path(repo).is_dir():
+        pytest.skip(f"no Megatron-LM tree at {repo} (set GTP_PARITY_MAIN_TREE)")
+    ranks = _run("ckpt_ep_optimizer_chain.py", ["ep2-egtpoff-gtpoff", "ep1-egtpoff-gtpoff"], tmp_path,
+                 flag="--loads", extra=("--megatron", MAIN_TREE))  # fmt: skip
+    for rank in ranks:
+        assert rank["saved"] == {"optimizers": 2, "expert_allreduce": "False"}
+        assert rank["ep2-egtpoff-gtpoff"]["load"] == "loaded"
+        assert rank["ep1-egtpoff-gtpoff"]["load"].startswith("ValueError: Could not find parameter group")
+
+
+def _eval_sides(ranks: list) -> list[dict]:
+    """Per rank, {label: that side's evaluate() result} of eval_loss_gtp_group.py."""
+    return [{side["label"]: side for side in rank} for rank in ranks]
+
+
+def _within_fp32_sum(a: float, b: float, terms: int) -> bool:
+    """Two fp32 computations of one token mean: each micro-batch's sum rounded once, ``terms``
+    added, one division: within (terms + 2) eps_fp32 of each other, relative."""
+    return abs(a - b) <= (terms + 2) * 2.0**-23 * abs(b)
+
+
+def test_megatron_lm_eval_loss_averages_each_ranks_own_samples_on_the_wheel(tmp_path):
+    """FINDINGS M on the wheel: Megatron-LM's evaluate() at TP1 x GTP2 reports, on each rank, the
+    mean over that rank's samples only (its reduction group leaves the GTP peer out); GTP off
+    reports the whole batch's. Both sides compute the same per-micro-batch losses. Exit 1."""
+    for rank in _eval_sides(_run("eval_loss_gtp_group.py", ["gtp-off", "gtp2"], tmp_path, returncode=1)):
+        off, gtp2 = rank["gtp-off"], rank["gtp2"]
+        assert (off["own"], off["batch"]) == (gtp2["own"], gtp2["batch"])  # the same samples and weights
+        assert _within_fp32_sum(off["reported"], off["batch"], off["micro_batch_terms"])
+        assert _within_fp32_sum(gtp2["reported"], gtp2["own"], gtp2["micro_batch_terms"])
+        assert not _within_fp32_sum(gtp2["reported"], gtp2["batch"], gtp2["micro_batch_terms"])
+
+
+@pytest.mark.slow
+def test_megatron_lm_eval_loss_on_main_averages_the_whole_batch(tmp_path):
+    """FINDINGS M on Megatron-LM main (d98e8a64dd): df197a816f reduces over the GTP-inclusive
+    data-parallel group; every rank reports the whole batch's mean. Exit 0."""
+    repo = MAIN_TREE[len("git:"):].rpartition("@")[0] if MAIN_TREE.startswith("git:") else MAIN_TREE
+    if not Path(repo).is_dir():
+        pytest.skip(f"no Megatron-LM tree at {repo} (set GTP_PARITY_MAIN_TREE)")
+    ranks = _run("eval_loss_gtp_group.py", ["gtp-off", "gtp2"], tmp_path, extra=("--megatron", MAIN_TREE))
+    for rank in _eval_sides(ranks):
+        for side in rank.values():
+            assert _within_fp32_sum(side["reported"], side["batch"], side["micro_batch_terms"]), side

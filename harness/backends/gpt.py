@@ -36,28 +36,46 @@ class ParamSpec:
 
 def param_specs(m: ModelConfig) -> list[ParamSpec]:
     """Every parameter of the GPT, in megatron-core's registration order."""
-    h, f, v = m.hidden_size, m.ffn_hidden_size, m.vocab_size
+    h, v = m.hidden_size, m.vocab_size
     specs = [
         ParamSpec("embedding.word_embeddings.weight", (v, h), 0, True, "normal"),
         ParamSpec("embedding.position_embeddings.weight", (m.seq_length, h), None, False, "normal"),
     ]
     for i in range(m.num_layers):
-        p = f"decoder.layers.{i}."
-        specs += [
-            ParamSpec(p + "input_layernorm.weight", (h,), None, False, "ones"),
-            ParamSpec(p + "input_layernorm.bias", (h,), None, False, "zeros"),
-            ParamSpec(p + "self_attention.linear_proj.weight", (h, h), 1, True, "scaled_normal"),
-            ParamSpec(p + "self_attention.linear_qkv.weight", (3 * h, h), 0, True, "normal"),
-            ParamSpec(p + "pre_mlp_layernorm.weight", (h,), None, False, "ones"),
-            ParamSpec(p + "pre_mlp_layernorm.bias", (h,), None, False, "zeros"),
-        ]
-        specs += _mlp_specs(m, p)
-    specs += [
-        ParamSpec("decoder.final_layernorm.weight", (h,), None, False, "ones"),
-        ParamSpec("decoder.final_layernorm.bias", (h,), None, False, "zeros"),
-    ]
+        specs += _layer_specs(m, f"decoder.layers.{i}.")
+    specs += _norm_specs("decoder.final_layernorm", h)
+    specs += _mtp_specs(m)
     if m.untie_embeddings:
         specs.append(ParamSpec("output_layer.weight", (v, h), 0, True, "normal"))
+    return specs
+
+
+def _norm_specs(name: str, h: int) -> list[ParamSpec]:
+    return [ParamSpec(name + ".weight", (h,), None, False, "ones"), ParamSpec(name + ".bias", (h,), None, False, "zeros")]
+
+
+def _layer_specs(m: ModelConfig, p: str) -> list[ParamSpec]:
+    """One transformer layer under prefix ``p`` (a decoder layer, or an MTP layer's ``mtp_model_layer``)."""
+    h = m.hidden_size
+    return [
+        *_norm_specs(p + "input_layernorm", h),
+        ParamSpec(p + "self_attention.linear_proj.weight", (h, h), 1, True, "scaled_normal"),
+        ParamSpec(p + "self_attention.linear_qkv.weight", (3 * h, h), 0, True, "normal"),
+        *_norm_specs(p + "pre_mlp_layernorm", h),
+        *_mlp_specs(m, p),
+    ]
+
+
+def _mtp_specs(m: ModelConfig) -> list[ParamSpec]:
+    """megatron-core's MTP block (one layer per depth, or one under ``mtp_use_repeated_layer``):
+    enorm, hnorm, eh_proj (column-parallel, [h, 2h]: the [embedding, hidden] concatenation), a
+    transformer layer, final_layernorm; registered after the decoder, before the output layer."""
+    h, specs = m.hidden_size, []
+    for k in range(1 if m.mtp_use_repeated_layer else m.mtp_num_layers):
+        p = f"mtp.layers.{k}."
+        specs += [*_norm_specs(p + "enorm", h), *_norm_specs(p + "hnorm", h),
+                  ParamSpec(p + "eh_proj.weight", (h, 2 * h), 0, True, "normal"),
+                  *_layer_specs(m, p + "mtp_model_layer."), *_norm_specs(p + "final_layernorm", h)]  # fmt: skip
     return specs
 
 

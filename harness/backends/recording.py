@@ -7,14 +7,15 @@ Every backend's loop runs through :func:`train`; a backend supplies only how to 
 - each step: the weights each GEMM reads (``materialized``, :class:`Materialized`); per
   micro-batch its sample ids (``input``), activations and logits (forward hooks) and its
   ``loss``; ``main_grad`` after the gradients are final; ``param_before``; the update;
-  ``param`` and the optimizer state; then the six step scalars of :data:`STEP_SCALARS`.
+  ``param`` and the optimizer state; then the six step scalars of :data:`STEP_SCALARS`;
+- after the steps a side evaluates after: the evaluation's losses (:mod:`harness.backends.evaluation`).
 
 The heartbeat names the phase a rank is in (``forward_backward``, ``optimizer``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import astuple, dataclass, fields
 from typing import Protocol, TypeVar
 
@@ -67,6 +68,10 @@ class StepFunctions(Protocol):
     def scalars(self, step: int) -> StepScalars:
         """The step's scalars (collectives here run on every rank)."""
 
+    def evaluate(self, step: int) -> None:
+        """An evaluation on the weights after ``step`` (:mod:`harness.backends.evaluation`);
+        called only on sides that evaluate."""
+
 
 @dataclass
 class Recording:
@@ -93,10 +98,12 @@ class Recording:
         self.cap.scalar("loss", value, micro_batch=index, sample_ids=list(sample_ids))
 
 
-def train(rec: Recording, steps: int, fns: StepFunctions, start: int = 0, last: int | None = None) -> None:
+def train(rec: Recording, steps: int, fns: StepFunctions, start: int = 0, last: int | None = None,
+          evals: Sequence[int] = ()) -> None:  # fmt: skip
     """Run optimizer steps ``start + 1 .. last`` (default: ``steps``) of ``fns``, recording each
     in the trace's order. ``start`` > 0 resumes from a loaded checkpoint of that step, whose
-    weights and optimizer state are recorded as that step's."""
+    weights and optimizer state are recorded as that step's. ``evals``: the steps after which
+    an evaluation runs, in order (:func:`harness.backends.evaluation.eval_points`)."""
     cap = rec.cap
     if start:
         record_loaded(rec, start, fns.optimizer_state)
@@ -110,6 +117,8 @@ def train(rec: Recording, steps: int, fns: StepFunctions, start: int = 0, last: 
         fns.prepare_update(step)
         record_update(rec, lambda: fns.update(step))
         record_step_end(rec, fns.optimizer_state, fns.scalars(step))
+        for _ in range(list(evals).count(step)):
+            fns.evaluate(step)
 
 
 # The pieces of :func:`train`, for loops that drive themselves (Megatron-LM's ``train``): the

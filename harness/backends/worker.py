@@ -31,6 +31,7 @@ from harness.backends import data as data_mod
 from harness.run.job import Job
 from harness.run.nodes import RankEnv, rank_env
 from harness.capture.api import Capture
+from harness.common import mtp
 from harness.common.mesh import Mesh
 from harness.capture.trace import is_complete
 from harness.common.jsonio import write_json
@@ -66,7 +67,8 @@ def run_job(job: Job, rank: int, world: int, node: int = 0) -> None:
                   # what the update judgement names terms by (harness.compare.updates)
                   "train": {"optimizer": side.optimizer, "lr": side.lr, "weight_decay": side.weight_decay},
                   # what the comparison derives each tensor's expectation from (harness.compare.expectations)
-                  "config": {**dataclasses.asdict(side), "micro_batches": side.num_microbatches(job.data)}},  # fmt: skip
+                  "config": {**dataclasses.asdict(side), "micro_batches": side.num_microbatches(job.data),
+                             **mtp.manifest_config(job.model)}},  # fmt: skip
         )
 
 

@@ -170,6 +170,8 @@ class Capture:
             family = "optimizer"
         if family in ("param_before", "materialized"):
             family = "param"
+        if family == "mtp_loss":  # an MTP depth's per-sample loss (harness.common.mtp)
+            family = "loss"
         if family == "grad_terms":  # what the main_grad's bound needs (harness.backends.megatron.terms)
             family = "main_grad"
         if family not in self.policy.kinds:
@@ -279,7 +281,7 @@ class Capture:
                     self.tensor(kind, name, state[key].view(p.shape), layout=layout)
 
     def scalar(self, name: str, value: float, **extra) -> None:
-        if self.wants("scalar") or name in ("loss", "reduced_loss"):
+        if self.wants("scalar") or name in ("loss", "reduced_loss", "eval_loss", "eval_sample_loss"):
             self._scalars.append({"step": self.step, "name": name, "value": float(value), **extra})
 
     def progress(self, phase: str) -> None:
@@ -329,25 +331,27 @@ class Capture:
             self._hooks.append(module.register_forward_hook(self._hook(kind, name, sequence_parallel)))
 
     def _hook(self, kind: str, name: str, sequence_parallel: bool = False):
-        def hook(module, args, output):
-            out = output[0] if isinstance(output, tuple) else output
-            if self.step is None or self._mb is None or not self.wants(kind, name):
-                return
-            if torch._C._current_graph_task_id() != -1:
-                return  # activation recompute re-runs the forward inside backward: recorded once, at the forward
-            value = out.detach().transpose(0, 1)
-            shape = list(value.shape)
-            placements = {}
-            if kind == "logits" and self.mesh.get("tp", 1) > 1:
-                placements["tp"] = Shard(value.dim() - 1)
-                shape[-1] *= self.mesh["tp"]
-            elif sequence_parallel and self.mesh.get("tp", 1) > 1:
-                placements["tp"] = Shard(1)  # [b, s/TP, ...]
-                shape[1] *= self.mesh["tp"]
-            layout = Layout(tuple(shape), {"tp": self.mesh.get("tp", 1)}, placements or {"tp": Replicate()})
-            self.tensor(kind, name, value, layout=layout, micro_batch=self._mb, sample_ids=self._ids)
+        return lambda module, args, output: self.output(kind, name, output, sequence_parallel)
 
-        return hook
+    def output(self, kind: str, name: str, output, sequence_parallel: bool = False) -> None:
+        """Record a module's output ``[s, b, ...]`` (or a tuple's first) as ``name``, as the
+        hooks of :meth:`attach` do: for a hook of its own that names each call (MTP's depths)."""
+        out = output[0] if isinstance(output, tuple) else output
+        if self.step is None or self._mb is None or not self.wants(kind, name):
+            return
+        if torch._C._current_graph_task_id() != -1:
+            return  # activation recompute re-runs the forward inside backward: recorded once, at the forward
+        value = out.detach().transpose(0, 1)
+        shape = list(value.shape)
+        placements = {}
+        if kind == "logits" and self.mesh.get("tp", 1) > 1:
+            placements["tp"] = Shard(value.dim() - 1)
+            shape[-1] *= self.mesh["tp"]
+        elif sequence_parallel and self.mesh.get("tp", 1) > 1:
+            placements["tp"] = Shard(1)  # [b, s/TP, ...]
+            shape[1] *= self.mesh["tp"]
+        layout = Layout(tuple(shape), {"tp": self.mesh.get("tp", 1)}, placements or {"tp": Replicate()})
+        self.tensor(kind, name, value, layout=layout, micro_batch=self._mb, sample_ids=self._ids)
 
     def detach(self) -> None:
         for h in self._hooks:

@@ -27,7 +27,7 @@ from harness.common.layout import MESH_AXES, assemble, holds
 from harness.common.mesh import on_grid
 from harness.capture.trace import Entry, Trace
 
-SAMPLE_KINDS = ("activation", "logits")
+SAMPLE_KINDS = ("activation", "logits", "mtp_loss")  # per-sample tensors, keyed by sample id
 PADDED_KINDS = ("param", "param_before", "main_grad", "master")
 
 

@@ -27,6 +27,8 @@ import math
 import pandas as pd
 import torch
 
+from harness.common import mtp
+from harness.common.muon import is_muon_matrix
 from harness.compare import bounds
 
 BITWISE, BOUNDED, NOISE = "bitwise", "bounded", "noise-floor"
@@ -44,7 +46,7 @@ _WHY = {
     "pipeline_parallel": "pipeline stages reduce the embedding's grads over another group",
     "sequence_parallel": "sequence parallelism reduce-scatters activations over TP",
 }
-_FORWARD = ("materialized", "param_before", "activation", "logits", "loss")
+_FORWARD = ("materialized", "param_before", "activation", "logits", "loss", "mtp_loss")
 _OPTIMIZER = ("param", "master", "exp_avg", "exp_avg_sq", "step")
 
 
@@ -136,15 +138,30 @@ def expectation(row: dict, ref: dict, cand: dict, up: _Upstream, why_not: str | 
         return NOISE, why_not
     if kind == "scalar" and name in ("lr", "skipped"):
         return BITWISE, "the same schedule over the same sample count"
+    if kind == "eval":
+        return _evaluation(row, ref, up)
     if not up.all_bitwise(step - 1, "param"):
         return NOISE, f"the weights this step read (step {step - 1}) differ: no bound carries through the steps"
     if kind in _FORWARD or (kind == "scalar" and name == "reduced_loss"):
         return BITWISE, "the same GEMMs on bitwise-equal weights (GTP's all-gather is a copy) and the same samples"
     if kind == "main_grad":
-        return _main_grad(row, ref)
+        return _per_use(name, ref, cand) or _main_grad(row, ref)
     if kind in _OPTIMIZER or kind.split(":")[0] in _OPTIMIZER:
-        return _optimizer(step, ref, cand, up)
+        return _optimizer(row, ref, cand, up)
     return NOISE, f"no rule for {kind}"
+
+
+def _per_use(name: str, ref: dict, cand: dict) -> tuple[str, str] | None:
+    """A weight used more than once per forward (MTP's shared weights) that GTP shards on a
+    side: GTP reduce-scatters each use's wgrad on its own, where GTP off sums the uses in
+    autograd first; the terms of that other grouping are not recorded."""
+    shared = mtp.shared_of_config(ref)
+    degree = "expert_gtp" if ".mlp.experts." in name else "gtp"
+    if not mtp.gtp_shared(name, shared) or max(int(ref.get(degree, 1)), int(cand.get(degree, 1))) == 1:
+        return None
+    uses = f"1 + {ref['mtp_num_layers']}" if not name.startswith("mtp.") else str(ref["mtp_num_layers"])
+    return NOISE, (f"used {uses} times per forward: GTP reduce-scatters each use's wgrad on its own, GTP off "
+                   "sums the uses in autograd first; no side records the uses' magnitudes")  # fmt: skip
 
 
 def _main_grad(row: dict, ref: dict) -> tuple[str, str]:
@@ -160,7 +177,22 @@ def _main_grad(row: dict, ref: dict) -> tuple[str, str]:
     return BOUNDED, f"the same {n} wgrad terms ({ref['micro_batches']} micro-batches x {ranks} data ranks) summed in {acc} in another order: 2 gamma_{2 * n} sum|x_i|"
 
 
-def _optimizer(step: int, ref: dict, cand: dict, up: _Upstream) -> tuple[str, str]:
+def _evaluation(row: dict, ref: dict, up: _Upstream) -> tuple[str, str]:
+    """An evaluation after step N reads the weights after N's update."""
+    step = int(row["step"])
+    if not up.all_bitwise(step, "param"):
+        return NOISE, f"the weights the evaluation read (after step {step}) differ: no bound carries through"
+    if row["tensor"].startswith("eval_loss[sample"):
+        return BITWISE, "the same forward-only pass (eval mode) on bitwise-equal weights and the same samples"
+    ranks = _data_ranks(ref)
+    if ranks <= 2:
+        return BITWISE, (f"the token mean of the same micro-batch losses: each data rank's sum in the same order, "
+                         f"then a sum over {ranks} data rank{'s' * (ranks > 1)} (commutative) and one division")  # fmt: skip
+    return NOISE, f"a sum over {ranks} data ranks' partial losses in the order the all-reduce takes"
+
+
+def _optimizer(row: dict, ref: dict, cand: dict, up: _Upstream) -> tuple[str, str]:
+    step = int(row["step"])
     if not up.all_bitwise(step, "main_grad"):
         return NOISE, "its gradients differ within their bound; the optimizer's nonlinear step carries no bound here"
     clip = max(float(ref.get("clip_grad", 0.0)), float(cand.get("clip_grad", 0.0)))
@@ -174,7 +206,46 @@ def _optimizer(step: int, ref: dict, cand: dict, up: _Upstream) -> tuple[str, st
         # roundings do not show the clip factor the optimizer computed from the unrounded norm.
         if not inactive and {ref.get("backend"), cand.get("backend")} & {"mlm", "bridge"}:
             return NOISE, "the clip factor reads the unrounded grad norm; the frontend records it rounded to fp32"
+    if (muon := _muon_update(row, ref, cand)) is not None:
+        return muon
     return BITWISE, "the same element-wise optimizer step on bitwise-equal weights, gradients and clip factor"
+
+
+def _muon_update(row: dict, ref: dict, cand: dict) -> tuple[str, str] | None:
+    """A Muon matrix's new weight, where the sides differ in GTP only (None: not such a row).
+
+    Muon's update is not element-wise: Newton-Schulz reads the whole momentum matrix (its
+    Frobenius norm, its Gram matrices X X^T). Its momentum buffer (kind ``exp_avg``) is an
+    element-wise EMA and keeps the element-wise rule. Under GTP, by megatron-core's
+    ``muon_tp_mode``:
+    - ``duplicated`` all-gathers the GTP shards of the momentum (a copy) and, the pad rows
+      stripped (Megatron-LM 4dd85559d2), orthogonalizes the GTP-off run's matrix at its shape
+      with the same kernels on every rank: bitwise. (The 0.19.2 wheel keeps the pad rows: a
+      larger matrix, not bitwise, and a wrong scale: the divergence this exposes.)
+    - ``distributed`` sums the Gram matrices of the row shards over the GTP group
+      (Megatron-LM bb47df5416) where GTP off computes each in one GEMM: another summation order.
+    - ``blockwise`` orthogonalizes each GTP shard alone (bb47df5416) where GTP off takes the
+      TP shard whole: another matrix, by design (its update depends on the sharding).
+    The last two: the noise floor (the 0.19.2 wheel gathers the GTP shards in every mode,
+    but no rule here reads which tree ran)."""
+    if row["kind"] not in ("param", "master") or ref.get("optimizer") != "muon" or ref.get("gtp") == cand.get("gtp"):
+        return None
+    if not is_muon_matrix(row["tensor"], _ndim(row.get("shape"))):
+        return None
+    mode = ref.get("muon_tp_mode", "duplicated")
+    if mode == "duplicated":
+        return BITWISE, ("Muon's duplicated mode orthogonalizes the gathered momentum, the GTP-off matrix at its "
+                         "shape, with the same kernels")  # fmt: skip
+    why = ("sums the Gram matrices over the GTP group in another order" if mode == "distributed" else
+           "orthogonalizes each GTP shard alone, another matrix by design")  # fmt: skip
+    return NOISE, f"Muon's {mode} mode under GTP {why}"
+
+
+def _ndim(shape) -> int:
+    """Dimensions of a row's logical shape (a tuple, or its text as results.csv keeps it)."""
+    if isinstance(shape, (tuple, list)):
+        return len(shape)
+    return len([d for d in str(shape).strip("()[] ").split(",") if d.strip()])
 
 
 def judge_rows(df: pd.DataFrame, traces: dict, policy) -> pd.DataFrame:
@@ -211,7 +282,7 @@ def judge_rows(df: pd.DataFrame, traces: dict, policy) -> pd.DataFrame:
 
 
 # Judgements an expectation leaves alone: already bitwise, or decided by what no rounding explains.
-_DECIDED = ("exact", "nonfinite", "shape", "consistency", "fingerprint")
+_DECIDED = ("exact", "nonfinite", "shape", "consistency", "fingerprint", "replica")
 
 
 def _number(value) -> bool:

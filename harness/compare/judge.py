@@ -43,7 +43,7 @@ from typing import NamedTuple
 import pandas as pd
 import torch
 
-from harness.compare import bounds, expectations, localize
+from harness.compare import bounds, evaluation, expectations, localize
 from harness.compare import tasks
 from harness.compare import split
 from harness.capture.fingerprint import BLOCK_DIGESTS, DIGESTS
@@ -190,6 +190,8 @@ def compare(traces: dict[str, Trace], policy: ComparePolicy | None = None, jobs:
     ref, cand = logical["reference"], logical["candidate"]
     rows += compare_fingerprints(ref, cand, traces)
     scalars = _pool_loss_noise(_compare_scalars(traces, policy, recipe), policy)
+    scalars += _pool_loss_noise(evaluation.rows(traces, functools.partial(_scalar_row, policy=policy, recipe=recipe)),
+                                policy, evaluation.is_sample, evaluation.is_reported)  # fmt: skip
     worlds = (traces["reference"].world_size, traces["candidate"].world_size)
     rows += _grad_norm_consistency(scalars, ref, cand, policy, worlds, sq_diff)
     rows += input_rows(ref, cand)
@@ -302,23 +304,25 @@ def _compare_scalars(traces: dict[str, Trace], policy: ComparePolicy, recipe: st
     return rows
 
 
-def _pool_loss_noise(rows: list[dict], policy: ComparePolicy) -> list[dict]:
+def _pool_loss_noise(rows: list[dict], policy: ComparePolicy, is_sample=lambda r: r["kind"] == "loss",
+                     is_reduced=lambda r: r["kind"] == "scalar" and r["tensor"] == "reduced_loss") -> list[dict]:
     """Judge losses against the reference's worst per-sample error of that step.
 
     One sample's reference loss can land by chance much closer to the golden than its
     rounding noise warrants; the step's worst sample is the reference's noise floor. The
-    reduced loss is their mean, so its error is bounded by the same worst sample.
+    reduced loss is their mean, so its error is bounded by the same worst sample. (An
+    evaluation's losses are pooled among themselves: ``is_sample``, ``is_reduced``.)
     """
     if policy.policy != "noise-floor":
         return rows
     worst: dict[int, float] = {}
     for r in rows:
-        if r["kind"] == "loss" and r.get("ref_err_golden") is not None:
+        if is_sample(r) and r.get("ref_err_golden") is not None:
             worst[r["step"]] = max(worst.get(r["step"], 0.0), r["ref_err_golden"])
     eps = torch.finfo(torch.float32).eps
     for r in rows:
-        pooled = r["kind"] == "loss" or (r["kind"] == "scalar" and r["tensor"] == "reduced_loss")
-        if pooled and r["step"] in worst and r.get("cand_err_golden") is not None and not r["bitwise_equal"]:
+        pooled = is_sample(r) or is_reduced(r)
+        if pooled and r["policy"] != "replica" and r["step"] in worst and r.get("cand_err_golden") is not None and not r["bitwise_equal"]:
             floor = policy.floor * eps * abs(r["golden_value"])
             r["bound"] = policy.k_at(r["step"]) * worst[r["step"]] + floor
             r["passed"] = r["nonfinite_mismatch"] == 0 and r["cand_err_golden"] <= r["bound"]

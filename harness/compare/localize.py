@@ -19,49 +19,14 @@ import pandas as pd
 import torch
 from torch.distributed.tensor import Shard
 
-from harness.compare import signatures
+from harness.common import mtp
+from harness.compare import evaluation, signatures
 from harness.compare.summary import FirstDivergence, Region, ScenarioSummary, Verdict
 from harness.compare.tolerance import tolerances, within_tolerance
 from harness.compare.updates import befores, update_term
 
-SIGNATURES = {
-    "ratio-G": "candidate = G x reference: a mean over the GTP group became a sum (missing 1/G)",
-    "ratio-1/G": "candidate = reference / G: the GTP mean was taken twice",
-    "ratio-TP": "candidate = TP x reference: a TP mean became a sum",
-    "ratio-1/TP": "candidate = reference / TP",
-    "ratio-2": "candidate = 2 x reference: a reduction counted twice",
-    "ratio-1/2": "candidate = reference / 2: a reduction halved",
-    "log-TP-offset": "losses differ by log(TP): logits normalized over one TP shard only",
-    "permuted-blocks": "the candidate equals the reference with shard blocks permuted: shard order",
-    "pad-rows": "GTP pad rows are non-zero: padding leaked into the weight or received gradient",
-    "replica-drift": "a replicated tensor differs across ranks: a partial gradient was not reduced",
-    "missing-gradient": "the candidate gradient is zero where the reference is not",
-    "stale-update": "the weight after the step equals the weight before it: the update did not land",
-    "misrouted-samples": "ranks read the wrong samples (duplicated or missing sample ids)",
-    "loss-report-only": "every tensor agrees, only the reported (reduced) loss differs",
-    "logged-over-steps": "every tensor and the step's reduced loss agree; the loss the log line shows "
-                         "is the mean of the reduced losses over several steps (the window named)",
-    "grad-norm-only": "gradients agree, only the grad norm differs: double counting in the norm",
-    "precision-loss": "within the format's tolerance of the reference, but further from the fp64 "
-                      "golden than the reference's noise floor allows: precision lost (e.g. an "
-                      "amax not reduced, a reduction in lower precision); named only where the "
-                      "candidate has a precision mechanism (a recipe, bf16, or a precision below "
-                      "the reference's)",
-    "update-term": "the optimizer step's update (after - before) differs from the reference's by "
-                   "a structure: a factor (an LR multiplier, a clip factor) or a term such as "
-                   "-lr*wd*param (weight decay)",
-    "extra-rounding": "one side is the other rounded once more to a narrower dtype (named): a "
-                      "reduction or accumulation in bf16/fp16 where the other keeps fp32",
-    "not-bitwise": "the same operations on the same values (a bitwise expectation) gave other bits, with no "
-                   "recognised pattern: an operation added, reordered or run in another kernel",
-    "beyond-sum-bound": "a sum of the same terms differs by more than any order of summing them allows "
-                        "(a bounded expectation): a term lost, added or rounded",
-    "mismatch": "values differ beyond the policy with no recognised pattern",
-    "gemm-consumed-foreign-weight": "a GEMM consumed another parameter's weight: a GTP gather buffer "
-                                    "was reused before the GEMM read it",
-    "pad-rows-as-data": "the candidate is the reference with zero rows inserted and the rows behind "
-                        "them shifted down: pad rows were counted as data (a saved GTP shard's padding)",
-}
+# The signatures' meanings live beside their detectors; the report reads them from here too.
+SIGNATURES = signatures.SIGNATURES
 
 _PHASE_OF_KIND = {
     "input": (0, "data"),
@@ -70,16 +35,22 @@ _PHASE_OF_KIND = {
     "activation": (2, "forward"),
     "logits": (3, "forward"),
     "loss": (4, "loss"),
+    "mtp_loss": (4, "loss"),
     "main_grad": (5, "backward"),
     "scalar": (6, "reduce"),
     "exp_avg": (7, "optimizer"),
     "exp_avg_sq": (7, "optimizer"),
     "master": (8, "optimizer"),
     "param": (9, "optimizer"),
+    "eval": (10, "eval"),  # an evaluation on the step's updated weights
 }
 _SCALAR_PHASE = {"reduced_loss": (4, "loss"), "grad_norm": (6, "reduce"), "lr": (7, "optimizer"),
                  "skipped": (7, "optimizer"), "loss_logged": (10, "log")}  # fmt: skip
 _FORWARD_SUBS = ["input_layernorm", "self_attention", "pre_mlp_layernorm", "mlp", ""]
+# An MTP depth's modules in forward order (its parameters by the module holding them); between
+# the decoder's final LayerNorm and the main head's output layer, depth after depth.
+_MTP_SUBS = ["embedding", "enorm", "hnorm", "eh_proj", *(f"mtp_model_layer.{s}" for s in _FORWARD_SUBS[:-1]),
+             "mtp_model_layer", "final_layernorm", "", "output_layer", "loss"]
 
 
 def _layer_position(name: str) -> float:
@@ -90,6 +61,11 @@ def _layer_position(name: str) -> float:
         return 1e6 + 1
     if name.startswith("decoder.final_layernorm"):
         return 1e6
+    if m := re.match(r"mtp\.layers\.(\d+)\.?(.*)", name):
+        rest = m.group(2)
+        sub = next((i for i, s in enumerate(_MTP_SUBS) if s and (rest == s or rest.startswith(s + "."))),
+                   _MTP_SUBS.index(""))  # fmt: skip
+        return 1e6 + (1 + int(m.group(1)) * 20 + sub) / 1000
     m = re.match(r"decoder\.layers\.(\d+)\.?([a-z_]*)", name)
     if not m:
         return 5e5
@@ -103,10 +79,10 @@ def causal_key(row) -> tuple:
     kind, name = row["kind"], row["tensor"]
     phase_idx, _ = _SCALAR_PHASE.get(name, _PHASE_OF_KIND.get(kind, (5, "other"))) if kind == "scalar" \
         else _PHASE_OF_KIND.get(kind, (5, "other"))  # fmt: skip
-    pos = _layer_position(name)
+    pos = evaluation.position(name) if kind == "eval" else _layer_position(name)
     if kind == "main_grad":
         pos = -pos  # backward runs in reverse layer order
-    return (int(row["step"]), phase_idx, pos, name)
+    return (int(row["step"]), phase_idx, pos, name, kind)  # kind: Adam's two moments in one order
 
 
 def phase_of(kind: str, name: str) -> str:
@@ -193,6 +169,8 @@ def summarize(df: pd.DataFrame, logical: dict, traces: dict, policy, recipe: str
         if sig is None and hit:
             sig = label
             first = {**first, "ranks": hit[0].get("ranks") or [hit[0].get("rank")], "rows": hit[0].get("rows")}
+    if sig is None and kind == "eval":
+        sig, extra = evaluation.signature(first, df, traces["candidate"])
     if sig is None:
         sig, extra = _signature(first, df, logical, mesh, key, recipe, _StepContext.of(traces, step, recipe))
     owner = cand.shard_owner.get(key)
@@ -208,20 +186,14 @@ def summarize(df: pd.DataFrame, logical: dict, traces: dict, policy, recipe: str
     ranks = first.get("ranks")
     if not isinstance(ranks, list):
         ranks = region.get("ranks")
-    if kind in ("activation", "logits", "loss") and not ranks:
+    if kind in ("activation", "logits", "loss", "mtp_loss") and not ranks:
         ranks, sample = _sample_readers(first, cand, traces["candidate"], step)
         if sample is not None:
             region = {**region, "sample_id": sample}
     if sig.startswith("ratio") or sig in ("missing-gradient", "stale-update"):
         # A whole-tensor pattern: every rank holding the tensor shows it, not only the worst one.
         ranks = sorted(int(r) for r in traces["candidate"].coords())
-    explanation = SIGNATURES.get(sig, "")
-    if sig == "extra-rounding":
-        er = extra["extra_rounding"]
-        how = ("the other side rounded to it" if er["pattern"] == "exact" else
-               f"off by {er['median_ulps']:.2g} {er['dtype']} ULP (median): partial sums rounded to it")  # fmt: skip
-        explanation = (f"the {er['rounded']} was rounded once more to {er['dtype']} ({er['elements']} elements "
-                       f"differ, {how}): a reduction or accumulation in {er['dtype']} where the other keeps fp32")  # fmt: skip
+    explanation = _explanation(sig, extra)
     if consumed := consumed_foreign(traces["candidate"], step):
         extra = {**extra, "consumed": consumed["events"]}
         # Another parameter's weight in a GEMM explains whatever diverged after it; a weight
@@ -232,6 +204,23 @@ def summarize(df: pd.DataFrame, logical: dict, traces: dict, policy, recipe: str
         step=step, phase=phase_of(kind, name), kind=kind, tensor=name, ranks=ranks, region=Region.of(**region),
         signature=sig, explanation=explanation, measured=metrics, extra=extra,
     ))  # fmt: skip
+
+
+def _explanation(sig: str, extra: dict) -> str:
+    """The signature's explanation, with what was measured where it names it."""
+    if sig == "extra-rounding":
+        er = extra["extra_rounding"]
+        how = ("the other side rounded to it" if er["pattern"] == "exact" else
+               f"off by {er['median_ulps']:.2g} {er['dtype']} ULP (median): partial sums rounded to it")  # fmt: skip
+        return (f"the {er['rounded']} was rounded once more to {er['dtype']} ({er['elements']} elements "
+                f"differ, {how}): a reduction or accumulation in {er['dtype']} where the other keeps fp32")  # fmt: skip
+    if sig == "partial-average":
+        pa = extra["partial_average"]
+        who = "; ".join(f"rank {r}: data ranks {d}" for r, d in pa["averaged"].items())
+        return (f"the reported loss is the mean over some of the {pa['data_ranks']} data ranks' samples only "
+                f"({who}): reduced over a group that leaves out ranks reading other samples (GTP peers "
+                "are data ranks)")  # fmt: skip
+    return SIGNATURES.get(sig, "")
 
 
 def consumed_foreign(trace, step: int) -> dict | None:
@@ -275,8 +264,9 @@ class _StepContext:
     """What the signatures need from the traces beyond tensors: the candidate's LR and weight
     decay at the step, and whether the candidate has a precision mechanism at all."""
 
-    def __init__(self, lr=None, wd=None, precision_mechanism=True):
+    def __init__(self, lr=None, wd=None, precision_mechanism=True, shared=()):
         self.lr, self.wd, self.precision_mechanism = lr, wd, precision_mechanism
+        self.shared = shared  # patterns of the weights used more than once per step (MTP)
 
     @classmethod
     def of(cls, traces: dict, step: int, recipe: str) -> "_StepContext":
@@ -289,7 +279,7 @@ class _StepContext:
         # precise than its reference can lose precision; fp32 against fp32 without a recipe
         # cannot, so a difference there is a logic error however small.
         mechanism = recipe != "none" or bits_c < 32 or bits_c < bits_r
-        return cls(lr, wd, mechanism)
+        return cls(lr, wd, mechanism, mtp.shared_of_config(cand.get("config")))
 
 
 def _update_signature(kind: str, name: str, step: int, ref, cand, ctx: "_StepContext") -> dict | None:
@@ -308,6 +298,9 @@ def _signature(first: dict, df: pd.DataFrame, logical: dict, mesh: dict, key,
     ref, cand = logical["reference"], logical["candidate"]
     if kind == "input":
         return "misrouted-samples", {}
+    if kind == mtp.LOSS_KIND:  # its depth's logits agree: the labels or mask it read do not
+        logits = df[(df["step"] == step) & (df["tensor"] == name.rsplit(".", 1)[0] + ".output_layer")]
+        return ("labels-misaligned" if not logits.empty and logits["passed"].all() else "mismatch"), {}
     if kind == "scalar" or kind == "loss":
         tensors_ok = df[(df["step"] == step) & ~df["kind"].isin(["scalar", "loss"])]["passed"].all()
         if name == "reduced_loss":
@@ -340,6 +333,14 @@ def _signature(first: dict, df: pd.DataFrame, logical: dict, mesh: dict, key,
         c = torch.stack([cand.samples[key][i] for i in ids]) if ids else None
     if r is None or c is None:
         return "mismatch", {}
+    if kind in _OPTIMIZER_KINDS and (other := signatures.other_tensor(c, key, ref.tensors)):
+        return "permuted-tensors", {"holds": other}
+    if r.dtype != c.dtype and r.is_floating_point() and c.is_floating_point():
+        dtypes = {"reference": str(r.dtype).removeprefix("torch."), "candidate": str(c.dtype).removeprefix("torch.")}
+        wide = torch.promote_types(r.dtype, c.dtype)
+        r, c = r.to(wide), c.to(wide)  # the patterns below, in the wider of the two
+        if torch.equal(r, c):
+            return "dtype-changed", {"dtypes": dtypes}
     ratio = signatures.ratio(r, c, mesh)
     if ratio:
         return ratio, {}
@@ -356,6 +357,11 @@ def _signature(first: dict, df: pd.DataFrame, logical: dict, mesh: dict, key,
         rtol, atol = tolerances(recipe, c.dtype)
         if within_tolerance(r, c, rtol, atol):
             return "precision-loss", {"tolerance": {"rtol": rtol, "atol": atol, "recipe": recipe}}
+    if kind == "main_grad" and mtp.is_shared(name, ctx.shared):
+        grads = df[(df["step"] == step) & (df["kind"] == "main_grad")]
+        once = grads[[not mtp.is_shared(t, ctx.shared) for t in grads["tensor"]]]
+        if not once.empty and once["passed"].all():
+            return "shared-weight-only", {}
     return _EXPECTATION_BROKEN.get(first.get("policy"), "mismatch"), {}
 
 

@@ -70,6 +70,8 @@ def judge_expectation(summary: ScenarioSummary, expect: Expectation | None,
     if fixed and expect.diverges_after_fix:
         expect, fixed = dataclasses.replace(expect, signature=expect.diverges_after_fix), False
     fd = summary.first_divergence
+    if expect.raises and not fixed:
+        return summary.with_(verdict=Verdict.FAIL, expectation=f"expected the run to raise {expect.raises!r}, but it ran")
     if fixed:
         fix = expect.fixed_in or f"megatron-core {expect.fixed_in_version}"
         if summary.verdict == Verdict.PASS:
@@ -86,6 +88,22 @@ def judge_expectation(summary: ScenarioSummary, expect: Expectation | None,
             return summary.with_(expectation="diverged, but not as the known divergence: " + ", ".join(wrong))
         return summary.with_(verdict=Verdict.KNOWN_DIVERGENCE)
     return summary
+
+
+def failure_outcome(s: Scenario, failed: dict[str, str], jobs: dict) -> ScenarioSummary:
+    """A scenario whose sides did not all run: ``known-divergence`` where the candidate alone
+    raised as its ``[expect] raises`` records, on a tree without the fix; an error otherwise."""
+    base = {"scenario": s.name, "error": failed, "axes": dict(s.axes), "config": scenario_config(s),
+            "traces": {r: j.trace_dir for r, j in jobs.items()}}  # fmt: skip
+    e = s.expect
+    if e is not None and e.raises and set(failed) == {Role.CANDIDATE} and e.raises in failed[Role.CANDIDATE]:
+        prov = jobs[Role.CANDIDATE].provenance or {}
+        tree, version = prov.get("megatron_core"), (prov.get("versions") or {}).get("megatron-core")
+        if not holds_fix(e, tree, version) and (e.introduced_in is None or holds_commit(e.introduced_in, tree)):
+            return ScenarioSummary.of(verdict=Verdict.KNOWN_DIVERGENCE, expectation=f"raised as known ({e.raises!r})",
+                                      expect={k: v for k, v in dataclasses.asdict(e).items() if v is not None},
+                                      **base)  # fmt: skip
+    return ScenarioSummary.of(verdict=Verdict.ERROR, **base)
 
 
 def checkpoint_outcome(summary: ScenarioSummary, s: Scenario, results) -> ScenarioSummary:

@@ -3,7 +3,8 @@
 Each function answers one question of :mod:`harness.compare.localize` about a failing pair: is the
 candidate the reference scaled by a parallel size (``ratio``), with GTP's dim-0 shard blocks
 permuted (``permuted_blocks``), with zero rows inserted (``inserted_zero_rows``), or rounded once
-more to a narrower dtype (``extra_rounding``)?
+more to a narrower dtype (``extra_rounding``)? :data:`SIGNATURES` says what each signature the
+localizer can name means, in one line each (the report shows it under the first divergence).
 """
 
 from __future__ import annotations
@@ -12,6 +13,57 @@ import itertools
 
 import torch
 from torch.distributed.tensor import Shard
+
+
+SIGNATURES = {
+    "ratio-G": "candidate = G x reference: a mean over the GTP group became a sum (missing 1/G)",
+    "ratio-1/G": "candidate = reference / G: the GTP mean was taken twice",
+    "ratio-TP": "candidate = TP x reference: a TP mean became a sum",
+    "ratio-1/TP": "candidate = reference / TP",
+    "ratio-2": "candidate = 2 x reference: a reduction counted twice",
+    "ratio-1/2": "candidate = reference / 2: a reduction halved",
+    "log-TP-offset": "losses differ by log(TP): logits normalized over one TP shard only",
+    "permuted-blocks": "the candidate equals the reference with shard blocks permuted: shard order",
+    "pad-rows": "GTP pad rows are non-zero: padding leaked into the weight or received gradient",
+    "replica-drift": "a replicated tensor differs across ranks: a partial gradient was not reduced",
+    "missing-gradient": "the candidate gradient is zero where the reference is not",
+    "stale-update": "the weight after the step equals the weight before it: the update did not land",
+    "misrouted-samples": "ranks read the wrong samples (duplicated or missing sample ids)",
+    "loss-report-only": "every tensor agrees, only the reported (reduced) loss differs",
+    "logged-over-steps": "every tensor and the step's reduced loss agree; the loss the log line shows "
+                         "is the mean of the reduced losses over several steps (the window named)",
+    "partial-average": "the reported loss is the mean over some data ranks' samples only: reduced over a "
+                       "group that leaves out ranks reading other samples (GTP peers are data ranks)",
+    "grad-norm-only": "gradients agree, only the grad norm differs: double counting in the norm",
+    "precision-loss": "within the format's tolerance of the reference, but further from the fp64 "
+                      "golden than the reference's noise floor allows: precision lost (e.g. an "
+                      "amax not reduced, a reduction in lower precision); named only where the "
+                      "candidate has a precision mechanism (a recipe, bf16, or a precision below "
+                      "the reference's)",
+    "update-term": "the optimizer step's update (after - before) differs from the reference's by "
+                   "a structure: a factor (an LR multiplier, a clip factor) or a term such as "
+                   "-lr*wd*param (weight decay)",
+    "extra-rounding": "one side is the other rounded once more to a narrower dtype (named): a "
+                      "reduction or accumulation in bf16/fp16 where the other keeps fp32",
+    "dtype-changed": "the same values held in another dtype (named per side): a buffer or a reduction built in "
+                     "another precision than the other side's",
+    "not-bitwise": "the same operations on the same values (a bitwise expectation) gave other bits, with no "
+                   "recognised pattern: an operation added, reordered or run in another kernel",
+    "beyond-sum-bound": "a sum of the same terms differs by more than any order of summing them allows "
+                        "(a bounded expectation): a term lost, added or rounded",
+    "mismatch": "values differ beyond the policy with no recognised pattern",
+    "gemm-consumed-foreign-weight": "a GEMM consumed another parameter's weight: a GTP gather buffer "
+                                    "was reused before the GEMM read it",
+    "pad-rows-as-data": "the candidate is the reference with zero rows inserted and the rows behind "
+                        "them shifted down: pad rows were counted as data (a saved GTP shard's padding)",
+    "shared-weight-only": "only a weight used more than once per step differs, every weight used once agrees: "
+                          "per-weight state written for one use (one use's gradient lost or counted twice)",
+    "labels-misaligned": "a loss differs while the logits it is computed from agree: it read other labels or "
+                         "another loss mask (labels not shifted, or shifted by another depth)",
+    "permuted-tensors": "the candidate's tensor is, bit for bit, the reference's tensor of another "
+                        "parameter (named): whole tensors permuted, e.g. saved under another expert's "
+                        "or layer's index",
+}
 
 
 def ratio(ref: torch.Tensor, cand: torch.Tensor, mesh: dict) -> str | None:
@@ -80,6 +132,21 @@ def inserted_zero_rows(ref: torch.Tensor, cand: torch.Tensor) -> dict | None:
     p = int((cand[i:] == 0).reshape(cand.shape[0] - i, -1).all(1).long().cumprod(0).sum())  # zero run at i
     ok = p and torch.equal(cand[i + p:], ref[i:ref.shape[0] - p]) and bool((ref[i:i + p] != 0).any())
     return {"row": i, "count": p} if ok else None
+
+
+def other_tensor(cand: torch.Tensor, key: tuple, tensors) -> str | None:
+    """The name of the reference's other tensor of the same step and kind that ``cand`` equals
+    bit for bit (``tensors``: the reference's logical tensors by (step, kind, name)), or None:
+    whole tensors permuted between parameters (saved under another expert's or layer's index)."""
+    step, kind, name = key
+    if not bool(cand.any()):  # zeros equal any other zeros: no permutation is shown by them
+        return None
+    for other in tensors.keys():
+        if other[:2] == (step, kind) and other[2] != name:
+            ref = tensors[other]
+            if ref.shape == cand.shape and ref.dtype == cand.dtype and torch.equal(ref, cand):
+                return other[2]
+    return None
 
 
 NARROWER = (torch.bfloat16, torch.float16)

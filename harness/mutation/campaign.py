@@ -24,6 +24,7 @@ from harness.common.jsonio import write_json
 from harness.common.errors import BadInput, RunFailed
 from harness.compare.summary import Verdict
 from harness.run.launch import launch
+from harness.scenario import Role
 from harness.scenario.mutants import Mutant, applicable
 
 KILLED, CRASHED, TIMEOUT, SURVIVED = "killed", "crashed", "timeout", "survived"
@@ -33,6 +34,8 @@ DETECTED = (KILLED, CRASHED, TIMEOUT)
 # What a mutated function computes, as the tensor kinds its first divergence should name:
 # (module suffix, function pattern) -> kinds. The first match wins.
 EXPECTED_KINDS = [
+    # GTP's checkpoint offsets: what a load reads (a checkpoint scenario's load step).
+    ("generalized_tensor_parallelism", "*checkpoint*", {"param", "exp_avg", "exp_avg_sq", "master"}),
     ("generalized_tensor_parallelism", "*reduce_scatter*", {"main_grad"}),
     ("generalized_tensor_parallelism", "*wgrad*", {"main_grad"}),
     ("generalized_tensor_parallelism", "*grad*", {"main_grad"}),
@@ -42,6 +45,7 @@ EXPECTED_KINDS = [
     ("distributed_data_parallel", "*", {"main_grad"}),
     ("optimizer", "*", {"param", "master", "exp_avg", "exp_avg_sq", "scalar"}),
     ("parallel_state", "*", {"input", "materialized", "main_grad", "scalar"}),
+    ("emerging_optimizers", "*", {"param", "master"}),  # Muon's update: the new weight
 ]
 
 
@@ -114,10 +118,19 @@ def read_triage(path: Path) -> dict[str, dict]:
 
 
 def mutant_scenarios(scenarios: list, mutants: list[Mutant], timeout_s: float) -> dict[str, list]:
-    """mutant id -> its scenarios (the candidate runs the mutant; the rest is the matrix's)."""
+    """mutant id -> its scenarios (the candidate runs the mutant, and so does a checkpoint
+    scenario's saving side, whose checkpoint the candidate loads; the rest is the matrix's)."""
+    def mutated(side, m):
+        return None if side is None else dataclasses.replace(side, mutant=m.id)
+
     return {m.id: [dataclasses.replace(s, name=f"{s.name}@{m.id}", timeout_s=timeout_s,
-                                       candidate=dataclasses.replace(s.candidate, mutant=m.id))
+                                       candidate=mutated(s.candidate, m), saver=mutated(s.saver, m))
                    for s in scenarios] for m in mutants}  # fmt: skip
+
+
+def mutant_jobs(roles: dict) -> list:
+    """The jobs of one mutant scenario that run the mutant: its saver (if any), then its candidate."""
+    return [roles[r] for r in (Role.SAVER, "candidate") if r in roles]
 
 
 def run_mutant_jobs(jobs: list, out: Path, per_launch: int, timeout_s: float, say,
@@ -245,14 +258,19 @@ def run_campaign(mutants: list[Mutant], scenarios: list, out: Path, *, timeout_s
     ran: dict[str, int] = {m.id: 0 for m in mutants}  # scenarios each mutant ran
     alive, t_run = list(mutants), 0.0
     for i in range(len(scenarios)):
-        jobs = list({by_s[per[m.id][i].name]["candidate"].key: by_s[per[m.id][i].name]["candidate"]
-                     for m in alive}.values())  # fmt: skip
+        roles = [by_s[per[m.id][i].name] for m in alive]
+        jobs = list({j.key: j for r in roles for j in mutant_jobs(r)}.values())
         for j in jobs:
             if not trace.is_complete(j.trace_dir):
                 shutil.rmtree(j.trace_dir, ignore_errors=True)  # a side left incomplete is run again
         say(f"  {scenarios[i].name}: {len(alive)} mutant(s)")
         t = clock()
-        failed |= run_mutant_jobs(jobs, out, per_launch, timeout_s, say, prefix=f"m{i}-" if i else "m")
+        prefix = f"m{i}-" if i else "m"
+        if savers := [r[Role.SAVER] for r in roles if Role.SAVER in r]:  # a checkpoint first, then its loader
+            failed |= run_mutant_jobs(savers, out, per_launch, timeout_s, say, prefix=prefix + "s")
+        loaders = [r["candidate"] for r in roles if not (Role.SAVER in r and r[Role.SAVER].key in failed)]
+        failed |= run_mutant_jobs(list({j.key: j for j in loaders}.values()), out, per_launch, timeout_s, say,
+                                  prefix=prefix)  # fmt: skip
         t_run += clock() - t
         for m in alive:
             ran[m.id] += 1
@@ -294,7 +312,7 @@ def reached(trace_dir: Path) -> bool | None:
 def _verdict(s, by_s: dict, failed: dict, out: Path, clean: dict) -> dict | None:
     """One mutant scenario's summary (None: its side crashed, timed out or left no trace)."""
     roles = by_s[s.name]
-    if roles["candidate"].key in failed or not trace.is_complete(roles["candidate"].trace_dir):
+    if any(j.key in failed for j in mutant_jobs(roles)) or not trace.is_complete(roles["candidate"].trace_dir):
         return None
     base = clean[s.name.rsplit("@", 1)[0]]
     if same_trace(Path(roles["candidate"].trace_dir), Path(base["candidate"].trace_dir)):
@@ -304,15 +322,16 @@ def _verdict(s, by_s: dict, failed: dict, out: Path, clean: dict) -> dict | None
 
 def _detected(summaries: list[dict], scenarios: list, by_s: dict, failed: dict) -> bool:
     return any(d["verdict"] == Verdict.FAIL for d in summaries) or any(
-        by_s[s.name]["candidate"].key in failed for s in scenarios)  # fmt: skip
+        j.key in failed for s in scenarios for j in mutant_jobs(by_s[s.name]))  # fmt: skip
 
 
 def _judge_one(m: Mutant, scenarios: list, summaries: list[dict], by_s: dict, failed: dict,
                triage: dict) -> Outcome:
     """A mutant's outcome over the scenarios it ran (a prefix of the matrix)."""
     o = Outcome(m)
-    judge(o, summaries, failed, [by_s[s.name]["candidate"] for s in scenarios])
-    reach = [reached(Path(by_s[s.name]["candidate"].trace_dir)) for s in scenarios]
+    jobs = [j for s in scenarios for j in mutant_jobs(by_s[s.name])]
+    judge(o, summaries, failed, jobs)
+    reach = [reached(Path(j.trace_dir)) for j in jobs]
     o.reached = None if None in reach else any(reach)
     if o.status == SURVIVED and o.reached is False:
         o.status, o.reason = UNREACHABLE, f"the mutated line(s) never ran in {', '.join(s.name.rsplit('@', 1)[0] for s in scenarios)}"

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from harness.common.errors import BadInput
-from harness.scenario.mutants import TARGETS, Mutant, applicable, diff, find, mutants_of
+from harness.scenario.mutants import OPT_IN, TARGETS, Mutant, applicable, diff, find, mutants_of
 
 DEFAULT_MATRIX = "scenarios/mutate.toml"
 TRIAGE = Path(__file__).resolve().parent / "triage.toml"
@@ -15,9 +15,9 @@ TRIAGE = Path(__file__).resolve().parent / "triage.toml"
 def _targets(names: list[str] | None) -> list[str]:
     if not names:
         return list(TARGETS)
-    unknown = [n for n in names if n not in TARGETS]
+    unknown = [n for n in names if n not in TARGETS and n not in OPT_IN]
     if unknown:
-        raise BadInput("--target", f"{unknown[0]!r} is not a module of the GTP path; known: {', '.join(TARGETS)}")
+        raise BadInput("--target", f"{unknown[0]!r} is not a module of the GTP path; known: {', '.join([*TARGETS, *OPT_IN])}")
     return names
 
 

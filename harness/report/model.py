@@ -19,7 +19,7 @@ from harness.scenario import COMPARED_ROLES
 from harness.compare.summary import FirstDivergence, Region, ResultRow, ScenarioSummary, Verdict, as_summary
 
 KIND_GROUPS = {
-    "activation": ("activation", "logits", "loss"),
+    "activation": ("activation", "logits", "loss", "mtp_loss"),
     "grad": ("main_grad",),
     "param": ("param_before", "materialized", "param"),
     "optimizer state": ("exp_avg", "exp_avg_sq", "master"),
@@ -144,6 +144,8 @@ def divergence_line(summary: ScenarioSummary | dict) -> str:
     fd = s.first_divergence
     if s.verdict == Verdict.SKIP:
         return f"{s.scenario}: skipped: {s.reason or 'no reason recorded'}"
+    if fd is None and s.verdict == Verdict.KNOWN_DIVERGENCE and s.error:  # [expect] raises
+        return f"{s.scenario}: {s.expectation}: " + "; ".join(" ".join(str(m).split()) for m in s.error.values())
     if fd is None:
         return f"{s.scenario}: parity holds" + (f" ({s.expectation})" if s.expectation else "")
     if s.expectation:
@@ -200,6 +202,8 @@ def verdict_line(data: ScenarioData) -> str:
         failing = "?" if s.failing is None else s.failing
         return (f"FAIL: {failing} of {total} comparisons fail; the first is step "
                 f"{fd.step} {fd.phase} {fd.tensor} ({fd.signature})")  # fmt: skip
+    if data.verdict == Verdict.KNOWN_DIVERGENCE and s.first_divergence is None and s.error:
+        return f"KNOWN FAILURE TO RUN: {s.expectation}, as recorded: {(s.expect or {}).get('reason', '')}"
     if data.verdict == Verdict.KNOWN_DIVERGENCE:
         fd = s.first_divergence or FirstDivergence()
         return (f"KNOWN DIVERGENCE: step {fd.step} {fd.phase} {fd.tensor} ({fd.signature}), as recorded: "

@@ -91,7 +91,8 @@ def _explain(fd: FirstDivergence) -> str:
     return SIGNATURES.get(fd.signature, "")
 
 
-NO_PICTURE = {"input": "sample ids have no shards", "scalar": "a scalar", "loss": "a per-sample loss"}
+NO_PICTURE = {"input": "sample ids have no shards", "scalar": "a scalar", "loss": "a per-sample loss",
+              "eval": "an evaluation's loss"}
 PICTURE_NOTE = ('<p class="small">The logical tensor cut into its (TP, GTP) shard blocks as the candidate '
                 "holds them; red: the block holding the worst element or the faulty region; hatched: GTP pad "
                 "rows; dot: the worst element.</p>")  # fmt: skip

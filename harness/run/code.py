@@ -27,6 +27,7 @@ from importlib.machinery import PathFinder
 from pathlib import Path
 
 from harness.common.errors import BadInput
+from harness.scenario.rules import version_key
 
 INSTALLED = "installed"
 GIT_PREFIX = "git:"
@@ -194,6 +195,16 @@ def is_ancestor(tree: CodeTree, commit: str) -> bool | None:
     if _git(repo, "rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}").returncode != 0:
         return None
     return _git(repo, "merge-base", "--is-ancestor", commit, tree.commit).returncode == 0
+
+
+def holds(tree: CodeTree, commit: str, version: str) -> bool:
+    """Whether ``tree`` holds an upstream change: ``commit`` in its history, or, for a tree
+    without one (the installed wheel), a version of ``version`` or later."""
+    found = is_ancestor(tree, commit)
+    if found is not None:
+        return found
+    mine = version_key(tree.version)
+    return mine is not None and mine >= version_key(version)
 
 
 def resolve_all(scenarios) -> dict[str, CodeTree]:

@@ -84,7 +84,8 @@ def plan(scenarios: list[Scenario], out: Path, provenance: dict | None = None,
     for s in scenarios:
         roles, ckpt = {}, ""
         if s.saver is not None:  # the checkpoint lives beside the saving side's trace
-            job = job_for(s, Role.SAVER, traces, *code_of(s, Role.SAVER))
+            identity, root = code_of(s, Role.SAVER)  # the saver imports its own tree, as the sides do
+            job = job_for(s, Role.SAVER, traces, identity, megatron_root=root)
             ckpt = str(Path(job.trace_dir) / "checkpoint")
             roles[Role.SAVER] = jobs.setdefault(job.key, dataclasses.replace(job, checkpoint_dir=ckpt))
         for role in COMPARED_ROLES:
@@ -123,20 +124,25 @@ def pending_jobs(by_scenario: dict[str, dict[str, Job]], fresh: bool = False, pr
 
 def launches(by_scenario: dict[str, dict[str, Job]], scenarios: list[Scenario],
              pending: dict[str, Job]) -> list[Launch]:  # fmt: skip
-    """The pending jobs grouped into launches, in the order they must run (savers first)."""
+    """The pending jobs grouped into launches, in the order they must run (savers first). A
+    candidate its scenario expects to raise (``[expect] raises``) runs in a launch of its own:
+    a failing job ends its launch, and no other side goes with it."""
     timeout = {}
     for s in scenarios:
         for job in by_scenario[s.name].values():
             timeout[job.key] = max(timeout.get(job.key, 0.0), s.timeout_s)
+    alone = sorted({by_scenario[s.name][Role.CANDIDATE].key for s in scenarios if s.expect and s.expect.raises})
     groups = defaultdict(list)
     for job in pending.values():  # checkpoints are saved (phase 0) before sides load them
-        groups[(0 if job.side.save_step else 1, job.side.world_size, job.megatron_root)].append(job)
+        own = alone.index(job.key) + 1 if job.key in alone else 0
+        groups[(0 if job.side.save_step else 1, job.side.world_size, job.megatron_root, own)].append(job)
     out = []
-    trees = sorted({root for (_, _, root) in groups})  # a launch imports one megatron-core
-    for (phase, world, root), jobs in sorted(groups.items()):
+    trees = sorted({root for (_, _, root, _) in groups})  # a launch imports one megatron-core
+    for (phase, world, root, own), jobs in sorted(groups.items()):
         for i in range(0, len(jobs), MAX_JOBS_PER_LAUNCH):
             code = f"-code{trees.index(root)}" if root else ""
             tag = f"w{world}{code}-{i // MAX_JOBS_PER_LAUNCH}" + ("-save" if phase == 0 else "")
+            tag += f"-alone{own}" if own else ""
             batch = jobs[i : i + MAX_JOBS_PER_LAUNCH]
             out.append(Launch(tag, world, phase, batch, {j.key: timeout[j.key] for j in batch}))
     return out

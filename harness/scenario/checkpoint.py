@@ -3,8 +3,9 @@
 A checkpoint scenario's ``[reference]`` is the uninterrupted run of the source topology. The
 source side (the reference's configuration with ``save_step``) trains to step k and saves a
 ``torch_dist`` checkpoint; each entry of ``load_into`` is a candidate: the reference's
-configuration with the entry's keys (another TP, G, world size, distributed optimizer), which
-loads the checkpoint, is recorded right after loading as step k, and trains on to the last
+configuration with the entry's keys (another TP, G, world size, pipeline or expert layout,
+distributed optimizer; a ``[candidate]`` table, where a matrix's base has one, gives keys every
+loader starts from), which loads the checkpoint, is recorded right after loading as step k, and trains on to the last
 step. Its step-k weights and optimizer state are judged bitwise (``exact_steps``), the steps
 after it under the scenario's policy against the same golden::
 
@@ -22,7 +23,10 @@ from harness.common.errors import BadInput, shown
 from harness.scenario.schema import Scenario, Side, check_scenario_name
 
 # Faults planted on a checkpoint scenario's candidate that act where the checkpoint is saved.
-SAVE_FAULTS = frozenset({"ckpt-pad-rows-as-data"})
+SAVE_FAULTS = frozenset({"ckpt-pad-rows-as-data", "ckpt-expert-index-shifted", "ckpt-stage-layers-mirrored"})
+# Megatron-LM's commit (#6080) from which routed experts' GTP shards keep ``allreduce = False``
+# and expert GTP alone puts the experts on the expert topology (see :func:`expert_optimizer`).
+EXPERT_TOPOLOGY_FIX = ("abf04f46e3", "0.20.0")
 # What a resumed side must share with the run it continues (the rest is its topology).
 CONTINUED = ("backend", "precision", "recipe", "steps", "seed", "optimizer", "lr", "min_lr", "lr_warmup_steps",
              "lr_decay_steps", "lr_decay_style", "weight_decay", "clip_grad", "adam_beta1", "adam_beta2", "adam_eps",
@@ -31,10 +35,14 @@ _SIDE_KEYS = frozenset(f.name for f in dataclasses.fields(Side)) - {"save_step",
 
 
 def topology(side: Side) -> str:
-    """A side's topology as the report names it: ``TP1xGTP2``, ``TP2xGTP-off (DP 2)``, ``+distopt``."""
+    """A side's topology as the report names it: ``TP1xGTP2``, ``TP2xGTP-off DP2``, ``TP1xGTP2 PP2``,
+    ``TP1xGTP2 EP2xEGTP2 DP2``, `` distopt``."""
     gtp = f"GTP{side.gtp}" if side.gtp > 1 else "GTP-off"
     dp = f" DP{side.replicate_dp}" if side.replicate_dp > 1 else ""
-    return f"TP{side.tp}x{gtp}{dp}" + (" distopt" if side.distributed_optimizer else "")
+    pp = f" PP{side.pipeline_parallel}" if side.pipeline_parallel > 1 else ""
+    eg = f"EGTP{side.expert_gtp}" if side.expert_gtp > 1 else "EGTP-off"
+    experts = f" EP{side.ep}x{eg}" if side.ep * side.expert_gtp > 1 else ""
+    return f"TP{side.tp}x{gtp}{pp}{experts}{dp}" + (" distopt" if side.distributed_optimizer else "")
 
 
 def expand(raw: dict, source: str, parse: Callable[[dict, str], Scenario],
@@ -54,8 +62,8 @@ def expand(raw: dict, source: str, parse: Callable[[dict, str], Scenario],
     targets = spec.get("load_into")
     if not isinstance(targets, list) or not targets or not all(isinstance(t, dict) for t in targets):
         raise BadInput(f"{where}.load_into", "must be a non-empty list of tables of side keys (the topologies loaded into)")
-    if "candidate" in raw:
-        raise BadInput(f"{source}: [candidate]", "a checkpoint scenario's candidates are its [checkpoint].load_into entries")
+    # A [candidate] table (a matrix's base may have one) gives keys every loader starts from.
+    loader_base = raw.get("candidate", {}) if isinstance(raw.get("candidate", {}), dict) else {}
     base = {key: v for key, v in raw.items() if key != "checkpoint"}
     compare = {**raw.get("compare", {}), "exact_steps": [k]} if isinstance(raw.get("compare", {}), dict) else {}
     out, labels = [], set()
@@ -68,7 +76,7 @@ def expand(raw: dict, source: str, parse: Callable[[dict, str], Scenario],
         if unknown := sorted(set(target) - _SIDE_KEYS - {"label"}):
             raise BadInput(f"{at}.{unknown[0]}", f"not a side key a topology may change; one of {sorted(_SIDE_KEYS)}")
         reference = raw.get("reference", {}) if isinstance(raw.get("reference", {}), dict) else {}
-        candidate = {**reference, **{key: v for key, v in target.items() if key not in ("label", "inject")}}
+        candidate = {**reference, **loader_base, **{key: v for key, v in target.items() if key not in ("label", "inject")}}
         s = parse({**base, "name": f"{raw.get('name')}-{label}", "candidate": candidate, "compare": compare}, source)
         saver = dataclasses.replace(s.reference, save_step=k)
         # Faults are planted once the candidate resumes (a save fault fires only there).
@@ -111,9 +119,15 @@ def check(s: Scenario) -> None:
         if side.backend != "megatron":
             raise BadInput(f"{s.source}: [{role}].backend", "checkpoints are megatron-core's (backend = \"megatron\")")
     for role, side in (("saved run", src), ("reference", s.reference), ("candidate", cand)):
-        if side.pipeline_parallel > 1 or side.ep * side.expert_gtp > 1:
-            raise BadInput(where, f"the {role} is pipelined or expert-parallel: checkpoints of one model "
-                                  "chunk without expert parallelism only (not covered yet)")  # fmt: skip
+        if side.virtual_pipeline:
+            raise BadInput(where, f"the {role} is interleaved (virtual_pipeline): checkpoints of one model "
+                                  "chunk per rank only (not covered yet)")  # fmt: skip
+    if src.optimizer == "sgd":
+        # get_megatron_optimizer gives SGD no init_state_fn (optimizer/__init__.py l.624 on 0.19.2,
+        # l.628 on main), which a load calls (FP32Optimizer.sharded_state_dict, optimizer.py l.1362;
+        # l.1394 on main): "TypeError: 'NoneType' object is not callable".
+        raise BadInput(f"{s.source}: [reference].optimizer", "megatron-core cannot load an SGD optimizer's "
+                       "checkpoint (it calls the init_state_fn get_megatron_optimizer leaves None for SGD): use adam")  # fmt: skip
     if not 1 <= k < src.steps:
         raise BadInput(f"{where}.save_step", f"must be in 1..{src.steps - 1} (steps continue after loading), got {k}")
     for key in CONTINUED:
@@ -124,5 +138,54 @@ def check(s: Scenario) -> None:
         raise BadInput(f"{s.source}: [capture].steps", f"must include the load step {k}: it is judged bitwise")
     if "param" not in s.capture.kinds:
         raise BadInput(f"{s.source}: [capture].kinds", "must include param: the loaded weights are judged bitwise")
-    if SAVE_FAULTS & set(cand.inject) and src.gtp == 1:
-        raise BadInput(f"{s.source}: [candidate].inject", "ckpt-pad-rows-as-data never fires: the saved run has no GTP")
+    for fault in sorted(SAVE_FAULTS & set(cand.inject)):
+        if problem := _save_fault_reach(fault, src):
+            raise BadInput(f"{s.source}: [candidate].inject", f"{fault} never fires: {problem}")
+
+
+def _save_fault_reach(fault: str, src: Side) -> str | None:
+    if fault == "ckpt-pad-rows-as-data" and src.gtp == 1:
+        return "the saved run has no GTP"
+    if fault == "ckpt-expert-index-shifted" and src.ep == 1:
+        return "the saved run has no expert parallelism (ep = 1)"
+    if fault == "ckpt-stage-layers-mirrored" and src.pipeline_parallel == 1:
+        return "the saved run is not pipelined (pipeline_parallel = 1)"
+    return None
+
+
+def expert_optimizer(side: Side, num_experts: int, fixed: bool) -> bool:
+    """Whether megatron-core gives ``side``'s routed experts an optimizer of their own (a second
+    one in its ChainedOptimizer): it does for parameters tagged ``allreduce = False``, the expert
+    topology (optimizer/__init__.py l.348, l.1181-1224 on 0.19.2). ``fixed``: the tree holds
+    :data:`EXPERT_TOPOLOGY_FIX`, where experts take that topology under expert parallelism or an
+    expert GTP other than the dense one (tensor_parallel/layers.py l.1033-1037 on main). On
+    0.19.2 only expert parallelism puts them there (layers.py l.961-964), and
+    ``_gtp_slice_one_param`` (generalized_tensor_parallelism.py l.502-508) drops the tag from
+    expert GTP shards: with expert GTP every expert weight is a dense one."""
+    if not num_experts:
+        return False
+    if fixed:
+        return side.ep > 1 or side.expert_gtp != side.gtp
+    return side.ep > 1 and side.expert_gtp == 1
+
+
+def check_expert_optimizers(s: Scenario, fixed: Callable[[Side], bool]) -> None:
+    """Refuse a load whose optimizer chain differs from the saved run's (``fixed``: whether a
+    side's megatron-core tree holds :data:`EXPERT_TOPOLOGY_FIX`). megatron-core's (non-distributed)
+    optimizer saves its param groups as common state shaped by its chain, and a loader of another
+    chain cannot take them: ``ChainedOptimizer.load_state_dict`` raises "Expected 2 entries in
+    state dict, but got 4" (optimizer/optimizer.py l.1578-1582 on 0.19.2, l.1610-1614 on main),
+    the other way ``_get_param_groups``: "Could not find parameter group". Checked once the
+    sides' trees are known, before anything launches."""
+    if s.saver is None:
+        return
+    saved = expert_optimizer(s.saver, s.model.num_experts, fixed(s.saver))
+    loaded = expert_optimizer(s.candidate, s.model.num_experts, fixed(s.candidate))
+    if saved != loaded:
+        which = {True: "an optimizer of their own", False: "the dense optimizer"}
+        tree = "megatron-core " + ("with" if fixed(s.candidate) else "without") + f" {EXPERT_TOPOLOGY_FIX[0]}"
+        raise BadInput(f"{s.source}: [checkpoint].load_into ({s.name})",
+                       f"the saved run ({topology(s.saver)}) keeps its routed experts in {which[saved]}, the loader "
+                       f"({topology(s.candidate)}) in {which[loaded]} ({tree}): megatron-core's non-distributed "
+                       "optimizer cannot load param groups saved by another optimizer chain "
+                       "(ChainedOptimizer.load_state_dict)")  # fmt: skip

@@ -6,18 +6,10 @@ can name faults; :mod:`harness.backends.faults` implements them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-
-@dataclass(frozen=True)
-class Fault:
-    name: str
-    bug_class: str
-    description: str
-    expect: dict
-    """Expected first divergence: step, phase, kind, tensor (fnmatch), signature."""
-    target: str = ""
-    """The parameter the fault acts on, where it acts on one."""
+from harness.scenario.fault import Fault
+from harness.scenario.feature_faults import (
+    EVAL_FAULTS, GROUP_FAULTS, MTP_FAULTS, MUON_FAULTS, PRECISION_FAULTS, feature_reach,
+)  # fmt: skip
 
 
 CATALOG: dict[str, Fault] = {
@@ -130,6 +122,21 @@ CATALOG: dict[str, Fault] = {
              "signature": "pad-rows-as-data"},
         ),
         Fault(
+            "ckpt-expert-index-shifted", "shard ordering",
+            "a checkpoint's routed experts are saved under the next EP rank's expert indices (global "
+            "expert r * E/EP + i counted from EP rank r + 1), weights and Adam moments alike; planted on "
+            "a [checkpoint] scenario's candidate, it acts where the checkpoint is saved",
+            {"step": None, "kind": "exp_avg", "tensor": "decoder.layers.0.mlp.experts.local_experts.0.*",
+             "signature": "permuted-tensors"},
+        ),
+        Fault(
+            "ckpt-stage-layers-mirrored", "shard ordering",
+            "a pipelined run's checkpoint saves each stage's layers under the mirrored stage's layer "
+            "numbers (stage p of P at offset (P - 1 - p) x L/P), weights and Adam moments alike; planted "
+            "on a [checkpoint] scenario's candidate, it acts where the checkpoint is saved",
+            {"step": None, "kind": "exp_avg", "tensor": "decoder.layers.0.*", "signature": "permuted-tensors"},
+        ),
+        Fault(
             "fp8-unreduced-amax", "precision loss",
             "FP8 quantized all-gather of GTP weights (torch backend): each shard is quantized with "
             "its own per-tensor amax, not the amax reduced over the GTP group, and the gathered "
@@ -178,7 +185,10 @@ MLM_FAULTS = frozenset(CATALOG) - {"gtp-peers-same-sample", "fp8-unreduced-amax"
                                     "gtp-prescale-under-per-token-loss", "token-count-without-gtp-peers",
                                     "gtp-prefetch-missing-wait", "gtp-wgrad-rs-finalized-twice",
                                     "distopt-offsets-ignore-gtp-pad", "pp-swap-microbatch-grads",
-                                    "ckpt-pad-rows-as-data"}  # fmt: skip
+                                    "ckpt-pad-rows-as-data", "ckpt-expert-index-shifted",
+                                    "ckpt-stage-layers-mirrored"}  # fmt: skip
+# Of the evaluation's faults the mlm backend plants the stale gather, inside megatron-core's GTP.
+MLM_FAULTS = MLM_FAULTS | {"gtp-eval-stale-gather"}
 
 
 def check_reach(name: str, side, data=None) -> str | None:
@@ -213,7 +223,7 @@ def check_reach(name: str, side, data=None) -> str | None:
         # In fp32 the optimizer steps views of the params themselves: the misplaced copy then
         # overlaps its own source and torch raises instead of diverging.
         return f"{name!r} needs the distributed optimizer (distributed_optimizer) in bf16"
-    if name == "ckpt-pad-rows-as-data" and not side.load_step:
+    if name in ("ckpt-pad-rows-as-data", "ckpt-expert-index-shifted", "ckpt-stage-layers-mirrored") and not side.load_step:
         return f"{name!r} never fires outside a [checkpoint] scenario's candidate (it acts where the checkpoint is saved)"
     if name == "microbatch-grad-overwrite" and data is not None and side.num_microbatches(data) < 2:
         return f"{name!r} never fires with one micro-batch per step"
@@ -224,9 +234,7 @@ def check_reach(name: str, side, data=None) -> str | None:
         # Interleaved, the first stage's later model chunks send input gradients back: holding a
         # backward would hold the schedule's p2p.
         return f"{name!r} is planted on the 1F1B schedule only (virtual_pipeline unset)"
-    if name in PRECISION_FAULTS and (problem := _precision_reach(name, side, data)):
-        return problem
-    if name in GROUP_FAULTS and (problem := _groups_reach(name, side)):
+    if (problem := feature_reach(name, side, data)) is not None:
         return problem
     if side.backend == "torch" and name not in TORCH_FAULTS:
         return f"{name!r} is not implemented by the torch backend; it implements {sorted(TORCH_FAULTS)}"
@@ -264,99 +272,9 @@ MOE_FAULTS: dict[str, Fault] = {
 CATALOG.update(MOE_FAULTS)
 
 
-# The precision bug class: one bf16 rounding where megatron-core keeps fp32 (megatron backend).
-# ``backport-gtp-wgrad-fp32`` and ``patch-gtp-embedding-wgrad-fp32`` are no faults: Megatron-LM's fix and the
-# embedding's proposed one, the baseline the precision faults show against on the 0.19.2 wheel.
-PRECISION_FAULTS: dict[str, Fault] = {
-    f.name: f
-    for f in [
-        Fault(
-            "backport-gtp-wgrad-fp32", "backport",
-            "Megatron-LM e5542e85f2 (#6624) on an older tree: GTP's wgrad is reduce-scattered in main_grad's dtype",
-            {"step": None, "kind": "main_grad", "tensor": "*.weight", "signature": "none"},  # planted: bitwise
-        ),
-        Fault(
-            "patch-gtp-embedding-wgrad-fp32", "proposed fix",
-            "the word embedding's GTP wgrad reduce-scattered in main_grad's dtype, as repro/FINDINGS.md (I) "
-            "proposes (still bf16 on Megatron-LM main d98e8a64dd)",
-            {"step": None, "kind": "main_grad", "tensor": "embedding.word_embeddings.weight", "signature": "none"},
-        ),
-        Fault(
-            "gtp-rs-bf16", "extra rounding",
-            "GTP's wgrad reduce-scatter runs in bf16 although main_grad is fp32 (the 0.19.2 wheel's own "
-            "behaviour for bf16 params: planted on top of backport-gtp-wgrad-fp32)",
-            {"step": 1, "phase": "backward", "kind": "main_grad", "tensor": "*.weight", "signature": "extra-rounding"},
-        ),
-        Fault(
-            "distopt-grad-rs-bf16", "extra rounding",
-            "the distributed optimizer's DDP grad reduce-scatter runs in bf16 although grad_reduce_in_fp32 "
-            "keeps the buffer fp32",
-            {"step": 1, "phase": "backward", "kind": "main_grad", "tensor": "*", "signature": "extra-rounding"},
-        ),
-        Fault(
-            "microbatch-accum-bf16", "extra rounding",
-            "the fp32 micro-batch accumulation of main_grad rounds to bf16 after each micro-batch's add",
-            {"step": 1, "phase": "backward", "kind": "main_grad", "tensor": "*", "signature": "extra-rounding"},
-        ),
-        Fault(
-            "adam-exp-avg-sq-bf16-gtp", "extra rounding",
-            "Adam's second moment of GTP-sharded params is kept in bf16 (rounded after each step)",
-            {"step": 1, "phase": "optimizer", "kind": "exp_avg_sq", "tensor": "*.weight",
-             "signature": "extra-rounding"},
-        ),
-    ]
-}
+# The catalogues of the features GTP is combined with (harness.scenario.feature_faults).
+CATALOG.update(MUON_FAULTS)
 CATALOG.update(PRECISION_FAULTS)
-
-
-def _precision_reach(name: str, side, data) -> str | None:
-    if side.backend != "megatron":
-        return f"{name!r} is planted on the megatron backend only"
-    if side.gtp == 1 and name in ("backport-gtp-wgrad-fp32", "patch-gtp-embedding-wgrad-fp32", "gtp-rs-bf16",
-                                  "adam-exp-avg-sq-bf16-gtp"):
-        return f"{name!r} never fires on a side without GTP (gtp = 1)"
-    if name == "gtp-rs-bf16" and side.precision == "bf16" and (not side.grad_reduce_in_fp32 or (
-            "backport-gtp-wgrad-fp32" not in side.inject and side.megatron_core == "installed")):  # fmt: skip
-        # The installed 0.19.2 wheel's local linears hand GTP a bf16 wgrad: the RS is bf16 already.
-        return f"{name!r} never fires in bf16 unless main_grad is fp32 and the wgrad is too (backport-gtp-wgrad-fp32)"
-    if name == "distopt-grad-rs-bf16" and not side.distributed_optimizer:
-        return f"{name!r} needs the distributed optimizer (distributed_optimizer)"
-    if name == "microbatch-accum-bf16" and data is not None and side.num_microbatches(data) < 2:
-        return f"{name!r} never fires with one micro-batch per step"
-    if name == "adam-exp-avg-sq-bf16-gtp" and side.optimizer != "adam":
-        return f"{name!r} needs Adam (optimizer = \"adam\")"
-    return None
-
-
-# A caller-supplied process-group collection (Side.process_groups). ``patch-pgc-gtp-reads``
-# is no fault: the change repro/FINDINGS.md (J) proposes for Megatron-LM main.
-GROUP_FAULTS: dict[str, Fault] = {
-    f.name: f
-    for f in [
-        Fault(
-            "pgc-grad-norm-without-gtp", "reduction over the wrong group",
-            "the caller's collection holds the TP group alone as its model-parallel group (mp): the "
-            "optimizer's grad norm leaves out the other GTP peers' shards",
-            {"step": 1, "phase": "reduce", "kind": "scalar", "tensor": "grad_norm", "signature": "grad-norm-only"},
-        ),
-        Fault(
-            "patch-pgc-gtp-reads", "proposed fix",
-            "GPTModel hands its pg_collection to the word embedding and the output layer, and the grad norm's "
-            "duplicate filter reads the collection's GTP rank (Megatron-LM main d98e8a64dd reads parallel_state's "
-            "in both)",
-            {"step": None, "kind": "materialized", "tensor": "*", "signature": "none"},
-        ),
-    ]
-}
 CATALOG.update(GROUP_FAULTS)
-
-
-def _groups_reach(name: str, side) -> str | None:
-    if side.backend != "megatron" or side.process_groups == "parallel-state":
-        return f"{name!r} acts on a caller-supplied collection (process_groups = \"collection\" or \"collection-permuted\")"
-    if side.gtp == 1:
-        return f"{name!r} never fires on a side without GTP (gtp = 1)"
-    if name == "patch-pgc-gtp-reads" and side.megatron_core == "installed":
-        # 0.19.2's layers read parallel_state's GTP group whatever they are handed (9f3fe8c925 changed that).
-        return f"{name!r} needs a megatron-core whose LanguageModelEmbedding takes pg_collection (Megatron-LM 9f3fe8c925 on)"
-    return None
+CATALOG.update(MTP_FAULTS)
+CATALOG.update(EVAL_FAULTS)

@@ -132,6 +132,10 @@ def parse_scenario(raw: dict, source: str, limits: bool = True) -> Scenario:
         "candidate": {**train, **raw["candidate"]},
         "golden": {**inherited, **golden_defaults, **raw.get("golden", {})},
     }
+    ref = sides["reference"]
+    if ref.get("optimizer") == "muon" and ref.get("muon_tp_mode") == "blockwise" and "muon_blocks" not in sides["golden"]:
+        # megatron-core's blockwise Muon orthogonalizes each TP shard alone: the golden, at the reference's TP.
+        sides["golden"]["muon_blocks"] = ref.get("tp", 1)
     sides = {n: _build(Side, t, f"{source}: [{n}]") for n, t in sides.items()}
     scenario = Scenario(
         name=raw["name"],

@@ -82,3 +82,6 @@ class Expectation:
     """The signature a tree holding the fix shows instead of parity (the fix changed it)."""
     introduced_in: str | None = None
     """The commit that brought it: a tree without it (the installed wheel too) holds parity."""
+    raises: str | None = None
+    """A known failure to run: the candidate raises an error whose message holds this text (no
+    first divergence: ``signature`` and ``step`` stay unset); it runs in a launch of its own."""

@@ -12,11 +12,14 @@ from harness.scenario import checkpoint as checkpointing
 from harness.scenario.bridge_rules import validate_bridge
 from harness.common.errors import BadInput
 from harness.scenario.faults import check_name, check_reach
+from harness.scenario.eval_rules import validate_eval
 from harness.scenario.moe_rules import moe_parameter_count, validate_moe_model, validate_moe_side
+from harness.scenario.mtp_rules import mtp_parameter_count, validate_mtp_model, validate_mtp_side
+from harness.scenario.muon_rules import validate_muon_side
+from harness.scenario.path_rules import validate_paths
 from harness.scenario.schema import (
-    BACKENDS, CAPTURE_KINDS, CAPTURE_MODES, COLLECTIVES, LIMITS, LOSS_MASKS, LR_DECAY_STYLES, MEGATRON_PATH_OPTIONS,
-    MLM_DATA, OPTIMIZERS, PER_TOKEN_LOSSES, POLICIES, PRECISIONS, PROCESS_GROUPS, RECIPE_NAMES, RECOMPUTES,
-    ModelConfig, Scenario, Side,
+    BACKENDS, CAPTURE_KINDS, CAPTURE_MODES, LIMITS, LR_DECAY_STYLES, MLM_DATA, OPTIMIZERS, POLICIES, PRECISIONS,
+    RECIPE_NAMES, ModelConfig, Scenario, Side,
 )  # fmt: skip
 
 
@@ -28,6 +31,7 @@ def validate(s: Scenario, limits: bool = True) -> None:
         _validate_limits(s)
     _validate_model(s)
     validate_moe_model(s)
+    validate_mtp_model(s)
     steps = {}
     for name, side in s.sides.items():
         where = f"{s.source}: [{name}]"
@@ -36,15 +40,18 @@ def validate(s: Scenario, limits: bool = True) -> None:
         _validate_topology(s, name, side, where)
         _validate_recipe(s, side, where)
         _validate_faults(name, side, where, s.data)
-        _validate_paths(s, side, where)
+        validate_paths(s, side, where)
         _validate_mlm(s, side, where)
         validate_bridge(s, side, where)
         validate_moe_side(s, name, side, where)
+        validate_muon_side(s, side, where)
+        validate_mtp_side(s, name, side, where)
         _validate_pipeline(s, side, where)
         _validate_code(side, where)
         steps[name] = side.steps
     if len(set(steps.values())) != 1:
         raise BadInput(f"{s.source}: steps", f"every side must run the same number of steps, got {steps}")
+    validate_eval(s)
     _validate_capture_compare(s)
     _validate_expect(s)
     checkpointing.check(s)
@@ -177,82 +184,6 @@ def _validate_faults(name: str, side: Side, where: str, data=None) -> None:
         raise BadInput(f"{where}.inject", "fp8-unreduced-amax needs the torch backend with a recipe")
 
 
-# The Literal choices of the GTP path options (their types already refuse non-strings).
-_PATH_CHOICES = {"gtp_collectives": COLLECTIVES, "recompute": RECOMPUTES, "per_token_loss": PER_TOKEN_LOSSES,
-                 "process_groups": PROCESS_GROUPS}
-
-
-def _validate_paths(s: Scenario, side: Side, where: str) -> None:
-    """GTP's other code paths: the megatron backend's switches, with megatron-core's own guards."""
-    defaults = Side()
-    for key, choices in _PATH_CHOICES.items():
-        if getattr(side, key) not in choices:
-            raise BadInput(f"{where}.{key}", f"{getattr(side, key)!r}: one of {sorted(choices)}")
-    if side.backend != "megatron":
-        for key in MEGATRON_PATH_OPTIONS:
-            if getattr(side, key) != getattr(defaults, key):
-                raise BadInput(f"{where}.{key}", f"only the megatron backend takes this option (backend {side.backend!r})")
-    if not side.grad_reduce_in_fp32 and side.backend not in ("megatron", "mlm"):
-        raise BadInput(f"{where}.grad_reduce_in_fp32", f"a DDP option: megatron and mlm backends only (backend {side.backend!r})")
-    if not side.grad_reduce_in_fp32 and side.precision != "bf16":
-        # fp32 params keep fp32 main_grads either way: the option would change nothing.
-        raise BadInput(f"{where}.grad_reduce_in_fp32", f"false takes effect only with precision bf16 (got {side.precision!r})")
-    if side.sequence_parallel and side.tp == 1:
-        raise BadInput(f"{where}.sequence_parallel", "needs TP > 1 (it shards the sequence over TP)")
-    if side.sequence_parallel and s.model.seq_length * s.data.micro_batch_size % side.tp:
-        raise BadInput(f"{where}.sequence_parallel", f"TP {side.tp} must divide the sequence length {s.model.seq_length}")
-    if side.bucket_size is not None and side.bucket_size < 1:
-        raise BadInput(f"{where}.bucket_size", f"must be >= 1 elements, got {side.bucket_size}")
-    if side.distributed_optimizer and side.optimizer != "adam":
-        # megatron-core 0.19.2, optimizer/distrib_optimizer.py, DistributedOptimizer.__init__ (l.688-694).
-        raise BadInput(f"{where}.distributed_optimizer",
-                       "megatron-core's DistributedOptimizer takes Adam only (it asserts Adam or an "
-                       "init_state_fn, for its checkpoint format)")  # fmt: skip
-    if side.overlap_param_gather and not (side.distributed_optimizer and side.overlap_grad_reduce):
-        # Megatron-LM's arguments.py: the param gather it overlaps is the distributed optimizer's,
-        # and it "must use --overlap-param-gather with --overlap-grad-reduce".
-        raise BadInput(f"{where}.overlap_param_gather", "needs distributed_optimizer and overlap_grad_reduce")
-    _validate_loss_mask(s, side, where)
-    _validate_process_groups(side, where)
-    if side.bucket_size is not None and not side.overlap_grad_reduce:
-        # megatron-core buckets only when it overlaps (DistributedDataParallel's bucket_size rule).
-        raise BadInput(f"{where}.bucket_size", "takes effect only with overlap_grad_reduce = true")
-
-
-def _validate_process_groups(side: Side, where: str) -> None:
-    """A caller-supplied collection is built for the dense decoder's axes (TP, GTP, DP)."""
-    if side.process_groups == "parallel-state":
-        return
-    if side.pipeline_parallel > 1 or side.ep * side.expert_gtp > 1 or side.save_step or side.load_step:
-        raise BadInput(f"{where}.process_groups", "a caller-supplied collection is built here for TP x GTP x DP "
-                       "only: not with pipeline stages, experts or checkpoints")  # fmt: skip
-    if side.process_groups == "collection-permuted" and (side.gtp == 1 or side.replicate_dp == 1):
-        raise BadInput(f"{where}.process_groups", "collection-permuted pairs GTP peers across replicate DP: it "
-                       f"needs G > 1 and DP > 1 (got G {side.gtp}, DP {side.replicate_dp})")  # fmt: skip
-
-
-def _validate_loss_mask(s: Scenario, side: Side, where: str) -> None:
-    """A variable loss mask needs a loss normalized by the global token count on every side,
-    as the golden computes it."""
-    mask = s.data.loss_mask
-    if mask not in LOSS_MASKS:
-        raise BadInput(f"{s.source}: [data].loss_mask", f"{mask!r}: one of {sorted(LOSS_MASKS)}")
-    if mask == "none":
-        return
-    if side.backend == "megatron" and side.per_token_loss == "none":
-        # megatron-core's mean loss averages each micro-batch's token mean: with token counts
-        # differing per micro-batch that is another objective than the global token mean.
-        raise BadInput(f"{where}.per_token_loss",
-                       "a variable loss mask needs per_token_loss (\"both\" or \"transformer-config\"): "
-                       "the mean loss averages per-micro-batch token means, not the global token mean")  # fmt: skip
-    if side.backend == "mlm":
-        raise BadInput(f"{s.source}: [data].loss_mask", "the mlm backend reads Megatron-LM's own loss mask")
-    if side.backend == "torch" and (side.world_size > 1 or side.recipe != "none" or side.precision == "bf16"):
-        raise BadInput(f"{s.source}: [data].loss_mask",
-                       "the torch backend applies a loss mask on its single-process golden path only "
-                       "(world_size 1, no recipe, fp32 or fp64)")  # fmt: skip
-
-
 def _validate_code(side: Side, where: str) -> None:
     """The spec's form only; what it names is resolved before launch (:mod:`harness.run.code`)."""
     spec = side.megatron_core
@@ -281,6 +212,9 @@ def _validate_expect(s: Scenario) -> None:
         raise BadInput(f"{s.source}: [expect].fixed_in_version", f"{e.fixed_in_version!r}: a version such as 0.20.0")
     if e.introduced_in is not None and not re.fullmatch(r"[0-9a-f]{7,40}", e.introduced_in):
         raise BadInput(f"{s.source}: [expect].introduced_in", f"{e.introduced_in!r}: a commit id (7 to 40 hex digits)")
+    if e.raises is not None and (not e.raises.strip() or e.signature is not None or e.step is not None):
+        raise BadInput(f"{s.source}: [expect].raises", "the text of the error, with no signature or step (a run "
+                                                       "that raises has no first divergence)")  # fmt: skip
     if e.diverges_after_fix is not None and e.fixed_in is None and e.fixed_in_version is None:
         raise BadInput(f"{s.source}: [expect].diverges_after_fix", "needs the fix it follows (fixed_in or fixed_in_version)")
 
@@ -336,7 +270,7 @@ def parameter_count(m: ModelConfig) -> int:
     h, f, v = m.hidden_size, m.ffn_hidden_size, m.vocab_size
     layer = 4 * h * h + 2 * h * f + 4 * h  # qkv + proj, fc1 + fc2, two LayerNorms (weight, bias)
     return (m.num_layers * layer + v * h * (2 if m.untie_embeddings else 1) + m.seq_length * h + 2 * h
-            + moe_parameter_count(m))
+            + moe_parameter_count(m) + mtp_parameter_count(m))
 
 
 # Block formats need whole blocks along both GEMM dims (TE pads nothing here).

@@ -43,7 +43,9 @@ Backend = Literal["megatron", "torch", "mlm", "bridge"]
 Precision = Literal["fp64", "fp32", "bf16"]
 # "none" or a key of harness.quant.RECIPES (kept literal here: parsing needs no torch).
 Recipe = Literal["none", "delayed", "float8_current_scaling", "mxfp8", "float8_block_scaling", "nvfp4"]
-Optimizer = Literal["adam", "sgd"]
+Optimizer = Literal["adam", "sgd", "muon"]
+# megatron-core's Muon ``tp_mode``: how a TP- (and GTP-) sharded matrix is orthogonalized.
+MuonTpMode = Literal["blockwise", "duplicated", "distributed"]
 DecayStyle = Literal["constant", "linear", "cosine"]
 Recompute = Literal["none", "selective", "full"]
 PerTokenLoss = Literal["none", "transformer-config", "both"]
@@ -58,6 +60,7 @@ PRECISIONS = {"megatron": frozenset({"fp32", "bf16"}), "torch": frozenset(get_ar
 MlmData = Literal["synthetic", "mock"]
 MLM_DATA = frozenset(get_args(MlmData))
 OPTIMIZERS = frozenset(get_args(Optimizer))
+MUON_TP_MODES = frozenset(get_args(MuonTpMode))
 RECIPE_NAMES = frozenset(get_args(Recipe))
 LR_DECAY_STYLES = frozenset(get_args(DecayStyle))
 RECOMPUTES = frozenset(get_args(Recompute))
@@ -123,6 +126,13 @@ class ModelConfig:
     """Experts each token is routed to."""
     moe_aux_loss_coeff: float = 0.01
     """Coefficient of the load-balancing (``aux_loss``) loss, per layer and micro-batch."""
+    mtp_num_layers: int = 0
+    """Multi-token prediction depths D (0: none): megatron-core's MTP block on the local spec,
+    depth d predicting the token d + 1 places ahead with the shared embedding and output layer."""
+    mtp_use_repeated_layer: bool = False
+    """One MTP layer applied at every depth (``mtp_use_repeated_layer``) instead of D layers."""
+    mtp_loss_scaling_factor: float = 0.1
+    """Weight of the MTP loss: the mean of the D depths' losses times this joins the objective."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -176,7 +186,16 @@ class Side:
     seed: int = 1234
     """Seed of the canonical initial weights."""
     optimizer: Optimizer = "adam"
-    """adam (decoupled weight decay, as megatron-core's Adam) or sgd."""
+    """adam (decoupled weight decay, as megatron-core's Adam), sgd, or muon (megatron-core's
+    ``TensorParallelMuon`` from ``emerging-optimizers`` on 2-D weights, Adam on embeddings, the
+    output layer and 1-D params, as megatron-core splits them)."""
+    muon_tp_mode: MuonTpMode = "duplicated"
+    """muon: megatron-core's ``muon_tp_mode``: ``duplicated`` (each rank orthogonalizes the whole
+    gathered matrix), ``distributed`` (Newton-Schulz with its Gram matrices all-reduced over
+    the sharding group) or ``blockwise`` (each TP shard alone; under GTP, see docs/muon.md)."""
+    muon_blocks: int = 1
+    """muon, the golden: orthogonalize each matrix in this many blocks along its TP dim, as the
+    blockwise mode at that TP does (set from the reference's TP for a blockwise scenario)."""
     lr: float = 3e-4
     """Peak learning rate."""
     min_lr: float = 3e-5
@@ -196,6 +215,11 @@ class Side:
     adam_eps: float = 1e-8
     sgd_momentum: float = 0.0
     """SGD momentum (0: plain SGD, which exposes gradient scaling faults)."""
+    eval_interval: int = 0
+    """Evaluate after every this many steps and after the last (Megatron-LM's
+    ``--eval-interval`` and final validation; :mod:`harness.backends.evaluation`); 0: never."""
+    eval_iters: int = 1
+    """Forward-only iterations of one global batch of validation samples per evaluation."""
     # --- GTP's other code paths (megatron backend; the golden does not inherit them) ---
     gtp_weight_prefetch: bool = True
     """GTP's weight prefetch chains (megatron-core's default): ``update_gtp_config(weight_prefetch=)``."""
@@ -303,8 +327,10 @@ class Side:
 _ADDED_LATER = (
     {"megatron_core": "installed", "mutant": "", "save_step": 0, "load_step": 0, "resume_from": "", "ep": 1, "expert_gtp": 1,
      "pipeline_parallel": 1, "virtual_pipeline": None, "grad_reduce_in_fp32": True,
-     "process_groups": "parallel-state", "bridge": "installed"},
-    {"num_experts": 0, "moe_topk": 2, "moe_aux_loss_coeff": 0.01},
+     "process_groups": "parallel-state", "muon_tp_mode": "duplicated", "muon_blocks": 1,
+     "eval_interval": 0, "eval_iters": 1, "bridge": "installed"},
+    {"num_experts": 0, "moe_topk": 2, "moe_aux_loss_coeff": 0.01, "mtp_num_layers": 0,
+     "mtp_use_repeated_layer": False, "mtp_loss_scaling_factor": 0.1},
     {"loss_mask": "none"},
 )  # fmt: skip
 
@@ -313,7 +339,7 @@ _ADDED_LATER = (
 MEGATRON_PATH_OPTIONS = ("gtp_weight_prefetch", "gtp_collectives", "recompute", "per_token_loss",
                          "sequence_parallel", "overlap_grad_reduce", "bucket_size", "distributed_optimizer",
                          "overlap_param_gather", "pipeline_parallel", "virtual_pipeline",
-                         "save_step", "load_step", "resume_from", "process_groups")  # fmt: skip
+                         "save_step", "load_step", "resume_from", "process_groups", "muon_tp_mode")  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -18,7 +18,11 @@ import torch
 import torch.distributed as dist
 
 from harness.backends.faults import groups, precision
+from harness.backends.faults.checkpoint import CHECKPOINT_INSTALLERS
+from harness.backends.faults.evaluation import EVAL_INSTALLERS
 from harness.backends.faults.moe import MOE_INSTALLERS
+from harness.backends.faults.muon import MUON_INSTALLERS
+from harness.backends.faults.mtp import MTP_INSTALLERS
 from harness.backends.data import rank_sample_ids
 from harness.scenario.faults import CATALOG, RANK_FAULTS, Fault, check_name
 from harness.common.mesh import Mesh
@@ -192,9 +196,12 @@ INSTALLERS: dict[str, Callable[[Context], None]] = {
     "distopt-offsets-ignore-gtp-pad": _distopt_offsets_ignore_pad,
 }
 INSTALLERS.update(MOE_INSTALLERS)
+INSTALLERS.update(MUON_INSTALLERS)
+INSTALLERS.update(MTP_INSTALLERS)
+INSTALLERS.update(EVAL_INSTALLERS)
 INSTALLERS.update(precision.PRECISION_INSTALLERS)
 INSTALLERS.update(groups.INSTALLERS)
-before_build = groups.before_build  # the construction-time ones (harness.backends.megatron.run)
+INSTALLERS.update(CHECKPOINT_INSTALLERS)
 
 
 def install(names: tuple[str, ...], ctx: Context) -> None:
@@ -206,6 +213,12 @@ def install(names: tuple[str, ...], ctx: Context) -> None:
     for name in names:
         if name in INSTALLERS:
             INSTALLERS[name](ctx)
+
+
+def before_build(names: tuple[str, ...], pgc) -> None:
+    """The faults that act on how the model and DDP are built: installed before they are."""
+    groups.before_build(names, pgc)
+    precision.before_build(names)
 
 
 def uninstall() -> None:
@@ -315,6 +328,17 @@ def amax_reduction_group(ctx: Context, group):
 
 def loss_report_group(ctx: Context, group):
     if "loss-report-wrong-group" in ctx.active:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_group(with_gtp_remat=False)
+    return group
+
+
+def eval_report_group(ctx: Context, group):
+    """The group an evaluation's loss is reduced over (the harness's loop): under
+    ``eval-loss-wrong-group`` the replicate-DP group, leaving out GTP peers (what Megatron-LM's
+    ``evaluate()`` does on megatron-core 0.19.2)."""
+    if "eval-loss-wrong-group" in ctx.active:
         from megatron.core import parallel_state as ps
 
         return ps.get_data_parallel_group(with_gtp_remat=False)

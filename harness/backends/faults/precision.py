@@ -153,6 +153,24 @@ def _exp_avg_sqs_of_gtp_params(ctx) -> list[torch.Tensor]:
     return [t for t in found if t is not None]
 
 
+def before_build(names) -> None:
+    """``grad-reduce-bf16-ignored``: DDP is built with ``grad_reduce_in_fp32`` on whatever the side
+    asked (as a frontend that drops the flag would build it); the distributed optimizer reads the
+    same config from the model chunks."""
+    if "grad-reduce-bf16-ignored" not in names:
+        return
+    import dataclasses
+
+    from megatron.core.distributed import DistributedDataParallel
+
+    original = DistributedDataParallel.__init__
+
+    def init(self, config, ddp_config, module, *args, **kwargs):
+        return original(self, config, dataclasses.replace(ddp_config, grad_reduce_in_fp32=True), module, *args, **kwargs)
+
+    patch(DistributedDataParallel, "__init__", init)
+
+
 def after_step(ctx) -> None:
     """``adam-exp-avg-sq-bf16-gtp``: Adam's second moment of GTP shards kept in bf16."""
     if "adam-exp-avg-sq-bf16-gtp" in ctx.active:

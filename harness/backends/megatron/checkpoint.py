@@ -33,7 +33,8 @@ from harness.backends import faults
 # What Megatron-LM passes to sharded_state_dict: the distributed optimizer's format that
 # reshards across data-parallel sizes (per-parameter tensors in model space), and layer-stacked
 # (not per-layer singleton) shards.
-METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "singleton_local_shards": False}
+METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "singleton_local_shards": False,
+            "chained_optim_avoid_prefix": True}
 
 # The only globals a torch_dist ``.metadata`` pickle may name: torch's checkpoint-metadata
 # dataclasses and enums (megatron-core keeps the save plans in it too), sizes, dtypes, layouts.
@@ -176,6 +177,7 @@ def load(ddp, opt, scheduler, directory: str | Path) -> None:
 
 def train(job, rec, fns, ddp, opt, scheduler, ctx=None) -> None:
     """The side's steps around its checkpoint: resume from one, save one, or neither."""
+    from harness.backends.evaluation import eval_points
     from harness.backends.recording import train as run_steps
 
     side = job.side
@@ -188,4 +190,4 @@ def train(job, rec, fns, ddp, opt, scheduler, ctx=None) -> None:
         rec.cap.progress("save")
         save(ddp, opt, scheduler, job.checkpoint_dir, ctx)
     else:
-        run_steps(rec, side.steps, fns)
+        run_steps(rec, side.steps, fns, evals=eval_points(side))

@@ -88,9 +88,28 @@ def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
     return tensor
 
 
+_DUMMY_WGRADS: dict[tuple, torch.Tensor] = {}
+
+
 def get_dummy_wgrad(shape, dtype, zero=False):
-    """TE returns a cached placeholder grad for params whose real grad went to main_grad."""
-    return torch.zeros(shape, dtype=dtype)
+    """TE's placeholder grad for params whose real grad went to main_grad: one buffer per shape
+    and dtype, reused by every caller, allocated with ``torch.empty`` and zeroed only on request
+    (``transformer_engine.pytorch.module.base.get_dummy_wgrad``). Its content is what the buffer
+    last held; a fresh one's is undefined, which the worker's deterministic mode fills with NaN
+    (``torch.utils.deterministic.fill_uninitialized_memory``): a sum that reads it shows."""
+    key = (*shape, dtype)
+    if key not in _DUMMY_WGRADS:
+        _DUMMY_WGRADS[key] = torch.empty(shape, dtype=dtype)
+    if zero:
+        _DUMMY_WGRADS[key].fill_(0)
+    return _DUMMY_WGRADS[key].detach()
+
+
+def no_inference_linear(module) -> bool:
+    """Megatron-LM main's ``is_inference_column_parallel_linear``: its inference-optimized linears
+    are Transformer Engine subclasses (their constructors assert TE), so without TE no module is
+    one; the original's ``isinstance`` against TE's placeholders raises instead."""
+    return False
 
 
 def not_in_recompute_phase():
@@ -269,6 +288,12 @@ def install() -> bool:
         _replace(gtp, attr, value, f"gtp.{attr}")
     _replace(gtp_api, "HAVE_GTP", True, "gtp_api.HAVE_GTP")
 
+    from megatron.core.transformer import multi_token_prediction as mtp
+
+    if hasattr(mtp, "is_inference_column_parallel_linear"):  # main (d98e8a64dd); not in 0.19.2
+        _replace(mtp, "is_inference_column_parallel_linear", no_inference_linear,
+                 "multi_token_prediction.is_inference_column_parallel_linear")  # fmt: skip
+
     from megatron.core.transformer.moe import token_dispatcher
 
     # The dispatcher imported the helper by name: its CPU tensors never became numpy split sizes.
@@ -297,6 +322,7 @@ def reset_gtp_state() -> None:
     gtp._AG_STREAMS.clear()
     gtp._RS_STREAMS.clear()
     gtp._wgrad_buf_pool.clear()
+    _DUMMY_WGRADS.clear()  # TE's placeholder buffers: a process-global cache too
     gtp.GTP_CONFIG.__init__()
     collectives.forget_in_flight()
 

@@ -2,7 +2,7 @@
 
 The gather happens inside ``GTPShardedParam.all_gather_and_prefetch``; a wrapper (a run-time
 patch, undone with the side's other patches) hands its forward output to the recorder, and
-audits every hand-out (forward, recompute, backward): the rows of the handed-out weight that
+audits every hand-out (forward, recompute, backward, evaluation): the rows of the handed-out weight that
 this rank owns must be its own shard. When they are another parameter's shard the GEMM is
 about to consume a foreign weight (a gather buffer reused before it was read); the event is
 recorded in the rank's trace info (``consumed_foreign``) for the localizer to name.
@@ -42,12 +42,23 @@ def record_gathers(named: list[tuple[str, torch.Tensor]], record: Callable[[str,
             # An expert weight's shard index is its rank in the expert GTP group, not the dense one.
             rank = self.group.rank() if getattr(self, "group", None) is not None else g
             if len(events) < MAX_EVENTS and (foreign := _foreign(self, out, rank, shards)) is not None:
-                phase = ("recompute" if torch._C._current_graph_task_id() != -1 else "forward") if fwd else "backward"
+                phase = _phase(fwd, cap)
                 events.append({"step": cap.step, "micro_batch": cap.micro_batch_index, "phase": phase,
                                "param": names[id(self)], "consumed": foreign})
         return out
 
     patch(GTPShardedParam, "all_gather_and_prefetch", all_gather_and_prefetch)
+
+
+def _phase(fwd: bool, cap: Capture) -> str:
+    """``backward`` (dgrad), ``recompute`` (a forward while autograd runs backward), ``forward``
+    (in a training micro-batch), or ``eval`` (a forward outside any: an evaluation's, which
+    reads its samples without :meth:`Capture.micro_batch`)."""
+    if not fwd:
+        return "backward"
+    if torch._C._current_graph_task_id() != -1:
+        return "recompute"
+    return "forward" if cap.micro_batch_index is not None else "eval"
 
 
 def _own_rows(p: torch.Tensor, out: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor] | None:

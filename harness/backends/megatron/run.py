@@ -17,12 +17,15 @@ import torch.distributed as dist
 from harness.backends import data as data_mod
 from harness.backends import faults
 from harness.run.job import Job
-from harness.backends.megatron import checkpoint, compat, groups, moe, pipeline
+from harness.backends.evaluation import EvalRecorder
+from harness.backends.megatron import checkpoint, compat, evaluation, groups, moe, pipeline
+from harness.backends.megatron import mtp
 from harness.backends.megatron.gathers import record_gathers
 from harness.backends.megatron.optimizer_ranges import optimizer_state, reduced_grad, updated_param
 from harness.backends.megatron.terms import GradTerms
 from harness.backends.recording import Materialized, Recording, StepScalars, gathered
 from harness.capture.api import Capture
+from harness.common import muon
 from harness.common.dtypes import DTYPES
 from harness.backends.gpt import canonical_state, captured_modules, layout_of, mesh_of, param_specs
 from harness.common.layout import from_mcore_param, holds, shard
@@ -64,6 +67,7 @@ def _transformer_config(job: Job):
         sequence_parallel=side.sequence_parallel,
         **_RECOMPUTE[side.recompute],
         **moe.config_kwargs(job),
+        **mtp.config_kwargs(job),
         **pipeline.config_kwargs(side),
     )
 
@@ -112,6 +116,7 @@ def _build(job: Job):
             max_sequence_length=m.seq_length,
             share_embeddings_and_output_weights=not m.untie_embeddings,
             position_embedding_type="learned_absolute",
+            mtp_block_spec=mtp.block_spec(job, config, moe.layer_spec(job)),
             **pipeline.stage_flags(vp),
             **groups.kwargs(pgc),
         )
@@ -192,6 +197,7 @@ def _optimizer(job: Job, chunks: list, pgc=None):
             log_num_zeros_in_grad=True,
             use_distributed_optimizer=side.distributed_optimizer,
             overlap_param_gather=side.overlap_param_gather,
+            **_muon_kwargs(side),
         ),
         chunks,
         **groups.optimizer_kwargs(pgc),
@@ -214,6 +220,13 @@ def _optimizer(job: Job, chunks: list, pgc=None):
     return opt, scheduler
 
 
+def _muon_kwargs(side) -> dict:
+    """megatron-core's Muon switch and the hyper-parameters the golden's Muon computes with."""
+    if side.optimizer != "muon":
+        return {}
+    return {"muon_tp_mode": side.muon_tp_mode, **muon.optimizer_config_kwargs()}
+
+
 def _loss_func(rec: Recording, mb_state: dict, loss_mask, output_tensor):
     losses = output_tensor.float()
     loss = torch.sum(losses * loss_mask)
@@ -229,6 +242,7 @@ def run(job: Job, cap: Capture) -> None:
 
     compat.install()
     compat.reset_gtp_state()
+    mtp.reset_tracker()
     reach = None
     try:
         if job.side.mutant:  # a mutation campaign's side: undone with the faults' patches below
@@ -244,6 +258,7 @@ def run(job: Job, cap: Capture) -> None:
         ctx.saved.update(data=job.data, pg_collection=pgc)
         faults.install(job.side.inject, ctx)  # before the optimizer: a fault may act on how it is built
         ctx.optimizer, scheduler = _optimizer(job, chunks, ctx.saved["pg_collection"])
+        cap.info["stepped_by"] = muon.stepped_by(ctx.optimizer, named)
         _train(job, cap, ctx, config, chunks, scheduler, mesh, get_forward_backward_func(), finalize_model_grads)
     finally:
         if reach is not None:  # beside the rank's trace files, not in them (see mutation.campaign)
@@ -263,6 +278,7 @@ def _train(job, cap, ctx, config, chunks, scheduler, mesh, forward_backward, fin
     for ddp in chunks:
         inner = ddp.module.module if side.precision == "bf16" else ddp.module
         modules = captured_modules(inner) if side.pipeline_parallel == 1 else pipeline.stage_modules(inner)
+        mtp.attach(inner, cap, job, modules, lambda: fns.loss_mask)
         cap.attach(modules, vocab_parallel=["output_layer"], sequence_parallel=side.sequence_parallel)
         moe.attach_router_capture(inner, cap, job.model.seq_length)
     cap.info["gtp_params"] = {n: getattr(p, "chain_id", None) for n, p in named
@@ -297,6 +313,7 @@ class _MegatronStep:
         self.positions = torch.arange(m.seq_length)[None]
         self.data_group = groups.data_group(ctx.saved["pg_collection"])  # GTP-inclusive: where samples are spread
         self.skipped = 0
+        self.evals = EvalRecorder(rec.cap)
         self.terms = GradTerms(job.side, job.model, rec.cap, rec.named)
         gtp_on = moe.uses_gtp(job.side)
         # Where GTP is off the weight each GEMM reads is the parameter itself.
@@ -326,7 +343,9 @@ class _MegatronStep:
 
         def forward_step(data_iterator, model):
             tokens, labels, loss_mask = next(data_iterator)
-            out = model(tokens, self.positions.expand(tokens.shape[0], -1), self.mask, labels=labels)
+            self.loss_mask = loss_mask  # what MTP's depths roll (process_mtp_loss)
+            out = model(tokens, self.positions.expand(tokens.shape[0], -1), self.mask, labels=labels,
+                        loss_mask=loss_mask)  # fmt: skip
             return out, partial(_loss_func, self.rec, mb_state, loss_mask)
 
         for chunk in self.chunks:
@@ -355,6 +374,9 @@ class _MegatronStep:
 
     def optimizer_state(self):
         return optimizer_state(self.opt, self.rec.named)
+
+    def evaluate(self, step: int) -> None:
+        evaluation.evaluate(self, self.evals)
 
     def scalars(self, step: int) -> StepScalars:
         totals = pipeline.loss_totals(self.losses)  # zeros before the last pipeline stage

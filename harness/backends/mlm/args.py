@@ -32,7 +32,7 @@ def side_argv(model: ModelConfig, data: DataConfig, side: Side) -> list[str]:
         "--seq-length", str(m.seq_length), "--max-position-embeddings", str(m.seq_length),
         "--init-method-std", repr(m.init_std),
         "--micro-batch-size", str(data.micro_batch_size), "--global-batch-size", str(data.global_batch_size),
-        "--train-iters", str(side.steps), "--eval-interval", str(side.steps + 100), "--eval-iters", "0",
+        "--train-iters", str(side.steps), *_eval_flags(side),
         "--optimizer", side.optimizer, "--lr", repr(side.lr), "--min-lr", repr(side.min_lr),
         "--lr-warmup-iters", str(side.lr_warmup_steps),
         "--lr-decay-iters", str(side.lr_decay_steps or side.steps), "--lr-decay-style", side.lr_decay_style,
@@ -56,6 +56,14 @@ def side_argv(model: ModelConfig, data: DataConfig, side: Side) -> list[str]:
     if side.data == "mock":
         argv.append("--mock-data")
     return argv + list(side.args)
+
+
+def _eval_flags(side: Side) -> list[str]:
+    """Megatron-LM evaluates every ``--eval-interval`` steps and after the last, ``--eval-iters``
+    iterations each; a side that does not evaluate runs no iteration (an interval past the end)."""
+    if side.eval_interval <= 0:
+        return ["--eval-interval", str(side.steps + 100), "--eval-iters", "0"]
+    return ["--eval-interval", str(side.eval_interval), "--eval-iters", str(side.eval_iters)]
 
 
 def parser() -> argparse.ArgumentParser:

@@ -16,16 +16,20 @@ import torch
 
 
 class IdDataset(torch.utils.data.Dataset):
-    """Items of ``inner`` (a map-style dataset of dicts) with their global sample id."""
+    """Items of ``inner`` (a map-style dataset of dicts) with their global sample id: item
+    ``idx`` is sample ``start + idx``. ``split``: megatron-core's ``Split`` it serves (the
+    loader then takes the eval batch sizes for the validation split), or None."""
 
-    def __init__(self, inner, length: int):
-        self.inner, self.length = inner, length
+    def __init__(self, inner, length: int, start: int = 0, split=None):
+        self.inner, self.length, self.start = inner, length, start
+        if split is not None:
+            self.split = split
 
     def __len__(self) -> int:
         return self.length
 
     def __getitem__(self, idx: int) -> dict:
-        return {**self.inner[idx], "sample_id": torch.tensor(idx)}
+        return {**self.inner[self.start + idx], "sample_id": torch.tensor(self.start + idx)}
 
 
 class SyntheticDataset:
@@ -46,9 +50,13 @@ def dataset_provider(synthetic: Callable[[], SyntheticDataset] | None):
     Megatron-LM's mock GPT dataset built as its ``--mock-data`` run builds it."""
 
     def provider(train_val_test_num_samples, vp_stage=None):
-        n_train = train_val_test_num_samples[0]
+        from megatron.core.datasets.utils import Split
+
+        n_train, n_valid = train_val_test_num_samples[0], train_val_test_num_samples[1] or 0
         if synthetic is not None:
-            return IdDataset(synthetic(), n_train), None, None
+            # The validation split: the samples after the training ones (harness.backends.evaluation).
+            valid = IdDataset(synthetic(), n_valid, start=n_train, split=Split.valid) if n_valid else None
+            return IdDataset(synthetic(), n_train), valid, None
         train = _mock_train(train_val_test_num_samples)
         return IdDataset(train, len(train)), None, None
 
@@ -100,15 +108,16 @@ def model_provider(after_build: Callable[[torch.nn.Module], None]):
     return provider
 
 
-def loss_func(on_loss: Callable[[float], None], loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Token-summed loss, token count, and the (sum, count) pair train_step reduces and logs."""
+def loss_func(on_loss: Callable[[float, float], None], loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Token-summed loss, token count, and the (sum, count) pair train_step (and evaluate)
+    reduces and logs; ``on_loss`` is told the token mean and the count."""
     loss = torch.sum(output_tensor.float() * loss_mask)
     num_tokens = loss_mask.sum().to(torch.int)
-    on_loss((loss / num_tokens).item())
+    on_loss((loss / num_tokens).item(), float(num_tokens))
     return loss, num_tokens, {"lm loss": torch.cat([loss.detach().view(1), num_tokens.float().view(1)])}
 
 
-def forward_step(on_batch: Callable[[list[int]], Callable[[float], None]], seq_length: int):
+def forward_step(on_batch: Callable[[list[int]], Callable[[float, float], None]], seq_length: int):
     """``pretrain``'s forward step: the GPT on the next micro-batch (causal mask, positions
     0..s-1); ``on_batch(sample_ids)`` is told of each micro-batch and returns its loss hook."""
     mask = torch.triu(torch.ones(1, 1, seq_length, seq_length, dtype=torch.bool), 1)

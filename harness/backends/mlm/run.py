@@ -14,6 +14,9 @@ schema and order as every other backend's:
 - ``optimizer.step`` (wrapped for the step): LR applied, weights before and after, state;
 - ``training_log``'s printed line (``print_rank_last``, every rank builds it): the loss the
   frontend logs for the step, ``loss_logged`` (:func:`logged_loss`).
+- ``evaluate`` (wrapped, a module global ``evaluate_and_print_results`` calls): an evaluation's
+  per-micro-batch losses (its forward steps go through the same ``loss_func``) and the loss it
+  returns, as :mod:`harness.backends.evaluation` records them.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch.distributed as dist
 from harness.backends import data as data_mod
 from harness.backends import faults
 from harness.run.job import Job
+from harness.backends.evaluation import EvalRecorder
 from harness.backends.megatron import compat
 from harness.backends.megatron.gathers import record_gathers
 from harness.backends.megatron.optimizer_ranges import optimizer_state
@@ -79,6 +83,7 @@ def run_argv(job: Job, cap: Capture, argv: list[str]) -> None:
         patch(training, "train_step", hooks.train_step(training.train_step))
         patch(training, "finalize_model_grads", hooks.finalize(training.finalize_model_grads))
         patch(training, "print_rank_last", logged_loss(cap, training.print_rank_last))
+        patch(training, "evaluate", hooks.evaluate(training.evaluate))
         synthetic = (lambda: providers.SyntheticDataset(job.data.seed, job.model)) if job.side.data == "synthetic" else None
         training.pretrain(
             pretrain_cfg_container_from_args(args),
@@ -120,6 +125,7 @@ class _Hooks:
         self.rec: Recording | None = None
         self.mb = 0
         self.skipped = 0
+        self.evals, self.eval_mb = EvalRecorder(cap), None  # eval_mb: micro-batches read in the running evaluation
 
     def after_build(self, model) -> None:
         _load_canonical(model, self.job, self.mesh, self.coord)
@@ -151,10 +157,28 @@ class _Hooks:
         record_initial(self.rec)
 
     def micro_batch(self, sample_ids: list[int]):
+        if self.eval_mb is not None:  # an evaluation's forward step: no tensors, its losses
+            iteration, index = divmod(self.eval_mb, self.side.num_microbatches(self.job.data))
+            self.eval_mb += 1
+            return lambda value, tokens: self.evals.sample(value, sample_ids, tokens, iteration, index)
         index = self.mb
         self.mb += 1
         self.cap.micro_batch(index, sample_ids)
-        return lambda value: self.rec.loss(value, index, sample_ids)
+        return lambda value, tokens: self.rec.loss(value, index, sample_ids)
+
+    def evaluate(self, original):
+        def evaluate(*args, **kwargs):
+            self.evals.begin()
+            self.eval_mb = 0
+            try:
+                out = original(*args, **kwargs)
+            finally:
+                self.eval_mb = None
+            if out[0] and "lm loss" in out[0]:  # the loss evaluate_and_print_results prints
+                self.evals.report(float(out[0]["lm loss"]))
+            return out
+
+        return evaluate
 
     def finalize(self, original):
         def finalize_model_grads(model_chunks, num_tokens=None, **kwargs):

@@ -3,7 +3,8 @@
 Same math as ``GPTModel`` with ``get_gpt_layer_local_spec()``: learned absolute positions,
 pre-LayerNorm blocks, fused QKV with rows ordered per query group (q, k, v per head here),
 softmax((q k^T) / sqrt(d_head)) with the causal mask filled with -10000 in fp32, GeLU MLP,
-no linear biases, untied output layer, hidden states laid out [s, b, h].
+no linear biases, untied output layer, hidden states laid out [s, b, h]; and megatron-core's
+multi-token prediction block (:class:`MTPBlock`) where the model has one.
 
 In one process every layer is plain ``F.linear`` / ``F.embedding`` on the full weights (the
 golden model). Distributed, the model is built with its TP-local head count and a
@@ -107,9 +108,9 @@ class Embedding(nn.Module):
         self.word_embeddings = WordEmbedding(m.vocab_size, m.hidden_size)
         self.position_embeddings = nn.Embedding(m.seq_length, m.hidden_size)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(tokens.shape[1])
-        x = self.word_embeddings(tokens) + self.position_embeddings(pos)[None]
+    def forward(self, tokens: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+        pos = torch.arange(tokens.shape[1])[None] if pos is None else pos  # [1 or b, s]
+        x = self.word_embeddings(tokens) + self.position_embeddings(pos)
         return x.transpose(0, 1).contiguous()  # [s, b, h]
 
 
@@ -125,8 +126,53 @@ class Decoder(nn.Module):
         return self.final_layernorm(x)
 
 
+class MTPLayer(nn.Module):
+    """One depth of megatron-core's MTP block (``MultiTokenPredictionLayer``, local spec):
+    ``final_layernorm(layer(eh_proj([enorm(embedding), hnorm(hidden)])))``, the embedding first
+    in the concatenation as ``_concat_embeddings`` orders it."""
+
+    def __init__(self, m: ModelConfig, tp: int = 1):
+        super().__init__()
+        self.enorm = nn.LayerNorm(m.hidden_size, eps=LAYERNORM_EPS)
+        self.hnorm = nn.LayerNorm(m.hidden_size, eps=LAYERNORM_EPS)
+        self.eh_proj = Linear(2 * m.hidden_size, m.hidden_size, "column")
+        self.mtp_model_layer = TransformerLayer(m, tp)
+        self.final_layernorm = nn.LayerNorm(m.hidden_size, eps=LAYERNORM_EPS)
+
+    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = self.eh_proj(torch.cat((self.enorm(embedded), self.hnorm(hidden)), -1))
+        return self.final_layernorm(self.mtp_model_layer(x, mask))
+
+
+class MTPBlock(nn.Module):
+    """D depths (one layer object under ``mtp_use_repeated_layer``). Depth d re-embeds the
+    tokens and positions shifted left by d + 1, the shifted-in places zero (``roll_tensor``),
+    and returns its hidden states; the caller runs the output layer on each."""
+
+    def __init__(self, m: ModelConfig, tp: int = 1):
+        super().__init__()
+        self.depths, self.repeated = m.mtp_num_layers, m.mtp_use_repeated_layer
+        self.layers = nn.ModuleList(MTPLayer(m, tp) for _ in range(1 if self.repeated else self.depths))
+
+    def forward(self, tokens, hidden, embedding: Embedding, mask) -> list[torch.Tensor]:
+        pos, out = torch.arange(tokens.shape[1])[None].expand(tokens.shape[0], -1), []
+        self.aux_losses = []
+        """Each depth's MoE load-balancing loss: a repeated layer's divided by D, as megatron-core's
+        router does for it (``attach_and_log_load_balancing_loss``)."""
+        for d in range(self.depths):
+            tokens, pos = (torch.roll(t, -1, dims=-1).index_fill(-1, torch.tensor([t.shape[-1] - 1]), 0)
+                           for t in (tokens, pos))  # fmt: skip
+            layer = self.layers[0 if self.repeated else d]
+            hidden = layer(hidden, embedding(tokens, pos), mask)
+            out.append(hidden)
+            if isinstance(layer.mtp_model_layer.mlp, MoE):
+                self.aux_losses.append(layer.mtp_model_layer.mlp.aux_loss / (self.depths if self.repeated else 1))
+        return out
+
+
 class GPT(nn.Module):
-    """Returns logits [s, b, vocab / tp], as GPTModel does without labels.
+    """Returns logits [s, b, vocab / tp], as GPTModel does without labels; with MTP, each
+    depth's logits are in ``mtp_logits`` (computed first, as ``process_mtp_loss`` does).
 
     Parameters are created at their logical shapes; a distributed run replaces them by the
     rank's shards (see ``harness.backends.torch.parallel.shard_model``).
@@ -136,14 +182,19 @@ class GPT(nn.Module):
         super().__init__()
         self.embedding = Embedding(m)
         self.decoder = Decoder(m, tp)
+        if m.mtp_num_layers:
+            self.mtp = MTPBlock(m, tp)
         self.output_layer = Linear(m.hidden_size, m.vocab_size, "column")
         self.register_buffer(
             "causal_mask", torch.triu(torch.ones(m.seq_length, m.seq_length, dtype=torch.bool), 1),
             persistent=False,
         )
+        self.mtp_logits: list[torch.Tensor] = []
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.decoder(self.embedding(tokens), self.causal_mask)
+        if hasattr(self, "mtp"):
+            self.mtp_logits = [self.output_layer(h) for h in self.mtp(tokens, x, self.embedding, self.causal_mask)]
         return self.output_layer(x)
 
 

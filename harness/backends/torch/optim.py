@@ -2,10 +2,11 @@
 
 AdamW (decoupled weight decay, as megatron-core's Adam) or SGD with megatron-core's parameter
 groups (no weight decay on 1-D params and biases), on the params or, for bf16 params, on fp32
-master copies (megatron-core's Float16 optimizer); global grad-norm clipping with the
+master copies (megatron-core's Float16 optimizer), or (the golden only) megatron-core's Muon
+on whole matrices (:mod:`.muon`); global grad-norm clipping with the
 ``max_norm / (norm + 1e-6)`` coefficient; Megatron-LM's LR schedule counted in samples,
-written out here independently so it checks megatron-core's too. Every update is elementwise,
-so a shard steps exactly as its rows of the full tensor do (GTP pad rows have zero grads and
+written out here independently so it checks megatron-core's too. Adam's and SGD's updates are
+elementwise, so a shard steps exactly as its rows of the full tensor do (GTP pad rows have zero grads and
 stay zero, weight decay included).
 """
 
@@ -16,6 +17,8 @@ from typing import Iterable
 
 import torch
 
+from harness.backends.gpt import param_specs
+from harness.common.muon import is_muon_matrix
 from harness.scenario.parse import Side
 
 from . import comm
@@ -41,17 +44,41 @@ def lr_at(side: Side, step: int, global_batch: int) -> float:
     return side.min_lr + coeff * (side.lr - side.min_lr)
 
 
-def build_optimizer(side: Side, named: Iterable[tuple[str, torch.Tensor]]) -> torch.optim.Optimizer:
-    """The optimizer over (canonical name, tensor) pairs: the params, or their fp32 masters."""
+def build_optimizer(side: Side, named: Iterable[tuple[str, torch.Tensor]], model=None) -> torch.optim.Optimizer:
+    """The optimizer over (canonical name, tensor) pairs: the params, or their fp32 masters.
+    Muon (the golden only; ``model`` names the QKV split) steps the matrices megatron-core's
+    Muon steps and AdamW the rest (:mod:`.muon`)."""
+    named = list(named)
+    if side.optimizer == "muon":
+        from . import muon
+
+        matrices = [(n, p) for n, p in named if is_muon_matrix(n, p.dim())]
+        rest = [(n, p) for n, p in named if not is_muon_matrix(n, p.dim())]
+        qkv = {id(p): muon.qkv_split_shapes(model) for n, p in matrices if n.endswith("linear_qkv.weight")}
+        dims = {id(p): spec.tp_dim for spec in param_specs(model) for n, p in matrices if n == spec.name}
+        golden = muon.GoldenMuon(_groups(side, matrices), side.lr, side.weight_decay, qkv, side.muon_blocks,
+                                 dims) if matrices else None  # fmt: skip
+        adam = _adam(side, _groups(side, rest)) if rest else None
+        return muon.Chained(golden, adam)
+    groups = _groups(side, named)
+    if side.optimizer == "adam":
+        return _adam(side, groups)
+    return torch.optim.SGD(groups, lr=side.lr, momentum=side.sgd_momentum)
+
+
+def _groups(side: Side, named: list) -> list[dict]:
+    """megatron-core's parameter groups: no weight decay on 1-D params and biases."""
     decay, no_decay = [], []
     for name, p in named:
         (no_decay if p.dim() == 1 or name.endswith(".bias") else decay).append(p)
     groups = [{"params": decay, "weight_decay": side.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]  # fmt: skip
-    if side.optimizer == "adam":
-        betas = (side.adam_beta1, side.adam_beta2)
-        return torch.optim.AdamW(groups, lr=side.lr, betas=betas, eps=side.adam_eps)
-    return torch.optim.SGD(groups, lr=side.lr, momentum=side.sgd_momentum)
+    return groups
+
+
+def _adam(side: Side, groups: list[dict]) -> torch.optim.Optimizer:
+    betas = (side.adam_beta1, side.adam_beta2)
+    return torch.optim.AdamW(groups, lr=side.lr, betas=betas, eps=side.adam_eps)
 
 
 def clip(grads: Iterable[torch.Tensor], max_norm: float, norm: float) -> None:

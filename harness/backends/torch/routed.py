@@ -18,7 +18,8 @@ def _moe_layers(model) -> list[tuple[int, MoE]]:
 
 def set_micro_batch_size(model, micro_batch_size: int) -> None:
     """The load-balancing loss is megatron-core's per micro-batch of this many samples."""
-    for _, moe in _moe_layers(model):
+    mtp = [layer.mtp_model_layer.mlp for layer in model.mtp.layers] if hasattr(model, "mtp") else []
+    for moe in [moe for _, moe in _moe_layers(model)] + [m for m in mtp if isinstance(m, MoE)]:
         moe.micro_batch_size = micro_batch_size
 
 
@@ -30,4 +31,6 @@ def routed_aux_loss(model, cap: Capture, m: ModelConfig, sample_ids: tuple[int, 
         record_routing(cap, i, moe.logits, moe.routing_map, m.seq_length, sample_ids)
         record_aux_loss(cap, i, moe.aux_per_sample, sample_ids)
         total = total + moe.aux_loss
+    for aux in getattr(getattr(model, "mtp", None), "aux_losses", []):  # each MTP depth's (not recorded)
+        total = total + aux
     return total

@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 
 from harness.backends import data as data_mod
+from harness.backends import mtp
 from harness.run.job import Job
+from harness.backends.evaluation import EvalRecorder, eval_points, eval_sample_ids
 from harness.backends.recording import Materialized, Recording, StepScalars, train
 from harness.capture.api import Capture
 from harness.common.dtypes import DTYPES
@@ -21,6 +23,7 @@ from harness.backends.gpt import captured_modules, canonical_state, layout_of, p
 from .distributed import run_distributed
 from .model import GPT, token_losses
 from .routed import routed_aux_loss, set_micro_batch_size
+from harness.common.muon import stepped_by
 from .optim import build_optimizer, clip, lr_at
 
 __all__ = ["lr_at", "run"]
@@ -46,19 +49,23 @@ def _run_golden(job: Job, cap: Capture) -> None:
     specs = {s.name: s for s in param_specs(m)}
     layouts = {n: layout_of(s, side) for n, s in specs.items()}
     named = list(model.named_parameters())
-    cap.attach(captured_modules(model), vocab_parallel=["output_layer"])
+    modules = captured_modules(model)
+    depths = mtp.attach(cap, model, m.mtp_num_layers, modules)
+    cap.attach(modules, vocab_parallel=["output_layer"])
     rec = Recording(cap, named, layouts)
-    train(rec, side.steps, _GoldenStep(job, rec, model, specs))
+    train(rec, side.steps, _GoldenStep(job, rec, model, specs, depths), evals=eval_points(side))
 
 
 class _GoldenStep:
     """One step of the golden model: the whole global batch in one forward, full tensors."""
 
-    def __init__(self, job: Job, rec: Recording, model: GPT, specs: dict):
-        self.job, self.rec, self.model = job, rec, model
-        self.opt = build_optimizer(job.side, rec.named)
+    def __init__(self, job: Job, rec: Recording, model: GPT, specs: dict, depths: mtp.DepthCapture | None = None):
+        self.job, self.rec, self.model, self.depths = job, rec, model, depths
+        self.opt = build_optimizer(job.side, rec.named, job.model)
+        rec.cap.info["stepped_by"] = stepped_by(self.opt, rec.named)
         # The weight each GEMM reads is the parameter itself (materialized, in GTP terms).
         self.materialized = Materialized(rec.cap, rec.layouts, [(n, p) for n, p in rec.named if specs[n].gtp])
+        self.evals = EvalRecorder(rec.cap)
 
     def begin(self, step: int) -> None:
         self.materialized.begin_step()
@@ -77,10 +84,42 @@ class _GoldenStep:
             mask = data_mod.loss_mask(d, ids, m.seq_length).to(losses.dtype)
             self.loss = (losses * mask).sum() / mask.sum()
             per_sample = (losses * mask).sum(1) / mask.sum(1)
-        (self.loss + routed_aux_loss(self.model, self.rec.cap, m, tuple(ids))).backward()
+        aux = routed_aux_loss(self.model, self.rec.cap, m, tuple(ids))
+        (self.loss + self._mtp_loss(labels, ids, losses.dtype) + aux).backward()
         for i, sid in enumerate(ids):
             self.rec.loss(per_sample[i].item(), 0, [sid])
         self.rec.grads(lambda p: p.grad)
+
+    def _mtp_loss(self, labels: torch.Tensor, ids: list[int], dtype: torch.dtype):
+        """megatron-core's MTP objective (``process_mtp_loss``): each depth's token mean under its
+        shifted labels and loss mask, their sum times ``mtp_loss_scaling_factor / D``; each
+        depth's per-sample loss recorded. (Every micro-batch counts the same tokens: the mean of
+        megatron-core's per-micro-batch means is the global token mean.)"""
+        m, total = self.job.model, 0.0
+        mask = data_mod.loss_mask(self.job.data, ids, m.seq_length).to(dtype)
+        for depth, logits in enumerate(self.model.mtp_logits):
+            losses, kept = token_losses(logits, mtp.shifted(labels, depth)), mtp.shifted(mask, depth)
+            self.depths.record_loss(depth, mtp.per_sample(losses, kept))
+            total = total + (losses * kept).sum() / kept.sum().clamp(min=1)
+        return total * (m.mtp_loss_scaling_factor / m.mtp_num_layers) if m.mtp_num_layers else total
+
+    def evaluate(self, step: int) -> None:
+        """Each iteration's global batch in one forward (eval mode, no graph): per-sample losses
+        and the token mean over every iteration's samples, as Megatron-LM reports it."""
+        d, m, side = self.job.data, self.job.model, self.job.side
+        index, total, tokens = self.evals.begin(), 0.0, 0.0
+        self.model.eval()
+        with torch.no_grad():
+            for it in range(side.eval_iters):
+                ids = eval_sample_ids(index, it, side, d)
+                inputs, labels = data_mod.batch(d.seed, ids, m)
+                mask = data_mod.loss_mask(d, ids, m.seq_length).to(torch.float64)
+                losses = token_losses(self.model(inputs), labels).to(torch.float64) * mask
+                for i, sid in enumerate(ids):
+                    self.evals.sample((losses[i].sum() / mask[i].sum()).item(), [sid], mask[i].sum().item(), it, 0)
+                total, tokens = total + losses.sum().item(), tokens + mask.sum().item()
+        self.model.train()
+        self.evals.report(total / tokens)
 
     def prepare_update(self, step: int) -> None:
         side, gbs = self.job.side, self.job.data.global_batch_size
