@@ -53,6 +53,16 @@ def test_lagging_collectives_land_only_when_waited(reports):
 
 
 @pytest.mark.multirank
+def test_ddp_coalesced_all_gathers_land_at_the_wait(reports):
+    # DDP's param all-gathers (distributed optimizer, overlap_param_gather): a read that skips
+    # the bucket's wait sees the old values every time, not whenever gloo's thread finished
+    # (gtp_paths' overlap-param-gather-prefetch-on relies on it).
+    for rep in reports:
+        checks = {k: ok for k, ok in rep["checks"].items() if k.startswith("ddp-coalesced-")}
+        assert checks and all(checks.values()), f"rank {rep['rank']}: {checks}"
+
+
+@pytest.mark.multirank
 @pytest.mark.parametrize("key, expected", [
     # rank = tp + TP * (g + G * dp); data rank = rank // TP; data rank d reads [d*mbs, (d+1)*mbs).
     ("tp2-gtp2-dp1", [[[0], [2], [4], [6]], [[0], [2], [4], [6]], [[1], [3], [5], [7]], [[1], [3], [5], [7]]]),

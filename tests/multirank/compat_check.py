@@ -59,6 +59,30 @@ def _lagging(group, n: int) -> bool:
         compat.set_collectives("async")
 
 
+def _ddp_coalesced(group, n: int) -> bool:
+    """DDP's coalesced bucket all-gathers (param_and_grad_buffer's manager, as installed): an
+    async block's outputs stay untouched until its handle is waited, even once gloo's thread
+    has long finished; a synchronous block's are there when it ends."""
+    import time
+
+    from megatron.core.distributed import param_and_grad_buffer as buffers
+
+    rows = 1 << 10
+    rank = dist.get_rank()
+    expected = torch.cat([torch.full((rows,), float(r)) for r in sorted(dist.get_process_group_ranks(group or dist.group.WORLD))])
+    out = torch.full((rows * n,), -1.0)
+    with buffers._coalescing_manager(group, async_ops=True) as cm:
+        dist.all_gather_into_tensor(out, torch.full((rows,), float(rank)), group=group, async_op=True)
+    time.sleep(0.2)
+    untouched = bool(out.eq(-1).all())
+    cm.wait()
+    landed = torch.equal(out, expected)
+    sync = torch.full((rows * n,), -1.0)
+    with buffers._coalescing_manager(group, async_ops=False):
+        dist.all_gather_into_tensor(sync, torch.full((rows,), float(rank)), group=group)
+    return untouched and landed and torch.equal(sync, expected)
+
+
 def main(report_path):
     compat.install()
     dist.init_process_group("gloo")
@@ -86,6 +110,7 @@ def main(report_path):
         checks[f"reduce-scatter-{name}"] = torch.equal(rs, full.chunk(n)[me])
         checks[f"issue-order-{name}"] = _issue_order(group, n)
         checks[f"lagging-{name}"] = _lagging(group, n)
+        checks[f"ddp-coalesced-{name}"] = _ddp_coalesced(group, n)
         z = torch.full((3,), float(rank + 1))
         dist.all_reduce(z, op=dist.ReduceOp.AVG, group=group)
         checks[f"avg-{name}"] = torch.allclose(z, torch.full((3,), sum(m + 1 for m in members) / n))

@@ -94,7 +94,7 @@ class _WithPositions:
 class _Tap:
     """The data iterator, telling ``on_batch`` each item's sample ids as Bridge draws it."""
 
-    def __init__(self, inner, on_batch: Callable[[list[int]], Callable[[float], None]]):
+    def __init__(self, inner, on_batch: Callable[[list[int]], Callable[[float, float], None]]):
         self.inner, self.on_batch, self.on_loss = inner, on_batch, None
 
     def __iter__(self):
@@ -106,7 +106,7 @@ class _Tap:
         return item
 
 
-def forward_step(on_batch: Callable[[list[int]], Callable[[float], None]]):
+def forward_step(on_batch: Callable[[list[int]], Callable[[float, float], None]]):
     """Bridge's ``gpt_step.forward_step``, its micro-batches' sample ids and losses recorded."""
     from megatron.bridge.training.gpt_step import forward_step as bridge_forward_step
 
@@ -117,7 +117,7 @@ def forward_step(on_batch: Callable[[list[int]], Callable[[float], None]]):
 
         def loss_func(output_tensor, *args, **kwargs):
             out = loss_function(output_tensor, *args, **kwargs)
-            on_loss((out[0] / out[1]).item())  # token-summed loss / token count
+            on_loss((out[0] / out[1]).item(), float(out[1]))  # token-summed loss / token count, the count
             return out
 
         return output, loss_func

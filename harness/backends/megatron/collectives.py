@@ -7,6 +7,8 @@ in GTP's module. How their async handles complete relative to the GEMMs is a sce
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -145,3 +147,55 @@ class _Done:
 
     def wait(self):
         return True
+
+
+# --- DDP's coalesced bucket collectives (param_and_grad_buffer) ---
+
+# Gloo writes an async all-gather's output from its worker thread whenever it finishes (an
+# async reduce-scatter's only inside wait()). A read that skipped its wait, such as GTP's
+# prefetch of a weight whose bucket's param all-gather is in flight, then saw the new values or
+# the old ones by the machine's load. In an async block each all-gather writes into a private
+# copy that lands in its output at the block handle's wait: such a read sees the old values
+# every time, as under a communication stream running behind; a read after its wait, unchanged.
+
+
+class _LandAtWait:
+    """A coalesced block's handle whose all-gathers land in their outputs at its wait."""
+
+    def __init__(self, cm):
+        self._cm, self._staged = cm, []
+
+    def stage(self, private: torch.Tensor, out: torch.Tensor) -> None:
+        self._staged.append((private, out))
+
+    def wait(self):
+        self._cm.wait()
+        for private, out in self._staged:
+            out.copy_(private)
+        self._staged.clear()
+        return True
+
+
+def coalescing_landing_at_wait(original):
+    """torch's ``_coalescing_manager`` (``original``), an async block's all-gathers landing at
+    its handle's wait (above); blocks on other backends, and synchronous ones, as they were."""
+    from torch.distributed import distributed_c10d as c10d
+
+    @contextlib.contextmanager
+    def coalescing_manager(group=None, device=None, async_ops=False):
+        with original(group=group, device=device, async_ops=async_ops) as cm:
+            if not async_ops or dist.get_backend(group) != "gloo":
+                yield cm
+                return
+            handle = _LandAtWait(cm)
+            yield handle
+            # The block's collectives are recorded, not yet issued: torch issues them when
+            # ``original`` exits, into the outputs recorded here, which become private copies.
+            for op in c10d._world.pg_coalesce_state.get(group or c10d._get_default_group(), []):
+                if op.op is c10d.all_gather_single:
+                    private = torch.empty_like(op.dst_tensor)
+                    handle.stage(private, op.dst_tensor)
+                    op.dst_tensor = private
+
+    coalescing_manager._gtp_parity_land_at_wait = True
+    return coalescing_manager

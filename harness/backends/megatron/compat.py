@@ -264,6 +264,14 @@ def install() -> bool:
         if not getattr(fn, "_gtp_parity_avg", False):
             setattr(dist, name, _wrap_avg(fn))
 
+    from megatron.core.distributed import param_and_grad_buffer as buffers
+
+    # DDP's buckets coalesce through torch's own manager (gloo runs it); their async all-gathers
+    # land at the wait (collectives.coalescing_landing_at_wait says why).
+    if not getattr(buffers._coalescing_manager, "_gtp_parity_land_at_wait", False):
+        _replace(buffers, "_coalescing_manager",
+                 collectives.coalescing_landing_at_wait(dist.distributed_c10d._coalescing_manager))  # fmt: skip
+
     from megatron.core.tensor_parallel import random as mrandom
 
     _replace(mrandom, "_get_cuda_rng_state",
