@@ -206,6 +206,24 @@ def check_version() -> str:
     return found
 
 
+def _install_gloo_collectives() -> None:
+    """torch.distributed's coalescing and AVG on gloo (above), and DDP's bucket collectives."""
+    if not getattr(dist._coalescing_manager, "_gtp_parity_coalescing", False):
+        dist._coalescing_manager = _wrap_coalescing(dist._coalescing_manager)
+    for name in ("all_reduce", "reduce_scatter_tensor"):
+        fn = getattr(dist, name)
+        if not getattr(fn, "_gtp_parity_avg", False):
+            setattr(dist, name, _wrap_avg(fn))
+
+    from megatron.core.distributed import param_and_grad_buffer as buffers
+
+    # DDP's buckets coalesce through torch's own manager (gloo runs it); their async all-gathers
+    # land at the wait (collectives.coalescing_landing_at_wait says why).
+    if not getattr(buffers._coalescing_manager, "_gtp_parity_land_at_wait", False):
+        _replace(buffers, "_coalescing_manager",
+                 collectives.coalescing_landing_at_wait(dist.distributed_c10d._coalescing_manager))  # fmt: skip
+
+
 def _replace(holder, attr: str, value, name: str | None = None) -> None:
     """Replace ``holder.attr`` by ``value`` where the attribute exists, recording the stand-in;
     a missing one is recorded as not found (the warning of :func:`check_version` names it)."""
@@ -257,20 +275,7 @@ def install() -> bool:
         _replace(cuda, attr, value, f"torch.cuda.{attr}")
     torch.Tensor.cuda = lambda self, *a, **k: self
     torch.Tensor.type = _type_names_as_cuda(torch.Tensor.type)
-    if not getattr(dist._coalescing_manager, "_gtp_parity_coalescing", False):
-        dist._coalescing_manager = _wrap_coalescing(dist._coalescing_manager)
-    for name in ("all_reduce", "reduce_scatter_tensor"):
-        fn = getattr(dist, name)
-        if not getattr(fn, "_gtp_parity_avg", False):
-            setattr(dist, name, _wrap_avg(fn))
-
-    from megatron.core.distributed import param_and_grad_buffer as buffers
-
-    # DDP's buckets coalesce through torch's own manager (gloo runs it); their async all-gathers
-    # land at the wait (collectives.coalescing_landing_at_wait says why).
-    if not getattr(buffers._coalescing_manager, "_gtp_parity_land_at_wait", False):
-        _replace(buffers, "_coalescing_manager",
-                 collectives.coalescing_landing_at_wait(dist.distributed_c10d._coalescing_manager))  # fmt: skip
+    _install_gloo_collectives()
 
     from megatron.core.tensor_parallel import random as mrandom
 
