@@ -21,12 +21,11 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from importlib.machinery import PathFinder
 from pathlib import Path
 
 from harness.common.errors import BadInput
-from harness.run.code import GIT_PREFIX, INSTALLED, CodeTree, _commit_of, _dirty, _git, cache_root
+from harness.run.code import GIT_PREFIX, INSTALLED, CodeTree, _commit_of, _dirty, _git, cache_root, extract_once
 from harness.scenario import Scenario
 
 SRC = "src/megatron/bridge"
@@ -59,31 +58,14 @@ def has_gtp(tree: CodeTree) -> bool:
 
 def materialize(repo: Path, commit: str, where: str) -> Path:
     """The commit's ``src/megatron/bridge`` as ``<cache>/bridge-<commit>/megatron/bridge``, read-only."""
-    dest = cache_root() / f"bridge-{commit}"
-    if (dest / "megatron" / "bridge").is_dir():
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".bridge-{commit[:12]}-", dir=dest.parent))
-    try:
-        archive = subprocess.run(["git", "-C", str(repo), "archive", "--format=tar", commit, SRC], capture_output=True)
-        if archive.returncode != 0:
-            raise BadInput(where, f"{commit[:10]} has no {SRC} folder: {archive.stderr.decode().strip()[-200:]}")
-        subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive.stdout, check=True)
-        (tmp / "megatron").mkdir()
-        (tmp / SRC).rename(tmp / "megatron" / "bridge")
-        shutil.rmtree(tmp / "src")
-        for p in tmp.rglob("*"):
-            if p.is_file():
-                p.chmod(0o444)
-        try:
-            tmp.rename(dest)
-        except OSError:  # another process materialized the same commit first
-            if not (dest / "megatron" / "bridge").is_dir():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return dest
+
+    def arrange(tmp: Path) -> None:  # src/megatron/bridge -> megatron/bridge
+        if (tmp / SRC).is_dir():
+            (tmp / "megatron").mkdir()
+            (tmp / SRC).rename(tmp / "megatron" / "bridge")
+            shutil.rmtree(tmp / "src")
+
+    return extract_once(repo, commit, SRC, cache_root() / f"bridge-{commit}", "megatron/bridge", where, arrange)
 
 
 def resolve(spec: str, where: str) -> CodeTree:

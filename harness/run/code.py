@@ -108,33 +108,41 @@ def _dirty(repo: Path) -> bool:
     return bool(_git(repo, "status", "--porcelain", "--", "megatron").stdout.strip())
 
 
-def materialize(repo: Path, commit: str, where: str) -> Path:
-    """The commit's ``megatron/`` under the cache, read-only; extracted once per commit."""
-    dest = cache_root() / commit
-    if (dest / "megatron" / "core").is_dir():
+def extract_once(repo: Path, commit: str, what: str, dest: Path, package: str, where: str, arrange=None) -> Path:
+    """``git archive`` of the folder ``what`` at ``commit`` into ``dest``, read-only, once.
+
+    Written to a temporary folder and renamed, so a half-written tree never exists;
+    ``dest/package`` marks a complete one; ``arrange(tmp)`` lays the extracted files out first."""
+    if (dest / package).is_dir():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{commit[:12]}-", dir=dest.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name[:24]}-", dir=dest.parent))
     try:
-        archive = subprocess.run(["git", "-C", str(repo), "archive", "--format=tar", commit, "megatron"],
-                                 capture_output=True)  # fmt: skip
+        archive = subprocess.run(["git", "-C", str(repo), "archive", "--format=tar", commit, what], capture_output=True)
         if archive.returncode != 0:
-            raise BadInput(where, f"{commit[:10]} has no megatron/ folder: {archive.stderr.decode().strip()[-200:]}")
+            raise BadInput(where, f"{commit[:10]} has no {what}/ folder: {archive.stderr.decode().strip()[-200:]}")
         subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive.stdout, check=True)
-        if not (tmp / "megatron" / "core").is_dir():
-            raise BadInput(where, f"{commit[:10]}'s megatron/ holds no core/ package")
+        if arrange is not None:
+            arrange(tmp)
+        if not (tmp / package).is_dir():
+            raise BadInput(where, f"{commit[:10]}'s {what}/ holds no {package} package")
         for p in tmp.rglob("*"):  # read-only: a cached tree is never edited in place
             if p.is_file():
                 p.chmod(0o444)
         try:
             tmp.rename(dest)
         except OSError:  # another process materialized it first: theirs is the same commit
-            if not (dest / "megatron" / "core").is_dir():
+            if not (dest / package).is_dir():
                 raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def materialize(repo: Path, commit: str, where: str) -> Path:
+    """The commit's ``megatron/`` under the cache, read-only; extracted once per commit."""
+    return extract_once(repo, commit, "megatron", cache_root() / commit, "megatron/core", where)
 
 
 def resolve(spec: str, where: str) -> CodeTree:
