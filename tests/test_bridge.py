@@ -133,6 +133,29 @@ def test_bridge_key_belongs_to_bridge_sides(tmp_path):
         scenario.load(path)
 
 
+
+def test_a_bridge_checkout_is_dirty_by_its_src_folder(tmp_path, monkeypatch):
+    """A Megatron-Bridge checkout holds its package under src/: an uncommitted edit there marks
+    the folder spec dirty, and refuses the checkout's HEAD given as a revision."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    checkout = tmp_path / "Megatron-Bridge"
+    package = checkout / bridge_code.SRC
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "package_info.py").write_text("MAJOR = 0\nMINOR = 9\nPATCH = 1\nPRE_RELEASE = 'rc0'\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    env.update(GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t")
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "tree"]):
+        subprocess.run(["git", "-C", str(checkout), *args], check=True, capture_output=True, env=env)
+    clean = bridge_code.resolve(str(checkout), "t")
+    assert (clean.version, clean.dirty, len(clean.commit)) == ("0.9.1rc0", False, 40)
+    assert bridge_code.resolve(f"git:{checkout}@HEAD", "t").commit == clean.commit
+    (package / "__init__.py").write_text("# uncommitted\n")
+    assert bridge_code.resolve(str(checkout), "t").dirty
+    with pytest.raises(BadInput, match="src/megatron/bridge/ has uncommitted changes"):
+        bridge_code.resolve(f"git:{checkout}@HEAD", "t")
+
+
 # --- the seed's trees: the GTP wiring PR's head and Megatron-LM 14346b65a ---
 
 REFUSE = """

@@ -25,7 +25,7 @@ from importlib.machinery import PathFinder
 from pathlib import Path
 
 from harness.common.errors import BadInput
-from harness.run.code import GIT_PREFIX, INSTALLED, CodeTree, _commit_of, _dirty, _git, cache_root, extract_once
+from harness.run.code import GIT_PREFIX, INSTALLED, CodeTree, cache_root, checkout_state, extract_once, git_revision
 from harness.scenario import Scenario
 
 SRC = "src/megatron/bridge"
@@ -77,13 +77,7 @@ def resolve(spec: str, where: str) -> CodeTree:
                                   "extra (scripts/setup.sh --bridge) or name a tree")  # fmt: skip
         return CodeTree(spec, "installed", "", read_version(root))
     if spec.startswith(GIT_PREFIX):
-        repo_text, at, rev = spec[len(GIT_PREFIX):].rpartition("@")
-        if not at:
-            repo_text, rev = rev, "HEAD"
-        repo = Path(repo_text).expanduser().resolve()
-        if not repo.is_dir():
-            raise BadInput(where, f"{spec!r}: {repo} is not a folder")
-        commit = _commit_of(repo, rev, where)
+        repo, commit = git_revision(spec, where, SRC)
         root = materialize(repo, commit, where)
         return CodeTree(spec, "git", str(root), read_version(root), commit=commit, repo=str(repo))
     path = Path(spec).expanduser().resolve()
@@ -94,10 +88,8 @@ def resolve(spec: str, where: str) -> CodeTree:
     if not (path / "megatron" / "bridge" / "__init__.py").is_file():
         raise BadInput(where, f"{spec!r}: no megatron/bridge package under {path} "
                               f"(give 'installed', a Megatron-Bridge checkout, or git:<repo>@<rev>)")  # fmt: skip
-    commit, dirty = "", False
-    if _git(checkout, "rev-parse", "--show-toplevel").stdout.strip() == str(checkout):
-        commit = _git(checkout, "rev-parse", "--verify", "--quiet", "HEAD").stdout.strip()
-        dirty = _dirty(checkout)
+    # A Bridge checkout's package is under src/: that is the folder whose changes make it dirty.
+    commit, dirty = checkout_state(checkout, SRC if checkout != path else "megatron/bridge")
     return CodeTree(spec, "path", str(path), read_version(path), commit=commit, repo=str(checkout) if commit else "",
                     dirty=dirty)  # fmt: skip
 

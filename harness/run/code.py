@@ -101,11 +101,37 @@ def _commit_of(repo: Path, rev: str, where: str) -> str:
     return found.stdout.strip()
 
 
-def _dirty(repo: Path) -> bool:
-    """Whether the work tree's ``megatron/`` differs from HEAD (a bare repository is clean)."""
+def _dirty(repo: Path, folder: str = "megatron") -> bool:
+    """Whether the work tree's ``folder`` differs from HEAD (a bare repository is clean)."""
     if _git(repo, "rev-parse", "--is-bare-repository").stdout.strip() == "true":
         return False
-    return bool(_git(repo, "status", "--porcelain", "--", "megatron").stdout.strip())
+    return bool(_git(repo, "status", "--porcelain", "--", folder).stdout.strip())
+
+
+def git_revision(spec: str, where: str, folder: str) -> tuple[Path, str]:
+    """``git:<repo>@<rev>`` (``@HEAD`` when no ``@``) as (repository, full commit id). A revision
+    that is the checkout's HEAD while its ``folder`` has uncommitted changes is refused: the
+    revision does not hold what the folder shows."""
+    repo_text, at, rev = spec[len(GIT_PREFIX):].rpartition("@")
+    if not at:
+        repo_text, rev = rev, "HEAD"
+    repo = Path(repo_text).expanduser().resolve()
+    if not repo.is_dir():
+        raise BadInput(where, f"{spec!r}: {repo} is not a folder")
+    commit = _commit_of(repo, rev, where)
+    head = _git(repo, "rev-parse", "--verify", "--quiet", "HEAD").stdout.strip()
+    if commit == head and _dirty(repo, folder):
+        raise BadInput(where, f"{spec!r}: {repo}'s {folder}/ has uncommitted changes, which a revision "
+                              "does not hold; commit them, or give the folder itself as the spec")  # fmt: skip
+    return repo, commit
+
+
+def checkout_state(checkout: Path, folder: str) -> tuple[str, bool]:
+    """(HEAD commit, whether ``folder`` differs from it) when ``checkout`` is a repository's top
+    folder; ("", False) otherwise."""
+    if _git(checkout, "rev-parse", "--show-toplevel").stdout.strip() != str(checkout):
+        return "", False
+    return _git(checkout, "rev-parse", "--verify", "--quiet", "HEAD").stdout.strip(), _dirty(checkout, folder)
 
 
 def extract_once(repo: Path, commit: str, what: str, dest: Path, package: str, where: str, arrange=None) -> Path:
@@ -153,17 +179,7 @@ def resolve(spec: str, where: str) -> CodeTree:
             raise BadInput(where, "no megatron-core is installed in this environment")
         return CodeTree(spec, "installed", "", read_version(root))
     if spec.startswith(GIT_PREFIX):
-        repo_text, at, rev = spec[len(GIT_PREFIX):].rpartition("@")
-        if not at:
-            repo_text, rev = rev, "HEAD"
-        repo = Path(repo_text).expanduser().resolve()
-        if not repo.is_dir():
-            raise BadInput(where, f"{spec!r}: {repo} is not a folder")
-        commit = _commit_of(repo, rev, where)
-        head = _git(repo, "rev-parse", "--verify", "--quiet", "HEAD").stdout.strip()
-        if commit == head and _dirty(repo):
-            raise BadInput(where, f"{spec!r}: {repo}'s megatron/ has uncommitted changes, which a revision "
-                                  "does not hold; commit them, or give the folder itself as the spec")  # fmt: skip
+        repo, commit = git_revision(spec, where, "megatron")
         root = materialize(repo, commit, where)
         return CodeTree(spec, "git", str(root), read_version(root), commit=commit, repo=str(repo))
     path = Path(spec).expanduser().resolve()
@@ -172,10 +188,7 @@ def resolve(spec: str, where: str) -> CodeTree:
     if not (path / "megatron" / "core" / "__init__.py").is_file():
         raise BadInput(where, f"{spec!r}: no megatron/core package under {path} "
                               f"(give 'installed', a folder holding megatron/, or git:<repo>@<rev>)")  # fmt: skip
-    commit, dirty = "", False
-    if _git(path, "rev-parse", "--show-toplevel").stdout.strip() == str(path):
-        commit = _git(path, "rev-parse", "--verify", "--quiet", "HEAD").stdout.strip()
-        dirty = _dirty(path)
+    commit, dirty = checkout_state(path, "megatron")
     return CodeTree(spec, "path", str(path), read_version(path), commit=commit, repo=str(path) if commit else "",
                     dirty=dirty)  # fmt: skip
 
