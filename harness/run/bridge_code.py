@@ -25,7 +25,8 @@ from importlib.machinery import PathFinder
 from pathlib import Path
 
 from harness.common.errors import BadInput
-from harness.run.code import GIT_PREFIX, INSTALLED, CodeTree, cache_root, checkout_state, extract_once, git_revision
+from harness.run.code import (GIT_PREFIX, INSTALLED, CodeTree, cache_root, checkout_state, extract_once,
+                              git_revision)  # fmt: skip
 from harness.scenario import Scenario
 
 SRC = "src/megatron/bridge"

@@ -106,18 +106,10 @@ def import_bridge():
     return megatron.bridge
 
 
-_installed = False
-
-
-def install() -> bool:
-    """Install the stand-ins Bridge's training needs on CPU (after megatron-core's).
-
-    Returns False (and changes nothing) when CUDA is usable."""
-    global _installed
-    if not compat.install():
-        return False
-    if _installed:
-        return True
+@compat.layered
+def install() -> None:
+    """Install the stand-ins Bridge's training needs on CPU (after megatron-core's); the
+    wrapper returns False (and changes nothing) when CUDA is usable."""
     from megatron.bridge.training import initialize, setup
 
     # setup.py l.253: initialize_megatron(...) without allow_no_cuda; initialize.py l.91 asserts CUDA.
@@ -137,8 +129,6 @@ def install() -> bool:
     # kernels the CPU configuration turns off, on a CUDA stream.
     compat._replace(setup, "set_jit_fusion_options", lambda *a, **k: None, "bridge setup.set_jit_fusion_options")
     _accelerator_stream()
-    _installed = True
-    return True
 
 
 def _accelerator_stream() -> None:

@@ -19,9 +19,6 @@ from harness.backends.megatron import compat
 
 # --- megatron.training (Megatron-LM's loop, the ``mlm`` backend): each stand-in names its call site ---
 
-_training_installed = False
-
-
 @contextlib.contextmanager
 def _one_device():
     # initialize._initialize_distributed and initialize._set_random_seed gate
@@ -87,27 +84,26 @@ def wheel_build_of_same_source(tree: Path, wheel: Path):
     return module
 
 
-def install_training() -> bool:
-    """Install the stand-ins megatron.training needs on CPU (after :func:`install`).
-
-    Returns False (and changes nothing) when CUDA is usable."""
-    global _training_installed
-    if not compat.install():
-        return False
-    if _training_installed:
-        return True
+@compat.layered
+def install_training() -> None:
+    """Install the stand-ins megatron.training needs on CPU (after megatron-core's); the
+    wrapper returns False (and changes nothing) when CUDA is usable."""
     from megatron.training import arguments, initialize, training
 
     # arguments.validate_args -> utils.get_device_arch_version() (GTP's Blackwell checks):
     # answer Hopper (9), the architecture class the CPU runs stand in for.
-    arguments.get_device_arch_version = lambda: 9
+    compat._replace(arguments, "get_device_arch_version", lambda: 9,
+                    "mlm arguments.get_device_arch_version -> 9")  # fmt: skip
     # training.pretrain -> initialize_megatron() asserts CUDA unless allow_no_cuda.
-    training.initialize_megatron = functools.partial(initialize.initialize_megatron, allow_no_cuda=True)
-    initialize._initialize_distributed = on_one_device(initialize._initialize_distributed)
-    initialize._set_random_seed = on_one_device(initialize._set_random_seed)
-    initialize._compile_dependencies = _import_dataset_helpers
+    compat._replace(training, "initialize_megatron",
+                    functools.partial(initialize.initialize_megatron, allow_no_cuda=True),
+                    "mlm training.initialize_megatron(allow_no_cuda=True)")  # fmt: skip
+    for attr in ("_initialize_distributed", "_set_random_seed"):
+        compat._replace(initialize, attr, on_one_device(getattr(initialize, attr)),
+                        f"mlm initialize.{attr} on one device")  # fmt: skip
+    compat._replace(initialize, "_compile_dependencies", _import_dataset_helpers,
+                    "mlm initialize._compile_dependencies: the wheel's built dataset helpers")  # fmt: skip
     # training.pretrain -> set_jit_fusion_options -> _warmup_jit_function torch.compiles the
     # fused kernels the CPU flags turn off, drawing torch.rand from the weights' generator.
-    training.set_jit_fusion_options = lambda tp_size=None: None
-    _training_installed = True
-    return True
+    compat._replace(training, "set_jit_fusion_options", lambda tp_size=None: None,
+                    "mlm training.set_jit_fusion_options")  # fmt: skip
