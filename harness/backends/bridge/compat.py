@@ -106,7 +106,7 @@ def import_bridge():
     return megatron.bridge
 
 
-@compat.layered
+@training_compat.layered
 def install() -> None:
     """Install the stand-ins Bridge's training needs on CPU (after megatron-core's); the
     wrapper returns False (and changes nothing) when CUDA is usable."""

@@ -235,25 +235,6 @@ def _replace(holder, attr: str, value, name: str | None = None) -> None:
     _applied.append(label)
 
 
-def layered(install_layer):
-    """A backend's stand-ins laid over megatron-core's: ``install_layer`` runs once per process,
-    after :func:`install` and only where it does (no CUDA). The wrapper returns whether they
-    are in force."""
-    done = False
-
-    @functools.wraps(install_layer)
-    def install_once() -> bool:
-        nonlocal done
-        if not install():
-            return False
-        if not done:
-            install_layer()
-            done = True
-        return True
-
-    return install_once
-
-
 def record_stand_in(label: str) -> None:
     """Record a stand-in applied outside :func:`_replace` (the manifest lists it)."""
     _applied.append(label)

@@ -84,7 +84,26 @@ def wheel_build_of_same_source(tree: Path, wheel: Path):
     return module
 
 
-@compat.layered
+def layered(install_layer):
+    """A backend's stand-ins laid over megatron-core's (the mlm and bridge layers):
+    ``install_layer`` runs once per process, after megatron-core's (``compat.install``) and
+    only where those are (no CUDA). The wrapper returns whether they are in force."""
+    done = False
+
+    @functools.wraps(install_layer)
+    def install_once() -> bool:
+        nonlocal done
+        if not compat.install():
+            return False
+        if not done:
+            install_layer()
+            done = True
+        return True
+
+    return install_once
+
+
+@layered
 def install_training() -> None:
     """Install the stand-ins megatron.training needs on CPU (after megatron-core's); the
     wrapper returns False (and changes nothing) when CUDA is usable."""
