@@ -133,7 +133,6 @@ def test_bridge_key_belongs_to_bridge_sides(tmp_path):
         scenario.load(path)
 
 
-
 def test_a_bridge_checkout_is_dirty_by_its_src_folder(tmp_path, monkeypatch):
     """A Megatron-Bridge checkout holds its package under src/: an uncommitted edit there marks
     the folder spec dirty, and refuses the checkout's HEAD given as a revision."""

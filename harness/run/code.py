@@ -101,7 +101,7 @@ def _commit_of(repo: Path, rev: str, where: str) -> str:
     return found.stdout.strip()
 
 
-def _dirty(repo: Path, folder: str = "megatron") -> bool:
+def _dirty(repo: Path, folder: str) -> bool:
     """Whether the work tree's ``folder`` differs from HEAD (a bare repository is clean)."""
     if _git(repo, "rev-parse", "--is-bare-repository").stdout.strip() == "true":
         return False
