@@ -86,10 +86,10 @@ def installed_root() -> Path | None:
     return Path(next(iter(spec.submodule_search_locations))).parent
 
 
-def _git(repo: Path, *args: str) -> subprocess.CompletedProcess:
+def _git(repo: Path, *args: str, text: bool = True) -> subprocess.CompletedProcess:
     # Under `git bisect run` git exports GIT_DIR and friends: they would point at the bisect's worktree.
     env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
-    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, env=env)
+    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=text, env=env)
 
 
 def _commit_of(repo: Path, rev: str, where: str) -> str:
@@ -144,7 +144,7 @@ def extract_once(repo: Path, commit: str, what: str, dest: Path, package: str, w
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name[:24]}-", dir=dest.parent))
     try:
-        archive = subprocess.run(["git", "-C", str(repo), "archive", "--format=tar", commit, what], capture_output=True)
+        archive = _git(repo, "archive", "--format=tar", commit, what, text=False)
         if archive.returncode != 0:
             raise BadInput(where, f"{commit[:10]} has no {what}/ folder: {archive.stderr.decode().strip()[-200:]}")
         subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive.stdout, check=True)
