@@ -25,7 +25,7 @@ from torch.distributed.tensor import Replicate
 from harness.capture import fingerprint as fp
 from harness.capture.api import Capture
 from harness.common.layout import Layout
-from harness.scenario.parse import CapturePolicy
+from harness.scenario.schema import CapturePolicy
 
 POLICIES = {
     "losses+scalars": CapturePolicy(kinds=("loss", "scalar")),

@@ -13,7 +13,7 @@ import torch
 from harness.compare import bounds
 from harness.compare.assemble import Logical
 from harness.compare.judge import _grad_norm_consistency, _scalar_row
-from harness.scenario.parse import ComparePolicy
+from harness.scenario.schema import ComparePolicy
 
 ROOT = Path(__file__).resolve().parent.parent
 

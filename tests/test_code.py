@@ -18,7 +18,7 @@ import pytest
 
 from harness import cli, scenario
 from harness.common.errors import BadInput
-from harness.compare.outcome import holds_fix, judge_expectation
+from harness.compare.outcome import holds_fix, judge_known_divergence
 from harness.compare.summary import ScenarioSummary, Verdict
 from harness.run import code
 from harness.run.launch import worker_env
@@ -204,22 +204,22 @@ def test_a_checkpoints_saving_side_imports_the_scenarios_tree(repo):
 def test_fixed_in_is_checked_against_the_candidates_history(repo):
     path, commits = repo
     tree = code.resolve(f"git:{path}@{commits[1]}", "t").to_json()
-    fix_old = scenario.Expectation(reason="r", fixed_in=commits[0][:10])
-    fix_new = scenario.Expectation(reason="r", fixed_in=commits[3][:10])
+    fix_old = scenario.KnownDivergence(reason="r", fixed_in=commits[0][:10])
+    fix_new = scenario.KnownDivergence(reason="r", fixed_in=commits[3][:10])
     assert holds_fix(fix_old, tree, "0.19.2") and not holds_fix(fix_new, tree, "0.19.2")
     assert not holds_fix(fix_old, None, "0.19.2")  # the installed wheel has no history to read
-    assert holds_fix(scenario.Expectation(reason="r", fixed_in_version="0.19.0"), None, "0.19.2")
-    assert not holds_fix(scenario.Expectation(reason="r", fixed_in_version="0.20.0"), None, "0.19.2")
+    assert holds_fix(scenario.KnownDivergence(reason="r", fixed_in_version="0.19.0"), None, "0.19.2")
+    assert not holds_fix(scenario.KnownDivergence(reason="r", fixed_in_version="0.20.0"), None, "0.19.2")
 
 
 def test_a_fixed_divergence_reads_fixed_and_one_still_there_fails():
-    exp = scenario.Expectation(reason="file:function:line", signature="ratio-G", fixed_in="c2fd8275d9")
+    exp = scenario.KnownDivergence(reason="file:function:line", signature="ratio-G", fixed_in="c2fd8275d9")
     passed = ScenarioSummary.of(scenario="s", verdict=Verdict.PASS, first_divergence=None, checked={"param": 1})
-    fixed = judge_expectation(passed, exp, fixed=True)
+    fixed = judge_known_divergence(passed, exp, fixed=True)
     assert fixed.verdict == Verdict.FIXED and fixed.verdict.passes_gate and "fixed in c2fd8275d9" in fixed.expectation
-    assert judge_expectation(passed, exp, fixed=False).verdict == Verdict.FAIL  # gone where the fix is not
+    assert judge_known_divergence(passed, exp, fixed=False).verdict == Verdict.FAIL  # gone where the fix is not
     failed = passed.with_(verdict=Verdict.FAIL)
-    still = judge_expectation(failed, exp, fixed=True)
+    still = judge_known_divergence(failed, exp, fixed=True)
     assert still.verdict == Verdict.FAIL and "still diverges" in still.expectation
 
 

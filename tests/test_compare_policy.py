@@ -8,7 +8,7 @@ import torch
 
 from harness.compare.assemble import Logical
 from harness.compare.judge import _grad_norm_consistency, _pool_loss_noise, _scalar_row, judge, metrics
-from harness.scenario.parse import ComparePolicy
+from harness.scenario.schema import ComparePolicy
 
 FP8 = ComparePolicy(k=4.0, k_first_step=1.25, floor=0.25)
 

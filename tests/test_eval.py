@@ -168,7 +168,7 @@ MOCK = (("gtp = 1\n", 'gtp = 1\ndata = "mock"\n'), ("gtp = 2\n", 'gtp = 2\ndata 
     ((("gtp = 2\n", "gtp = 2\neval_interval = 2\n"),), "every side must evaluate alike"),
     ((("gtp = 2\n", 'gtp = 2\nbackend = "torch"\n'),), "single-process golden side only"),
     ((('backend = "megatron"\n', 'backend = "mlm"\n'), *MOCK), "synthetic validation samples"),
-    ((("gtp = 2\n", 'gtp = 2\nbackend = "mlm"\nargs = ["--eval-iters", "3"]\n'),), "--eval-iters: set eval_interval"),
+    ((("gtp = 2\n", 'gtp = 2\nbackend = "mlm"\nargs = ["--eval-iters", "3"]\n'),), "--eval-iters is what the key [side].eval_iters sets: set eval_iters instead"),
     ((("gtp = 1\n", "gtp = 1\npipeline_parallel = 2\n"),), "without pipeline stages"),
     ((("eval_interval = 1\n", "eval_interval = 0\n"), ("gtp = 2\n", 'gtp = 2\ninject = ["gtp-eval-stale-gather"]\n')),
      "does not evaluate"),

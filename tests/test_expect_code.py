@@ -4,9 +4,9 @@
 import pytest
 
 from harness.common.errors import BadInput
-from harness.compare.outcome import judge_expectation
+from harness.compare.outcome import judge_known_divergence
 from harness.compare.summary import ScenarioSummary, Verdict
-from harness.scenario import Expectation
+from harness.scenario import KnownDivergence
 from harness.scenario.matrix import read_toml
 from harness.scenario.parse import parse_scenario
 from harness.scenario.rules import validate
@@ -22,19 +22,19 @@ def _summary(verdict, signature=None):
 
 
 def test_a_fix_that_changed_the_divergence_expects_the_new_signature():
-    exp = Expectation(reason="r", signature="pad-rows", step=1, fixed_in="abf04f46e3", diverges_after_fix="ratio-1/2")
-    assert judge_expectation(_summary(Verdict.FAIL, "pad-rows"), exp, fixed=False).verdict == Verdict.KNOWN_DIVERGENCE
-    assert judge_expectation(_summary(Verdict.FAIL, "ratio-1/2"), exp, fixed=True).verdict == Verdict.KNOWN_DIVERGENCE
-    assert judge_expectation(_summary(Verdict.FAIL, "pad-rows"), exp, fixed=True).verdict == Verdict.FAIL
-    assert judge_expectation(_summary(Verdict.PASS), exp, fixed=True).verdict == Verdict.FAIL
+    exp = KnownDivergence(reason="r", signature="pad-rows", step=1, fixed_in="abf04f46e3", diverges_after_fix="ratio-1/2")
+    assert judge_known_divergence(_summary(Verdict.FAIL, "pad-rows"), exp, fixed=False).verdict == Verdict.KNOWN_DIVERGENCE
+    assert judge_known_divergence(_summary(Verdict.FAIL, "ratio-1/2"), exp, fixed=True).verdict == Verdict.KNOWN_DIVERGENCE
+    assert judge_known_divergence(_summary(Verdict.FAIL, "pad-rows"), exp, fixed=True).verdict == Verdict.FAIL
+    assert judge_known_divergence(_summary(Verdict.PASS), exp, fixed=True).verdict == Verdict.FAIL
 
 
 def test_a_divergence_introduced_by_a_commit_expects_parity_before_it():
-    exp = Expectation(reason="r", signature="ratio-G", step=1, introduced_in="abf04f46e3")
-    before = judge_expectation(_summary(Verdict.PASS), exp, introduced=False)
+    exp = KnownDivergence(reason="r", signature="ratio-G", step=1, introduced_in="abf04f46e3")
+    before = judge_known_divergence(_summary(Verdict.PASS), exp, introduced=False)
     assert before.verdict == Verdict.PASS and "does not hold" in before.expectation
-    assert judge_expectation(_summary(Verdict.FAIL, "ratio-G"), exp, introduced=False).verdict == Verdict.FAIL
-    assert judge_expectation(_summary(Verdict.FAIL, "ratio-G"), exp, introduced=True).verdict == Verdict.KNOWN_DIVERGENCE
+    assert judge_known_divergence(_summary(Verdict.FAIL, "ratio-G"), exp, introduced=False).verdict == Verdict.FAIL
+    assert judge_known_divergence(_summary(Verdict.FAIL, "ratio-G"), exp, introduced=True).verdict == Verdict.KNOWN_DIVERGENCE
 
 
 @pytest.mark.parametrize("expect, where", [

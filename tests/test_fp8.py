@@ -109,7 +109,7 @@ def test_planted_unreduced_amax_is_localized(fp8_run, fault):
 def test_unreduced_amax_hides_inside_te_tolerances_and_k_4(fp8_run, fault, tmp_path):
     # Why the FP8 scenarios judge step 1 at k = 1.25: TE's own distributed-vs-single-process
     # tolerance for current scaling, and the default noise floor, both pass the faulty run.
-    from harness.scenario.parse import ComparePolicy
+    from harness.scenario.schema import ComparePolicy
     from harness.session import compare_traces
 
     paths = {role: Path(p) for role, p in summary(fp8_run, fault)["traces"].items()}

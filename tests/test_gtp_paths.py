@@ -14,7 +14,7 @@ import torch
 
 from harness import report
 from harness import scenario
-from harness.compare.outcome import judge_expectation
+from harness.compare.outcome import judge_known_divergence
 from harness.compare.summary import ScenarioSummary
 from harness.session import run_scenarios
 from helpers import ROOT
@@ -111,9 +111,9 @@ def _doc(verdict: str, signature: str | None = None, step: int = 1) -> dict:
     (_doc("pass"), None, "pass"),
 ])  # fmt: skip
 def test_a_known_divergence_gates_on_change(doc, expect, verdict):
-    exp = None if expect is None else scenario.Expectation(reason="file:function:line", **expect)
+    exp = None if expect is None else scenario.KnownDivergence(reason="file:function:line", **expect)
     before = ScenarioSummary.from_json(doc)
-    after = judge_expectation(before, exp)
+    after = judge_known_divergence(before, exp)
     assert after.verdict == verdict
     assert ("expectation" in after.to_json()) == (verdict == "fail")
     assert before == ScenarioSummary.from_json(doc)  # a new summary: the judged one is unchanged

@@ -11,7 +11,7 @@ import pytest
 
 from harness.mutation import campaign
 from harness.scenario.mutants import OPT_IN, TARGETS, Mutant, diff, mutants_of
-from harness.scenario.parse import DataConfig, ModelConfig, Side
+from harness.scenario.schema import DataConfig, ModelConfig, Side
 from tests.helpers import ROOT
 
 TOY = '''

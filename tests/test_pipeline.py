@@ -133,7 +133,7 @@ def test_stages_split_layers_evenly_and_names_are_global():
     ({"model": {"num_layers": 3}}, "[candidate].pipeline_parallel", "must divide [model].num_layers"),
     ({"model": {"untie_embeddings": False}}, "[model].untie_embeddings", "untied embeddings"),
     ({"candidate": {"pipeline_parallel": 0}}, "[candidate].pipeline_parallel", ">= 1"),
-    ({"candidate": {"virtual_pipeline": 1}}, "[candidate].virtual_pipeline", ">= 2 chunks"),
+    ({"candidate": {"virtual_pipeline": 1}}, "[candidate].virtual_pipeline", "must be >= 2, got 1"),
     ({"candidate": {"virtual_pipeline": 2}}, "[candidate].pipeline_parallel", "4 model chunks must divide"),
     ({"candidate": {"backend": "torch"}}, "[candidate].pipeline_parallel", "only the megatron backend"),
 ])  # fmt: skip

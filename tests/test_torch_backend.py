@@ -24,7 +24,7 @@ from harness.capture.api import Capture
 from harness.backends.gpt import canonical_state, layout_of, param_specs
 from harness.common.layout import gtp_pad
 from harness.quant import RECIPES
-from harness.scenario.parse import CapturePolicy, DataConfig, ModelConfig, Side
+from harness.scenario.schema import CapturePolicy, DataConfig, ModelConfig, Side
 
 
 def test_vocab_parallel_cross_entropy_matches_torch_on_one_rank():

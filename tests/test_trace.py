@@ -13,7 +13,7 @@ from harness.compare.assemble import assemble_trace
 from harness.capture.api import Capture
 from harness.common.errors import BadInput
 from harness.common.layout import Layout, replicated
-from harness.scenario.parse import CapturePolicy
+from harness.scenario.schema import CapturePolicy
 
 
 def plain_loop_trace(path, policy=CapturePolicy(), width=3):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from harness.common.mesh import Mesh, expert_coord
-from harness.scenario.parse import DataConfig, ModelConfig, Side
+from harness.scenario.schema import DataConfig, ModelConfig, Side
 
 
 def sample_tokens(seed: int, sample_id: int, seq_length: int, vocab_size: int) -> torch.Tensor:

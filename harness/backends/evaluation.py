@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from harness.capture.api import Capture
 from harness.common.mesh import Mesh
-from harness.scenario.parse import DataConfig, Side
+from harness.scenario.schema import DataConfig, Side
 
 SAMPLE, REPORTED = "eval_sample_loss", "eval_loss"
 

@@ -17,7 +17,7 @@ from torch.distributed.tensor import Shard
 
 from harness.common.layout import Layout, gtp_pad
 from harness.common.mesh import Mesh
-from harness.scenario.parse import ModelConfig, Side
+from harness.scenario.schema import ModelConfig, Side
 
 
 @dataclass(frozen=True, slots=True)

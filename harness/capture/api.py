@@ -44,7 +44,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from harness.capture.fingerprint import fingerprint
 from harness.common.layout import Layout
-from harness.scenario.parse import CapturePolicy
+from harness.scenario.schema import CapturePolicy
 from harness.capture.trace import DIGEST, FORMAT, FORMAT_VERSION, Entry, content_hash, tensor_key, write_tensors
 from harness.common.jsonio import write_json
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from harness.cli import trees
 from harness.cli.args import Parser, count, limits_option, non_negative, out_dir, positive_int
 from harness.common.errors import EXIT_BAD_INPUT, BadInput, HarnessError
-from harness.scenario.parse import POLICIES
+from harness.scenario.schema import POLICIES
 
 
 def _cmd_validate(args) -> int:
@@ -39,6 +39,14 @@ def _cmd_inject(args) -> int:
     for f in CATALOG.values():
         print(f"{f.name:28s} [{f.bug_class}] {f.description}")
     print(f"{'exit|hang|raise:RANK:STEP':28s} [launcher] a rank exits hard, hangs or raises at STEP")
+    return 0
+
+
+def _cmd_options(args) -> int:
+    from harness.scenario.options import key_tables
+    from harness.scenario.schema import DataConfig, ModelConfig, Side
+
+    print(key_tables(ModelConfig, DataConfig, Side), end="")
     return 0
 
 
@@ -129,7 +137,7 @@ def _cmd_report(args) -> int:
 
 
 def _cmd_compare(args) -> int:
-    from harness.scenario.parse import ComparePolicy
+    from harness.scenario.schema import ComparePolicy
     from harness.session import compare_traces
 
     chosen = {k: getattr(args, k) for k in ("policy", "k", "k_first_step", "floor")}
@@ -317,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     _mutate_parser(sub)
     trees.add_parsers(sub)
+
+    o = sub.add_parser("options", help="the scenario keys as declared: defaults, backends, golden, what each reaches")
+    o.set_defaults(fn=_cmd_options)
 
     i = sub.add_parser("inject", help="list the planted faults")
     i.add_argument("--list", action="store_true", required=True)

@@ -30,12 +30,13 @@ import torch
 from harness.common import mtp
 from harness.common.muon import is_muon_matrix
 from harness.compare import bounds
+from harness.scenario.options import placement_only
+from harness.scenario.side import Side
 
 BITWISE, BOUNDED, NOISE = "bitwise", "bounded", "noise-floor"
 
 # Options that change where a weight lives or when it moves, not an operation on a value.
-PLACEMENT_ONLY = frozenset({"gtp", "dp", "gtp_weight_prefetch", "gtp_collectives", "gtp_pad_alignment",
-                            "recompute", "megatron_core", "inject", "mutant", "process_groups"})  # fmt: skip
+PLACEMENT_ONLY = placement_only(Side)
 # Why a differing option leaves the kernels different (the rest: "they differ in <option>").
 _WHY = {
     "tp": "another TP size splits each GEMM's reduction dimension inside the kernel",

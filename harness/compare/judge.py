@@ -49,7 +49,7 @@ from harness.compare import split
 from harness.capture.fingerprint import BLOCK_DIGESTS, DIGESTS
 from harness.compare.assemble import LazyLogical, Logical
 from harness.compare.metrics import PairStats, measure, metrics, ulp_distance  # noqa: F401 (re-exported)
-from harness.scenario.parse import ComparePolicy
+from harness.scenario.schema import ComparePolicy
 from harness.compare.steps import per_sample_losses, step_table
 from harness.compare.tolerance import DTYPE_TOLS, recipe_of, tolerances
 from harness.capture.trace import Trace

@@ -17,7 +17,7 @@ from harness.compare.judge import compare
 from harness.compare.summary import ScenarioSummary, Verdict
 from harness.run.code import CodeTree, is_ancestor
 from harness.run.provenance import differences
-from harness.scenario import ComparePolicy, Expectation, Role, Scenario
+from harness.scenario import ComparePolicy, KnownDivergence, Role, Scenario
 from harness.scenario.checkpoint import topology
 from harness.scenario.code import code_axes
 from harness.scenario.rules import version_key
@@ -32,7 +32,7 @@ def scenario_config(s: Scenario) -> dict:
     return config
 
 
-def holds_fix(expect: Expectation, tree: dict | None, version: str | None) -> bool:
+def holds_fix(expect: KnownDivergence, tree: dict | None, version: str | None) -> bool:
     """Whether the candidate's megatron-core holds the expectation's upstream fix: its commit
     is in the tree's history, or (a tree without a commit) its version is the fix's or later."""
     if expect.fixed_in and tree and tree.get("commit"):
@@ -52,7 +52,7 @@ def holds_commit(commit: str | None, tree: dict | None) -> bool:
     return False
 
 
-def judge_expectation(summary: ScenarioSummary, expect: Expectation | None,
+def judge_known_divergence(summary: ScenarioSummary, expect: KnownDivergence | None,
                       fixed: bool = False, introduced: bool = True) -> ScenarioSummary:
     """A failure that matches the scenario's known divergence becomes ``known-divergence``;
     a scenario that was expected to diverge and holds, or diverges otherwise, fails. ``fixed``:
@@ -168,7 +168,7 @@ def compare_scenario(s: Scenario | None, paths: dict[str, Path], sdir: Path, say
                                                    (cand.get("versions") or {}).get("megatron-core"))  # fmt: skip
         introduced = s.expect is None or s.expect.introduced_in is None or holds_commit(
             s.expect.introduced_in, (cand.get("provenance") or {}).get("megatron_core"))  # fmt: skip
-        summary = judge_expectation(summary.with_(axes=dict(s.axes), config=scenario_config(s)), s.expect, fixed,
+        summary = judge_known_divergence(summary.with_(axes=dict(s.axes), config=scenario_config(s)), s.expect, fixed,
                                     introduced)  # fmt: skip
         if s.saver is not None:
             summary = checkpoint_outcome(summary, s, results)

@@ -91,7 +91,7 @@ def run_process(argv: list[str], part_of) -> int:
     """A compare process's body: ``argv`` = spec file, part index, result file; ``part_of(traces,
     policy, part, parts)`` measures the share."""
     from harness.capture import trace
-    from harness.scenario.parse import ComparePolicy
+    from harness.scenario.schema import ComparePolicy
 
     torch.set_num_threads(1)
     spec_path, part, out = argv

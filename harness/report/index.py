@@ -19,7 +19,7 @@ from harness.report.model import divergence_line, expectation_share, load_scenar
 from harness.compare.summary import ScenarioSummary, Verdict, as_summary
 from harness.report.page import document, render_scenario
 from harness.report.svg import esc
-from harness.scenario.parse import check_scenario_name
+from harness.scenario.schema import check_scenario_name
 
 CELLS_FILE = "cells.json"
 """Per scenario: verdict, worst metric and page link, kept next to the index for merging."""

@@ -20,6 +20,7 @@ import dataclasses
 from typing import Callable
 
 from harness.common.errors import BadInput, shown
+from harness.scenario.options import declared
 from harness.scenario.schema import Scenario, Side, check_scenario_name
 
 # Faults planted on a checkpoint scenario's candidate that act where the checkpoint is saved.
@@ -28,10 +29,8 @@ SAVE_FAULTS = frozenset({"ckpt-pad-rows-as-data", "ckpt-expert-index-shifted", "
 # and expert GTP alone puts the experts on the expert topology (see :func:`expert_optimizer`).
 EXPERT_TOPOLOGY_FIX = ("abf04f46e3", "0.20.0")
 # What a resumed side must share with the run it continues (the rest is its topology).
-CONTINUED = ("backend", "precision", "recipe", "steps", "seed", "optimizer", "lr", "min_lr", "lr_warmup_steps",
-             "lr_decay_steps", "lr_decay_style", "weight_decay", "clip_grad", "adam_beta1", "adam_beta2", "adam_eps",
-             "sgd_momentum", "gtp_pad_alignment", "per_token_loss")  # fmt: skip
-_SIDE_KEYS = frozenset(f.name for f in dataclasses.fields(Side)) - {"save_step", "load_step", "resume_from"}
+CONTINUED = tuple(o.name for o in declared(Side).values() if o.carried)
+_SIDE_KEYS = frozenset(declared(Side)) - {"save_step", "load_step", "resume_from"}
 
 
 def topology(side: Side) -> str:

@@ -9,21 +9,10 @@ from __future__ import annotations
 from harness.common.errors import BadInput
 from harness.scenario.schema import Scenario, Side
 
-# Megatron-LM flags that change what an evaluation reads: the side's own keys set them.
-_EVAL_FLAGS = ("--eval-interval", "--eval-iters", "--eval-global-batch-size", "--eval-micro-batch-size",
-               "--start-eval-at-iter", "--full-validation", "--skip-train", "--multiple-validation-sets")  # fmt: skip
 
 
 def validate_eval(s: Scenario) -> None:
     sides = s.sides
-    for name, side in sides.items():
-        where = f"{s.source}: [{name}]"
-        if side.eval_interval < 0:
-            raise BadInput(f"{where}.eval_interval", f"must be >= 0 (0: no evaluation), got {side.eval_interval}")
-        if side.eval_iters < 1:
-            raise BadInput(f"{where}.eval_iters", f"must be >= 1, got {side.eval_iters}")
-        if flag := next((a for a in side.args if a.split("=")[0] in _EVAL_FLAGS), None):
-            raise BadInput(f"{where}.args", f"{flag}: set eval_interval and eval_iters on the side instead")
     alike = {name: (side.eval_interval, side.eval_iters) for name, side in sides.items()}
     if len(set(alike.values())) != 1:
         raise BadInput(f"{s.source}: eval_interval", f"every side must evaluate alike (eval_interval, "

@@ -4,7 +4,6 @@ such."""
 
 from __future__ import annotations
 
-import math
 
 from harness.common.errors import BadInput
 from harness.scenario.faults import MTP_FAULTS
@@ -13,10 +12,6 @@ from harness.scenario.schema import ModelConfig, Scenario, Side
 
 def validate_mtp_model(s: Scenario) -> None:
     m, src = s.model, s.source
-    if m.mtp_num_layers < 0:
-        raise BadInput(f"{src}: [model].mtp_num_layers", f"must be >= 0 (0: no MTP), got {m.mtp_num_layers}")
-    if not (math.isfinite(m.mtp_loss_scaling_factor) and m.mtp_loss_scaling_factor >= 0):
-        raise BadInput(f"{src}: [model].mtp_loss_scaling_factor", f"must be >= 0, got {m.mtp_loss_scaling_factor}")
     if not m.mtp_num_layers:
         if m.mtp_use_repeated_layer:
             raise BadInput(f"{src}: [model].mtp_use_repeated_layer", "takes effect only with mtp_num_layers > 0")

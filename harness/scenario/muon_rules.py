@@ -7,21 +7,14 @@ from __future__ import annotations
 from importlib.util import find_spec
 
 from harness.common.errors import BadInput
-from harness.scenario.schema import MUON_TP_MODES, Scenario, Side
+from harness.scenario.schema import Scenario, Side
 
 
 def validate_muon_side(s: Scenario, side: Side, where: str) -> None:
-    if side.muon_tp_mode not in MUON_TP_MODES:
-        raise BadInput(f"{where}.muon_tp_mode", f"{side.muon_tp_mode!r}: one of {sorted(MUON_TP_MODES)}")
-    if not isinstance(side.muon_blocks, int) or side.muon_blocks < 1:
-        raise BadInput(f"{where}.muon_blocks", f"must be an integer >= 1, got {side.muon_blocks!r}")
     if side.muon_blocks > 1 and (side.backend != "torch" or side.optimizer != "muon"):
         raise BadInput(f"{where}.muon_blocks", "the golden's blockwise Muon: a torch side with optimizer = \"muon\"")
     if side.optimizer != "muon":
-        if side.muon_tp_mode != Side().muon_tp_mode:
-            raise BadInput(f"{where}.muon_tp_mode",
-                           f"takes effect only with optimizer = \"muon\" (got {side.optimizer!r})")  # fmt: skip
-        return
+        return  # muon_tp_mode's declaration refuses it without Muon
     if find_spec("emerging_optimizers") is None:
         # megatron-core 0.19.2 optimizer/__init__.py: _get_megatron_emerging_optimizer raises ImportError.
         raise BadInput(f"{where}.optimizer", "muon needs the emerging-optimizers package (pinned in pyproject.toml)")

@@ -11,29 +11,28 @@ Every rule is checked before any process is launched; a violation raises
 
 from __future__ import annotations
 
-import dataclasses
 import math
+import sys
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
-from harness.scenario import checkpoint as checkpointing
-from harness.scenario import schema
+import harness.scenario.checkpoint as checkpointing
+from harness.scenario.options import golden_side
 from harness.common.errors import BadInput, shown
 from harness.scenario.matrix import expand_matrix, read_toml
 from harness.scenario.code import is_code_comparison
-from harness.scenario.rules import parameter_count, validate
-# The schema's names are this module's vocabulary too: callers import them from here.
-from harness.scenario.schema import (  # noqa: F401
-    CAPTURE_KINDS, HARD_INT_LIMIT, LIMITS, MEGATRON_PATH_OPTIONS, POLICIES, TOP_KEYS, CapturePolicy,
-    ComparePolicy, DataConfig, Expectation, ModelConfig, Scenario, Side, check_scenario_name,
-)  # fmt: skip
+from harness.scenario.rules import validate
+from harness.scenario.schema import (
+    HARD_INT_LIMIT, TOP_KEYS, CapturePolicy, ComparePolicy, DataConfig, KnownDivergence, ModelConfig, Scenario,
+    Side, check_scenario_name,
+)
 
 
 def _hints(cls) -> dict[str, Any]:
     """Field name -> resolved type (``Literal``, ``tuple[int, ...] | None``, ...)."""
-    return typing.get_type_hints(cls, vars(schema))
+    return typing.get_type_hints(cls, vars(sys.modules[cls.__module__]))
 
 
 def _build(cls, table: dict, where: str):
@@ -121,16 +120,11 @@ def parse_scenario(raw: dict, source: str, limits: bool = True) -> Scenario:
     data = _build(DataConfig, raw.get("data", {}), f"{source}: [data]")
     train = raw.get("train", {})
     _build(Side, train, f"{source}: [train]")  # unknown keys in defaults are errors too
-    # The golden side inherits training settings but not topology, precision or faults.
-    golden_defaults = {"backend": "torch", "precision": "fp64", "world_size": 1, "tp": 1, "gtp": 1,
-                       "recipe": "none", "ep": 1, "expert_gtp": 1}
-    inherited = {k: v for k, v in train.items()
-                 if k not in {*golden_defaults, "dp", "inject", "megatron_core", "bridge", "grad_reduce_in_fp32",
-                             *MEGATRON_PATH_OPTIONS}}  # fmt: skip
+    # The golden side inherits the training settings of [train], each key as its declaration says.
     sides = {
         "reference": {**train, **raw["reference"]},
         "candidate": {**train, **raw["candidate"]},
-        "golden": {**inherited, **golden_defaults, **raw.get("golden", {})},
+        "golden": {**golden_side(train, Side), **raw.get("golden", {})},
     }
     ref = sides["reference"]
     if ref.get("optimizer") == "muon" and ref.get("muon_tp_mode") == "blockwise" and "muon_blocks" not in sides["golden"]:
@@ -147,7 +141,7 @@ def parse_scenario(raw: dict, source: str, limits: bool = True) -> Scenario:
         data=data,
         capture=_build(CapturePolicy, raw.get("capture", {}), f"{source}: [capture]"),
         compare=_build(ComparePolicy, _code_policy(raw, sides), f"{source}: [compare]"),
-        expect=_build(Expectation, raw["expect"], f"{source}: [expect]") if "expect" in raw else None,
+        expect=_build(KnownDivergence, raw["expect"], f"{source}: [expect]") if "expect" in raw else None,
         **sides,
     )
     validate(scenario, limits=limits)

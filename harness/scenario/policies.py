@@ -57,7 +57,7 @@ class ComparePolicy:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Expectation:
+class KnownDivergence:
     """A divergence the scenario is known to show: megatron-core's, with its root cause.
 
     A matching failure is reported as ``known-divergence`` (its own verdict, never a pass, and

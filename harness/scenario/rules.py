@@ -8,19 +8,20 @@ from __future__ import annotations
 
 import re
 
-from harness.scenario import checkpoint as checkpointing
+import harness.scenario.checkpoint as checkpointing
 from harness.scenario.bridge_rules import validate_bridge
 from harness.common.errors import BadInput
 from harness.scenario.faults import check_name, check_reach
 from harness.scenario.eval_rules import validate_eval
+from harness.scenario.mlm_args import flag_problem
 from harness.scenario.moe_rules import moe_parameter_count, validate_moe_model, validate_moe_side
 from harness.scenario.mtp_rules import mtp_parameter_count, validate_mtp_model, validate_mtp_side
 from harness.scenario.muon_rules import validate_muon_side
 from harness.scenario.path_rules import validate_paths
+from harness.scenario.options import backend_problem, declared, need_problem, value_problem
 from harness.scenario.schema import (
-    BACKENDS, CAPTURE_KINDS, CAPTURE_MODES, LIMITS, LR_DECAY_STYLES, MLM_DATA, OPTIMIZERS, POLICIES, PRECISIONS,
-    RECIPE_NAMES, ModelConfig, Scenario, Side,
-)  # fmt: skip
+    CAPTURE_KINDS, CAPTURE_MODES, LIMITS, POLICIES, PRECISIONS, DataConfig, ModelConfig, Scenario, Side,
+)
 
 
 def validate(s: Scenario, limits: bool = True) -> None:
@@ -29,12 +30,15 @@ def validate(s: Scenario, limits: bool = True) -> None:
     named as such, not as whichever rule it happens to break."""
     if limits:
         _validate_limits(s)
+    _validate_declared(s.model, f"{s.source}: [model]")
+    _validate_declared(s.data, f"{s.source}: [data]")
     _validate_model(s)
     validate_moe_model(s)
     validate_mtp_model(s)
     steps = {}
     for name, side in s.sides.items():
         where = f"{s.source}: [{name}]"
+        _validate_declared(side, where)
         _validate_choices(side, where)
         _validate_training(side, where)
         _validate_topology(s, name, side, where)
@@ -48,6 +52,7 @@ def validate(s: Scenario, limits: bool = True) -> None:
         validate_mtp_side(s, name, side, where)
         _validate_pipeline(s, side, where)
         _validate_code(side, where)
+        _validate_reach(s, side, where)
         steps[name] = side.steps
     if len(set(steps.values())) != 1:
         raise BadInput(f"{s.source}: steps", f"every side must run the same number of steps, got {steps}")
@@ -58,62 +63,51 @@ def validate(s: Scenario, limits: bool = True) -> None:
 
 
 def _validate_model(s: Scenario) -> None:
-    src, m, d = s.source, s.model, s.data
+    src, m = s.source, s.model
     if s.timeout_s <= 0:
         raise BadInput(f"{src}: timeout_s", f"must be > 0 seconds, got {s.timeout_s}")
-    for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                "seq_length", "vocab_size"):  # fmt: skip
-        if getattr(m, key) < 1:
-            raise BadInput(f"{src}: [model].{key}", f"must be >= 1, got {getattr(m, key)}")
     if not m.init_std > 0:
         raise BadInput(f"{src}: [model].init_std", f"must be > 0, got {m.init_std}")
     if m.hidden_size % m.num_attention_heads:
         raise BadInput(f"{src}: [model].hidden_size", "must be a multiple of num_attention_heads")
-    if d.micro_batch_size < 1 or d.global_batch_size < 1:
-        raise BadInput(f"{src}: [data]", "micro_batch_size and global_batch_size must be >= 1")
-    if d.seed < 0:
-        raise BadInput(f"{src}: [data].seed", f"must be >= 0, got {d.seed}")
+
+
+def _validate_declared(obj: ModelConfig | DataConfig | Side, where: str) -> None:
+    """Each key alone, as declared: its choices and its range."""
+    for o in declared(type(obj)).values():
+        if (problem := value_problem(o, getattr(obj, o.name))) is not None:
+            raise BadInput(f"{where}.{o.name}", problem)
 
 
 def _validate_choices(side: Side, where: str) -> None:
-    if side.backend not in BACKENDS:
-        raise BadInput(f"{where}.backend", f"unknown backend {side.backend!r}; one of {sorted(BACKENDS)}")
     if side.precision not in PRECISIONS[side.backend]:
         raise BadInput(
             f"{where}.precision",
             f"{side.precision!r} is not supported by the {side.backend} backend; "
             f"one of {sorted(PRECISIONS[side.backend])}",
         )
-    if side.recipe not in RECIPE_NAMES:
-        raise BadInput(f"{where}.recipe", f"unknown recipe {side.recipe!r}; one of {sorted(RECIPE_NAMES)}")
-    if side.optimizer not in OPTIMIZERS:
-        raise BadInput(f"{where}.optimizer", f"unknown optimizer {side.optimizer!r}; one of {sorted(OPTIMIZERS)}")
-    if side.lr_decay_style not in LR_DECAY_STYLES:
-        raise BadInput(f"{where}.lr_decay_style", f"one of {sorted(LR_DECAY_STYLES)}")
 
 
-# Training hyper-parameters: (low, high, inclusive high); floats are already finite.
-_RANGES = {
-    "lr": (0.0, None), "min_lr": (0.0, None), "weight_decay": (0.0, None), "clip_grad": (0.0, None),
-    "adam_eps": (0.0, None), "adam_beta1": (0.0, 1.0), "adam_beta2": (0.0, 1.0), "sgd_momentum": (0.0, 1.0),
-    "seed": (0, None), "gtp_pad_alignment": (0, None),
-}  # fmt: skip
+def _validate_reach(s: Scenario, side: Side, where: str) -> None:
+    """What the declarations say of the keys a side sets: the backends that honour each (the
+    model's keys too) and the rules tying each to another key. Checked after the rules above,
+    whose messages say more where they apply."""
+    for obj, at in ((s.model, f"{s.source}: [model]"), (s.data, f"{s.source}: [data]"), (side, where)):
+        for o in declared(type(obj)).values():
+            value = getattr(obj, o.name)
+            if (problem := backend_problem(o, value, side.backend)) is not None:
+                key = "this option" if obj is side else f"[{o.section}].{o.name}"
+                raise BadInput(f"{at}.{o.name}" if obj is side else f"{where}.backend",
+                               problem.replace("this option", key))
+            if (problem := need_problem(o, value, obj)) is not None:
+                raise BadInput(f"{at}.{o.name}", problem)
 
 
 def _validate_training(side: Side, where: str) -> None:
-    for key, (low, high) in _RANGES.items():
-        value = getattr(side, key)
-        if value < low or (high is not None and value >= high):
-            bound = f"in [{low}, {high})" if high is not None else f">= {low}"
-            raise BadInput(f"{where}.{key}", f"must be {bound}, got {value}")
     if side.optimizer == "adam" and side.adam_eps <= 0:
         raise BadInput(f"{where}.adam_eps", f"must be > 0, got {side.adam_eps}")
     if side.min_lr > side.lr:
         raise BadInput(f"{where}.min_lr", f"must be <= lr ({side.lr}), got {side.min_lr}")
-    if side.steps < 1:
-        raise BadInput(f"{where}.steps", f"must be >= 1, got {side.steps}")
-    if side.lr_decay_steps is not None and side.lr_decay_steps < 1:
-        raise BadInput(f"{where}.lr_decay_steps", f"must be >= 1, got {side.lr_decay_steps}")
     decay = side.lr_decay_steps or side.steps
     if not 0 <= side.lr_warmup_steps < decay:  # megatron-core's OptimizerParamScheduler asserts it
         raise BadInput(f"{where}.lr_warmup_steps",
@@ -122,9 +116,6 @@ def _validate_training(side: Side, where: str) -> None:
 
 def _validate_topology(s: Scenario, name: str, side: Side, where: str) -> None:
     m, d = s.model, s.data
-    for key in ("world_size", "tp", "gtp", "pipeline_parallel"):
-        if getattr(side, key) < 1:
-            raise BadInput(f"{where}.{key}", f"must be >= 1, got {getattr(side, key)}")
     if side.world_size % (side.tp * side.gtp):
         raise BadInput(
             f"{where}.world_size",
@@ -296,8 +287,6 @@ def _validate_mlm(s: Scenario, side: Side, where: str) -> None:
         if side.args or (side.data != "synthetic" and side.backend != "bridge"):
             raise BadInput(f"{where}.args", f"args and data are keys of the mlm backend, not {side.backend}")
         return
-    if side.data not in MLM_DATA:
-        raise BadInput(f"{where}.data", f"unknown data {side.data!r}; one of {sorted(MLM_DATA)}")
     other = s.candidate if side is s.reference else s.reference
     if side.data == "mock" and (other.backend not in ("mlm", "bridge") or other.data != "mock"):
         # Megatron-LM's mock samples are not the synthetic ones: the sides would read different data.
@@ -309,6 +298,9 @@ def _validate_mlm(s: Scenario, side: Side, where: str) -> None:
     bad = [a for a in side.args if not isinstance(a, str) or not a]
     if bad:
         raise BadInput(f"{where}.args", f"every flag must be a non-empty string, got {bad[0]!r}")
+    for arg in side.args:
+        if (problem := flag_problem(arg)) is not None:
+            raise BadInput(f"{where}.args", problem)
 
 
 def _validate_pipeline(s: Scenario, side: Side, where: str) -> None:

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from harness.backends.megatron import compat
 from harness.backends.data import coord, rank_sample_ids
-from harness.scenario.parse import DataConfig, Side
+from harness.scenario.schema import DataConfig, Side
 
 
 def _issue_order(group, n: int, rounds: int = 200) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from harness.run.job import Job
+from harness.scenario.options import mcore_kwargs
 
 # What runs the model on CPU: megatron-core's local layers (no Transformer Engine), CPU
 # initialization, no fused kernels (none has a CPU build).
@@ -30,15 +31,14 @@ def model_fields(job: Job, on_cpu: bool) -> dict:
     m, side = job.model, job.side
     dtype = torch.bfloat16 if side.precision == "bf16" else torch.float32
     fields = {
-        "num_layers": m.num_layers, "hidden_size": m.hidden_size, "ffn_hidden_size": m.ffn_hidden_size,
-        "num_attention_heads": m.num_attention_heads, "seq_length": m.seq_length, "vocab_size": m.vocab_size,
-        "make_vocab_size_divisible_by": 1, "share_embeddings_and_output_weights": not m.untie_embeddings,
-        "position_embedding_type": "learned_absolute", "normalization": "LayerNorm", "init_method_std": m.init_std,
-        "tensor_model_parallel_size": side.tp, "pipeline_model_parallel_size": 1, "context_parallel_size": 1,
-        "sequence_parallel": False, "attention_dropout": 0.0, "hidden_dropout": 0.0, "add_bias_linear": False,
-        "attention_softmax_in_fp32": True, "bf16": side.precision == "bf16", "params_dtype": dtype,
-        "pipeline_dtype": dtype, "gradient_accumulation_fusion": False,
-    }  # fmt: skip
+        **mcore_kwargs("TransformerConfig", m, side),  # the declared one-to-one fields (a provider is one)
+        "seq_length": m.seq_length, "vocab_size": m.vocab_size, "make_vocab_size_divisible_by": 1,
+        "share_embeddings_and_output_weights": not m.untie_embeddings, "position_embedding_type": "learned_absolute",
+        "normalization": "LayerNorm", "pipeline_model_parallel_size": 1, "context_parallel_size": 1,
+        "attention_dropout": 0.0, "hidden_dropout": 0.0, "add_bias_linear": False, "attention_softmax_in_fp32": True,
+        "bf16": side.precision == "bf16", "params_dtype": dtype, "pipeline_dtype": dtype,
+        "gradient_accumulation_fusion": False,
+    }
     if side.gtp > 1:  # the tree's TransformerConfig derives gtp_weight_remat_size from it
         fields["tensor_parallel_num_weight_shards"] = side.tp * side.gtp
     return {**fields, **(CPU_MODEL if on_cpu else {})}
@@ -55,20 +55,16 @@ def container(job: Job, model, dataset, on_cpu: bool):
     bf16 = side.precision == "bf16"
     dtype = torch.bfloat16 if bf16 else torch.float32
     optimizer = OptimizerConfig(
-        optimizer=side.optimizer, bf16=bf16, fp16=False, params_dtype=dtype, use_distributed_optimizer=False,
-        clip_grad=side.clip_grad, lr=side.lr, min_lr=side.min_lr, weight_decay=side.weight_decay,
-        adam_beta1=side.adam_beta1, adam_beta2=side.adam_beta2, adam_eps=side.adam_eps,
-        sgd_momentum=side.sgd_momentum, log_num_zeros_in_grad=True,
-    )  # fmt: skip
+        **mcore_kwargs("OptimizerConfig", side), bf16=bf16, fp16=False, params_dtype=dtype, log_num_zeros_in_grad=True,
+    )
     scheduler = SchedulerConfig(
         start_weight_decay=side.weight_decay, end_weight_decay=side.weight_decay, weight_decay_incr_style="constant",
         lr_decay_style=side.lr_decay_style, lr_warmup_iters=side.lr_warmup_steps,
         lr_decay_iters=side.lr_decay_steps or side.steps, override_opt_param_scheduler=True,
     )  # fmt: skip
     ddp = DistributedDataParallelConfig(
-        check_for_nan_in_grad=True, grad_reduce_in_fp32=side.grad_reduce_in_fp32, overlap_grad_reduce=False,
-        overlap_param_gather=False, average_in_collective=False, use_distributed_optimizer=False,
-    )  # fmt: skip
+        **mcore_kwargs("DistributedDataParallelConfig", side), check_for_nan_in_grad=True, average_in_collective=False,
+    )
     return ConfigContainer(
         model=model,
         train=TrainingConfig(train_iters=side.steps, global_batch_size=data.global_batch_size,

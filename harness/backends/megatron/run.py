@@ -29,6 +29,7 @@ from harness.common import muon
 from harness.common.dtypes import DTYPES
 from harness.backends.gpt import canonical_state, captured_modules, layout_of, mesh_of, param_specs
 from harness.common.layout import from_mcore_param, holds, shard
+from harness.scenario.options import mcore_kwargs
 from harness.common.mesh import on_grid
 
 
@@ -45,11 +46,7 @@ def _transformer_config(job: Job):
 
     side, m = job.side, job.model
     return TransformerConfig(
-        num_layers=m.num_layers,
-        hidden_size=m.hidden_size,
-        ffn_hidden_size=m.ffn_hidden_size,
-        num_attention_heads=m.num_attention_heads,
-        tensor_model_parallel_size=side.tp,
+        **mcore_kwargs("TransformerConfig", m, side),  # the declared one-to-one arguments
         tensor_parallel_num_weight_shards=side.tp * side.gtp,
         use_cpu_initialization=True,
         perform_initialization=False,  # canonical weights are loaded after construction
@@ -61,10 +58,8 @@ def _transformer_config(job: Job):
         bf16=side.precision == "bf16",
         params_dtype=DTYPES[side.precision],
         pipeline_dtype=DTYPES[side.precision],
-        init_method_std=m.init_std,
         deterministic_mode=True,
         calculate_per_token_loss=side.per_token_loss != "none",
-        sequence_parallel=side.sequence_parallel,
         **_RECOMPUTE[side.recompute],
         **moe.config_kwargs(job),
         **mtp.config_kwargs(job),
@@ -103,17 +98,13 @@ def _build(job: Job):
     config = _transformer_config(job)
     mesh = mesh_of(side)
     coord = data_mod.coord(dist.get_rank(), side)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=side.grad_reduce_in_fp32, overlap_grad_reduce=side.overlap_grad_reduce,
-                                               bucket_size=side.bucket_size,
-                                               use_distributed_optimizer=side.distributed_optimizer,
-                                               overlap_param_gather=side.overlap_param_gather)  # fmt: skip
+    ddp_config = DistributedDataParallelConfig(**mcore_kwargs("DistributedDataParallelConfig", side))
     chunks = []  # one model chunk per virtual pipeline stage (one when not interleaved)
     for vp in pipeline.chunk_ids(side):
         model = GPTModel(
             config=config,
             transformer_layer_spec=moe.layer_spec(job),
-            vocab_size=m.vocab_size,
-            max_sequence_length=m.seq_length,
+            **mcore_kwargs("GPTModel", m),
             share_embeddings_and_output_weights=not m.untie_embeddings,
             position_embedding_type="learned_absolute",
             mtp_block_spec=mtp.block_spec(job, config, moe.layer_spec(job)),
@@ -183,20 +174,10 @@ def _optimizer(job: Job, chunks: list, pgc=None):
     side = job.side
     opt = get_megatron_optimizer(
         OptimizerConfig(
-            optimizer=side.optimizer,
-            lr=side.lr,
-            min_lr=side.min_lr,
-            weight_decay=side.weight_decay,
-            adam_beta1=side.adam_beta1,
-            adam_beta2=side.adam_beta2,
-            adam_eps=side.adam_eps,
-            sgd_momentum=side.sgd_momentum,
-            clip_grad=side.clip_grad,
+            **mcore_kwargs("OptimizerConfig", side),  # the declared one-to-one arguments
             bf16=side.precision == "bf16",
             params_dtype=DTYPES[side.precision],
             log_num_zeros_in_grad=True,
-            use_distributed_optimizer=side.distributed_optimizer,
-            overlap_param_gather=side.overlap_param_gather,
             **_muon_kwargs(side),
         ),
         chunks,

@@ -13,7 +13,9 @@ import contextlib
 import io
 
 from harness.common.errors import BadInput
-from harness.scenario.parse import DataConfig, ModelConfig, Side
+from harness.scenario.mlm_args import FIXED_FLAGS
+from harness.scenario.options import declared
+from harness.scenario.schema import DataConfig, ModelConfig, Side
 
 CPU_FLAGS = (
     "--distributed-backend", "gloo", "--transformer-impl", "local", "--use-cpu-initialization",
@@ -22,33 +24,30 @@ CPU_FLAGS = (
 )  # fmt: skip
 
 
+def declared_flags(*objects) -> list[str]:
+    """The flags of the options declared to reach a Megatron-LM flag one to one (a flag with a
+    note in its declaration is derived by :func:`side_argv`), for the mlm backend's keys only."""
+    argv = []
+    for obj in objects:
+        for o in declared(type(obj)).values():
+            value = getattr(obj, o.name)
+            if not o.mlm or " (" in o.mlm or "mlm" not in o.backends or value is None:
+                continue
+            if isinstance(value, bool):
+                argv += [o.mlm] if value else []
+            else:
+                argv += [o.mlm, repr(value) if isinstance(value, float) else str(value)]
+    return argv
+
+
 def side_argv(model: ModelConfig, data: DataConfig, side: Side) -> list[str]:
     """The pretrain_gpt.py flags of ``side`` (then the side's own ``args``)."""
-    m = model
     argv = [
-        "--tokenizer-type", "NullTokenizer", "--vocab-size", str(m.vocab_size),
-        "--num-layers", str(m.num_layers), "--hidden-size", str(m.hidden_size),
-        "--ffn-hidden-size", str(m.ffn_hidden_size), "--num-attention-heads", str(m.num_attention_heads),
-        "--seq-length", str(m.seq_length), "--max-position-embeddings", str(m.seq_length),
-        "--init-method-std", repr(m.init_std),
-        "--micro-batch-size", str(data.micro_batch_size), "--global-batch-size", str(data.global_batch_size),
-        "--train-iters", str(side.steps), *_eval_flags(side),
-        "--optimizer", side.optimizer, "--lr", repr(side.lr), "--min-lr", repr(side.min_lr),
-        "--lr-warmup-iters", str(side.lr_warmup_steps),
-        "--lr-decay-iters", str(side.lr_decay_steps or side.steps), "--lr-decay-style", side.lr_decay_style,
-        "--weight-decay", repr(side.weight_decay), "--weight-decay-incr-style", "constant",
-        "--clip-grad", repr(side.clip_grad), "--adam-beta1", repr(side.adam_beta1),
-        "--adam-beta2", repr(side.adam_beta2), "--adam-eps", repr(side.adam_eps),
-        "--sgd-momentum", repr(side.sgd_momentum),
-        "--disable-bias-linear", "--no-gradient-accumulation-fusion",
-        "--attention-dropout", "0", "--hidden-dropout", "0", "--attention-softmax-in-fp32",
-        "--tensor-model-parallel-size", str(side.tp), "--pipeline-model-parallel-size", "1",
+        *FIXED_FLAGS, *declared_flags(model, data, side),
+        "--max-position-embeddings", str(model.seq_length),  # learned positions, one per token
+        "--lr-decay-iters", str(side.lr_decay_steps or side.steps), *_eval_flags(side),
         "--tensor-parallel-num-weight-shards", str(side.tp * side.gtp),
-        "--seed", str(side.seed), "--log-interval", "1", "--dataloader-type", "single", "--num-workers", "0",
-        "--log-num-zeros-in-grad", "--make-vocab-size-divisible-by", "1",
-    ]  # fmt: skip
-    if m.untie_embeddings:
-        argv.append("--untie-embeddings-and-output-weights")
+    ]
     if side.precision == "bf16":
         argv.append("--bf16")
         if not side.grad_reduce_in_fp32:

@@ -15,7 +15,7 @@ import argparse
 from harness.scenario import rules
 from harness.backends.mlm.args import check_flags
 from harness.common.errors import BadInput
-from harness.scenario.parse import CapturePolicy, ComparePolicy, DataConfig, ModelConfig, Scenario, Side
+from harness.scenario.schema import CapturePolicy, ComparePolicy, DataConfig, ModelConfig, Scenario, Side
 
 WHERE = "gtp-parity mlm"
 

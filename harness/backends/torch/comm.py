@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from harness.common.mesh import Mesh
-from harness.scenario.parse import Side
+from harness.scenario.schema import Side
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness.scenario.parse import ModelConfig
+from harness.scenario.schema import ModelConfig
 
 
 class Router(nn.Module):

@@ -19,7 +19,7 @@ import torch
 
 from harness.backends.gpt import param_specs
 from harness.common.muon import is_muon_matrix
-from harness.scenario.parse import Side
+from harness.scenario.schema import Side
 
 from . import comm
 

@@ -27,7 +27,7 @@ import torch
 from harness.backends.gpt import ParamSpec, layout_of
 from harness.common.layout import Layout, shard
 from harness.quant import LinearQuantizers, quantized_linear
-from harness.scenario.parse import Side
+from harness.scenario.schema import Side
 
 from . import comm, fp8
 from .model import GPT, Linear, WordEmbedding

@@ -7,7 +7,7 @@ import torch
 
 from harness.backends.routing import record_aux_loss, record_routing
 from harness.capture.api import Capture
-from harness.scenario.parse import ModelConfig
+from harness.scenario.schema import ModelConfig
 
 from .moe import MoE
 

@@ -1,0 +1,138 @@
+"""The option declarations: every scenario key declared once, and what reads them.
+
+The declarations are checked against the code they describe: each megatron-core argument an
+option names exists in the installed megatron-core, each Megatron-LM flag in Megatron-LM's
+parser (as do the flags a side's ``args`` may not carry), and docs/scenarios.md's tables are the
+ones the declarations generate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from pathlib import Path
+
+import pytest
+
+from harness import cli
+from harness.scenario.mlm_args import FIXED_FLAGS, REFUSED, REFUSED_PREFIXES, flag_problem
+from harness.scenario.options import (
+    DOCS_BEGIN, DOCS_END, INHERIT, NEVER, OWN, declared, golden_side, key_tables, mlm_flags, value_problem,
+)
+from harness.scenario.schema import DataConfig, ModelConfig, Side
+
+ROOT = Path(__file__).resolve().parents[1]
+CLASSES = (ModelConfig, DataConfig, Side)
+OPTIONS = [o for cls in CLASSES for o in declared(cls).values()]
+
+
+def test_every_field_is_one_declared_option_with_a_valid_default():
+    for cls in CLASSES:
+        assert list(declared(cls)) == [f.name for f in dataclasses.fields(cls)]
+    for o in OPTIONS:
+        assert o.doc and o.group, o.name
+        assert value_problem(o, o.default) is None, f"{o.section}.{o.name}: its default is out of its own range"
+        assert o.golden in (INHERIT, OWN, NEVER)
+        if o.golden == OWN:
+            assert value_problem(o, o.golden_value) is None
+
+
+def test_docs_key_tables_are_generated_from_the_declarations():
+    text = (ROOT / "docs" / "scenarios.md").read_text()
+    assert DOCS_BEGIN in text and DOCS_END in text
+    shown = text.split(DOCS_BEGIN, 1)[1].split(DOCS_END, 1)[0].strip()
+    assert shown == key_tables(*CLASSES).strip(), "docs/scenarios.md's key tables are stale: paste `gtp-parity options`"
+
+
+def test_the_golden_takes_from_train_what_each_declaration_says():
+    train = {"lr": 0.5, "gtp_pad_alignment": 32, "tp": 2, "precision": "bf16", "recompute": "full",
+             "inject": ("gtp-rs-no-prescale",), "megatron_core": "git:megatron-lm@abc1234", "args": ("--x",)}
+    golden = golden_side(train, Side)
+    assert golden["lr"] == 0.5 and golden["gtp_pad_alignment"] == 32  # inherited
+    assert golden["tp"] == 1 and golden["precision"] == "fp64" and golden["backend"] == "torch"  # its own
+    for key in ("recompute", "inject", "megatron_core", "args"):  # never: code the golden does not run
+        assert key not in golden
+
+
+def _mcore_target(dest: str):
+    """The megatron-core class or function an option's ``mcore`` entry names, and the argument."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.tensor_parallel import generalized_tensor_parallelism, gtp_api
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    owners = {"TransformerConfig": TransformerConfig, "DistributedDataParallelConfig": DistributedDataParallelConfig,
+              "OptimizerConfig": OptimizerConfig, "GPTModel": GPTModel, "parallel_state": parallel_state,
+              "gtp": type("gtp", (), {**vars(generalized_tensor_parallelism), **vars(gtp_api)})}
+    owner, _, rest = dest.split(" (")[0].partition(".")
+    if "(" in rest:  # function(argument)
+        func, arg = rest.rstrip(")").split("(")
+        return getattr(owners[owner], func), arg
+    return owners[owner], rest
+
+
+@pytest.mark.slow
+def test_every_megatron_core_argument_an_option_names_exists():
+    missing = []
+    for o in OPTIONS:
+        for dest in o.mcore:
+            target, arg = _mcore_target(dest)
+            if dataclasses.is_dataclass(target):
+                names = {f.name for f in dataclasses.fields(target)}
+            elif target.__name__ == "update_gtp_config":  # **kwargs, each an attribute of GTP_CONFIG
+                names = set(vars(target.__globals__["GTP_CONFIG"]))
+            else:
+                names = set(inspect.signature(target).parameters)
+            if arg not in names:
+                missing.append(f"{o.section}.{o.name}: {dest}")
+    assert not missing, missing
+
+
+@pytest.mark.slow
+def test_every_megatron_lm_flag_the_declarations_and_the_args_rules_name_exists():
+    from harness.backends.mlm.args import parser
+
+    known = {s for a in parser()._actions for s in a.option_strings}
+    named = {*mlm_flags(*CLASSES), *REFUSED, *(f for f in FIXED_FLAGS if f.startswith("--"))}
+    assert not sorted(named - known), "flags Megatron-LM's parser does not know"
+    for prefix in REFUSED_PREFIXES:
+        assert any(f.startswith(prefix) for f in known), prefix
+
+
+@pytest.mark.parametrize("arg, says", [
+    ("--softmax-type", "shapes the model's parameters"),
+    ("--eval-iters=3", "[side].eval_iters sets: set eval_iters instead"),
+    ("--bf16", "[side].precision"),
+    ("--num-layers", "[model].num_layers"),
+    ("--moe-router-topk", "[model].moe_topk"),
+    ("--moe-shared-expert-intermediate-size", "shapes the model's parameters"),
+    ("--context-parallel-size", "parallel layout"),
+    ("--make-vocab-size-divisible-by", "fixed by the harness"),
+    ("--swiglu", "the golden does not follow"),
+])  # fmt: skip
+def test_args_flags_that_keys_set_or_the_harness_cannot_assemble_are_refused(arg, says):
+    assert says in flag_problem(arg)
+
+
+def test_args_flags_that_change_nothing_compared_pass():
+    for arg in ("--timing-log-level", "2", "--log-throughput", "--no-check-for-nan-in-loss-and-grad=1"):
+        assert flag_problem(arg) is None
+
+
+def test_validate_refuses_a_learnable_softmax_in_args_before_anything_launches(tmp_path, capsys):
+    text = (ROOT / "tests" / "assets" / "mlm_tiny.toml").read_text()
+    path = tmp_path / "s.toml"
+    path.write_text(text.replace("[candidate]\n", '[candidate]\nargs = ["--softmax-type", "learnable"]\n', 1))
+    assert cli.main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "[candidate].args" in err and "--softmax-type shapes the model's parameters" in err
+
+
+def test_a_side_key_only_some_backends_honour_is_refused_elsewhere_by_its_declaration(tmp_path, capsys):
+    path = tmp_path / "s.toml"
+    tiny = (ROOT / "tests" / "assets" / "tiny.toml").read_text()
+    path.write_text(tiny.replace("[golden]\n", '[golden]\nrecompute = "full"\n', 1))
+    assert cli.main(["validate", str(path)]) == 2
+    assert "[golden].recompute: only the megatron backend takes this option (backend 'torch')" in capsys.readouterr().err
