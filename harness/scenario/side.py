@@ -151,16 +151,6 @@ class Side:
     sgd_momentum: float = option(0.0, "optimizer", "SGD momentum (0: plain SGD, which exposes gradient "
                                  "scaling faults)", low=0.0, high=1.0, carried=True,
                                  mcore=("OptimizerConfig.sgd_momentum",), mlm="--sgd-momentum")
-    distributed_optimizer: bool = option(
-        False, "optimizer", """megatron-core's DistributedOptimizer: grads reduce-scattered over the
-        data-parallel group, each rank steps its range, params all-gathered after the step""",
-        backends=MEGATRON, golden=NEVER, path=True,
-        mcore=("DistributedDataParallelConfig.use_distributed_optimizer", "OptimizerConfig.use_distributed_optimizer"),
-        mlm="--use-distributed-optimizer",
-        # megatron-core 0.19.2, optimizer/distrib_optimizer.py, DistributedOptimizer.__init__ (l.688-694).
-        needs=_needs("optimizer", lambda o: o == "adam", "megatron-core's DistributedOptimizer takes Adam only "
-                     "(it asserts Adam or an init_state_fn, for its checkpoint format)"))
-
     # --- evaluation ---
     eval_interval: int = option(
         0, "evaluation", "evaluate after every this many steps and after the last; 0: never", low=0,
@@ -206,6 +196,16 @@ class Side:
         # megatron-core buckets only when it overlaps (DistributedDataParallel's bucket_size rule).
         needs=_needs("overlap_grad_reduce", bool, "takes effect only with overlap_grad_reduce = true",
 ))
+    distributed_optimizer: bool = option(
+        False, "code paths", """megatron-core's DistributedOptimizer: grads reduce-scattered over the
+        data-parallel group, each rank steps its range, params all-gathered after the step""",
+        backends=MEGATRON, golden=NEVER, path=True,
+        mcore=("DistributedDataParallelConfig.use_distributed_optimizer", "OptimizerConfig.use_distributed_optimizer"),
+        mlm="--use-distributed-optimizer",
+        # megatron-core 0.19.2, optimizer/distrib_optimizer.py, DistributedOptimizer.__init__ (l.688-694).
+        needs=_needs("optimizer", lambda o: o == "adam", "megatron-core's DistributedOptimizer takes Adam only "
+                     "(it asserts Adam or an init_state_fn, for its checkpoint format)"))
+
     overlap_param_gather: bool = option(
         False, "code paths", """the distributed optimizer's param all-gather waits for the next forward
         (DDP's forward pre-hooks, enabled after the first step)""", backends=MEGATRON, golden=NEVER,
