@@ -81,7 +81,10 @@ def test_a_script_from_the_docs_runs(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "fail 1 optimizer 0.bias update-term" in proc.stdout, proc.stdout[-3000:]
     summary = json.loads((tmp_path / "runs" / "compare" / "summary.json").read_text())
-    assert summary["verdict"] == "fail" and summary["first_divergence"]["signature"] == "update-term"
+    fd = summary["first_divergence"]
+    assert summary["verdict"] == "fail" and fd["signature"] == "update-term", fd
+    assert fd["update"]["text"] == "update scaled by 0.5", fd  # the learning rate the candidate halved
+    assert (tmp_path / "runs" / "compare" / "results.csv").is_file()
     assert (tmp_path / "traces" / "reference" / "manifest.json").is_file()
 
 
