@@ -34,7 +34,8 @@ USES_MEGATRON = ("megatron", "mlm", "bridge")
 NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/\s]*/\S+")
-FORMS = "'installed', a folder, or git:<repository>@<rev> (a configured name, a git URL or a folder)"
+FORMS = ("'installed', a folder, or git:<repository>@<rev>, the repository a configured name, a git URL or "
+         "a folder")
 
 
 @dataclasses.dataclass(frozen=True)
