@@ -32,7 +32,7 @@ from harness.scenario.tree_specs import TreeSpec, is_url
 ENV_PREFIX = "GTP_PARITY_REPO_"
 UPSTREAM = {"megatron-lm": "https://github.com/NVIDIA/Megatron-LM.git",
             "megatron-bridge": "https://github.com/NVIDIA-NeMo/Megatron-Bridge.git"}
-"""Only quoted in the message for an unconfigured name: where the shipped scenarios' come from."""
+"""Only quoted in the message for an unconfigured name: where the shipped scenarios' trees come from."""
 HOW = "docs/code-under-test.md, 'Repository names'"
 
 
