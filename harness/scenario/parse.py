@@ -22,7 +22,7 @@ from harness.scenario import checkpoint as checkpointing
 from harness.scenario import schema
 from harness.common.errors import BadInput, shown
 from harness.scenario.matrix import expand_matrix, read_toml
-from harness.scenario.code import is_code_comparison
+from harness.scenario.tree_specs import is_code_comparison
 from harness.scenario.rules import parameter_count, validate
 # The schema's names are this module's vocabulary too: callers import them from here.
 from harness.scenario.schema import (  # noqa: F401
