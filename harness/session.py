@@ -15,8 +15,8 @@ from harness.common.jsonio import write_json
 from harness.compare import split
 from harness.compare.outcome import compare_scenario, failure_outcome, scenario_config
 from harness.compare.summary import ScenarioSummary, Verdict, overall
-from harness.run import bridge_code
-from harness.run.code import CodeTree, check_imports, holds, resolve_all
+from harness.run.tree_checks import check_all_import, check_bridge_imports, check_bridge_trees
+from harness.run.trees import BRIDGE, holds, resolve_all
 from harness.run.job import Job
 from harness.run.launch import launch, mark_interrupted, worker_env
 from harness.run.nodes import Nodes, node_commands, read_plan
@@ -59,26 +59,19 @@ def check_mlm_flags(scenarios: list[Scenario]) -> None:
                 check_flags(side_argv(s.model, s.data, side), f"{s.source}: [{role}].args")
 
 
-def check_trees(trees: dict[str, CodeTree], scenarios: list[Scenario]) -> None:
-    """Every tree other than the installed one imports (bad input otherwise, before launch)."""
-    for spec, tree in trees.items():
-        if tree.kind != "installed":
-            where = next((f"{s.source}: [{r}].megatron_core" for s in scenarios for r, side in s.sides.items()
-                          if side.megatron_core == spec), f"megatron_core {spec!r}")  # fmt: skip
-            check_imports(tree, where, worker_env(tree.root))
-
-
 def plan_checked(scenarios: list[Scenario], out: Path) -> dict[str, dict[str, Job]]:
-    """The scenarios' jobs, every megatron-core tree resolved and imported once first (and
-    every Megatron-Bridge tree resolved and checked against what its sides ask)."""
+    """The scenarios' jobs, every megatron-core and Megatron-Bridge tree resolved first (a
+    repository configured nowhere is named before any import), then each checked: it imports,
+    and holds what its sides ask."""
     trees = resolve_all(scenarios)
-    check_trees(trees, scenarios)
+    bridges = resolve_all(scenarios, BRIDGE)
+    check_bridge_trees(scenarios, bridges)
+    check_all_import(trees, scenarios, worker_env)
     for s in scenarios:  # what a checkpoint's loader can take depends on the tree
-        checkpointing.check_expert_optimizers(s, lambda side: holds(trees[side.megatron_core], *EXPERT_TOPOLOGY_FIX))
-    bridges = bridge_code.resolve_all(scenarios)
-    bridge_code.check_trees(scenarios, bridges)
-    bridge_code.check_imports(scenarios, bridges, worker_env)
-    return plan(scenarios, out, trees=trees)
+        checkpointing.check_expert_optimizers(
+            s, lambda side: holds(trees[side.megatron_core], *EXPERT_TOPOLOGY_FIX))
+    check_bridge_imports(scenarios, trees, bridges, worker_env)
+    return plan(scenarios, out, trees=trees, bridges=bridges)
 
 
 def run_scenarios(scenarios: list[Scenario], out: Path, parallel: int = 2, verbose: bool = False,

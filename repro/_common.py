@@ -543,11 +543,11 @@ def use_megatron_tree(spec: str) -> str:
     of the ranks it spawns: a folder holding ``megatron/`` (a Megatron-LM checkout, a ``git
     archive`` of one) or ``git:<repo>@<rev>`` (materialized once, as the harness's
     ``--megatron-core``). Must run before anything imports ``megatron``. Returns the folder."""
-    from harness.run import code
+    from harness.run import trees
 
     if "megatron" in sys.modules:
         raise RuntimeError("megatron is imported already: choose the tree before importing it")
-    root = code.resolve(spec, "--megatron").root
+    root = trees.resolve(spec, "--megatron").root
     if not root:  # "installed"
         return ""
     sys.path.insert(0, root)

@@ -1,7 +1,10 @@
 """Helpers shared by the tests that launch real runs."""
 
 import json
+import os
 from pathlib import Path
+
+import pytest
 
 import pandas as pd
 import torch
@@ -13,10 +16,34 @@ from harness.backends import data as data_mod
 from harness.compare.assemble import assemble_trace
 from harness.backends.torch.model import GPT, token_losses
 from harness.backends.gpt import canonical_state
+from harness.run.repos import configured, env_name
+from harness.scenario.tree_specs import parse_spec
 from harness.session import run_scenarios
 
 ROOT = Path(__file__).resolve().parent.parent
 ASSETS = ROOT / "tests" / "assets"
+MAIN_TREE = os.environ.get("GTP_PARITY_MAIN_TREE", "git:megatron-lm@d98e8a64dd")
+"""Megatron-LM main as of 2026-08-22, for the tests that run on it (where its repository is)."""
+
+
+def needs_repositories(*specs: str) -> None:
+    """Skip, naming what to configure, where a spec's tree is not on this machine: a ``git:``
+    spec's name configured nowhere, or a folder that is not there (a URL is cloned)."""
+    missing = []
+    for spec in sorted(set(specs)):
+        parsed = parse_spec(spec)
+        folder = parsed.kind == "path" or parsed.names == "folder"
+        if parsed.names == "name" and configured(parsed.repo) is None:
+            missing.append(f"{spec} (the repository {parsed.repo!r}: set {env_name(parsed.repo)})")
+        elif folder and not Path(parsed.repo).expanduser().exists():
+            missing.append(f"{spec} (no folder {parsed.repo})")
+    if missing:
+        pytest.skip("not on this machine: " + ", ".join(missing) + "; see docs/code-under-test.md")
+
+
+def at_revision(spec: str, rev: str) -> str:
+    """A ``git:`` spec's repository at another revision."""
+    return f"git:{parse_spec(spec).repo}@{rev}"
 
 
 def run(path, out: Path, **kw) -> tuple[int, dict]:

@@ -4,14 +4,13 @@ CI reaches the registry's Megatron-Bridge (0.6.2, no GTP) and the installed mega
 launch of world 2 runs Bridge and Megatron-LM's loop (the mlm backend) side by side at GTP off,
 fp32 and bf16, and every captured tensor must be bitwise equal, the logged loss differing where
 Megatron-LM's log line averages two steps. The GTP wiring PR's head and Megatron-LM 14346b65a
-(the seed's trees) are not on the registry: those tests run where the mirrors are, and skip
-naming them elsewhere."""
+(the seed's trees) are not on the registry: those tests run where the repository names the seed
+scenarios give (megatron-lm, megatron-bridge) are configured, and skip naming them elsewhere."""
 
 import importlib.util
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,20 +19,19 @@ from harness import scenario
 from harness.capture import trace
 from harness.common.errors import BadInput
 from harness.compare.steps import step_table
-from harness.run import bridge_code
-from harness.run.code import resolve
+from harness.run.tree_checks import check_bridge_trees
+from harness.run.trees import BRIDGE, installed_root, resolve, resolve_all
 from harness.session import run_scenarios
-from tests.helpers import ASSETS, ROOT, results, summary
+from tests.helpers import ASSETS, ROOT, needs_repositories, results, summary
 
 pytestmark = [pytest.mark.bridge]
 
 CI_FILE = ASSETS / "bridge_ci.toml"
-MIRRORS = {"Megatron-Bridge": Path("/work/.mirror/NVIDIA-NeMo+Megatron-Bridge/repo"),
-           "Megatron-LM": Path("/work/.mirror/NVIDIA+Megatron-LM/repo")}  # fmt: skip
+SEED_FILES = [ROOT / "scenarios" / "bridge_vs_mlm_seed.toml", ROOT / "scenarios" / "bridge_gtp.toml"]
 
 
 def _bridge_installed() -> None:
-    if bridge_code.installed_root() is not None and importlib.util.find_spec("transformers") is not None:
+    if installed_root(BRIDGE) is not None and importlib.util.find_spec("transformers") is not None:
         return
     why = "megatron-bridge and the bridge extra are not installed (scripts/setup.sh --bridge)"
     if os.environ.get("GTP_PARITY_REQUIRE_BRIDGE") == "1":
@@ -41,10 +39,10 @@ def _bridge_installed() -> None:
     pytest.skip(why)
 
 
-def _mirrors() -> None:
-    missing = [f"{name} ({path})" for name, path in MIRRORS.items() if not (path / "HEAD").is_file()]
-    if missing:
-        pytest.skip("the seed's trees are not here: no mirror of " + ", ".join(missing))
+def _seed_trees() -> None:
+    """Skip, naming the repository to configure, where the seed scenarios' trees are not here."""
+    needs_repositories(*{spec for f in SEED_FILES for s in scenario.load(f) for side in s.sides.values()
+                         for spec in (side.megatron_core, side.bridge)})
 
 
 def _files(path):
@@ -123,7 +121,7 @@ def test_gtp_needs_a_bridge_tree_with_gtp_wiring(tmp_path):
     path.write_text(text)
     scenarios = scenario.load(path)
     with pytest.raises(BadInput, match=r"\[candidate\]\.gtp.*has no GTP wiring"):
-        bridge_code.check_trees(scenarios, bridge_code.resolve_all(scenarios))
+        check_bridge_trees(scenarios, resolve_all(scenarios, BRIDGE))
 
 
 def test_bridge_key_belongs_to_bridge_sides(tmp_path):
@@ -138,7 +136,7 @@ def test_a_bridge_checkout_is_dirty_by_its_src_folder(tmp_path, monkeypatch):
     the folder spec dirty, and refuses the checkout's HEAD given as a revision."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     checkout = tmp_path / "Megatron-Bridge"
-    package = checkout / bridge_code.SRC
+    package = checkout / BRIDGE.folder
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("")
     (package / "package_info.py").write_text("MAJOR = 0\nMINOR = 9\nPATCH = 1\nPRE_RELEASE = 'rc0'\n")
@@ -146,13 +144,13 @@ def test_a_bridge_checkout_is_dirty_by_its_src_folder(tmp_path, monkeypatch):
     env.update(GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t")
     for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "tree"]):
         subprocess.run(["git", "-C", str(checkout), *args], check=True, capture_output=True, env=env)
-    clean = bridge_code.resolve(str(checkout), "t")
+    clean = resolve(str(checkout), "t", BRIDGE)
     assert (clean.version, clean.dirty, len(clean.commit)) == ("0.9.1rc0", False, 40)
-    assert bridge_code.resolve(f"git:{checkout}@HEAD", "t").commit == clean.commit
+    assert resolve(f"git:{checkout}@HEAD", "t", BRIDGE).commit == clean.commit
     (package / "__init__.py").write_text("# uncommitted\n")
-    assert bridge_code.resolve(str(checkout), "t").dirty
+    assert resolve(str(checkout), "t", BRIDGE).dirty
     with pytest.raises(BadInput, match="src/megatron/bridge/ has uncommitted changes"):
-        bridge_code.resolve(f"git:{checkout}@HEAD", "t")
+        resolve(f"git:{checkout}@HEAD", "t", BRIDGE)
 
 
 # --- the seed's trees: the GTP wiring PR's head and Megatron-LM 14346b65a ---
@@ -185,9 +183,10 @@ def test_pr_head_refuses_what_gtp_does_not_support():
     """The PR's refusals, on the harness's configuration of its GTP test: decentralized process
     groups and averaging in the collective are refused with GTP (ConfigContainer.validate)."""
     _bridge_installed()
-    _mirrors()
+    _seed_trees()
     s = scenario.load(ROOT / "scenarios" / "bridge_gtp.toml")[0]
-    paths = [resolve(s.candidate.megatron_core, "test").root, bridge_code.resolve(s.candidate.bridge, "test").root]
+    paths = [resolve(s.candidate.megatron_core, "test").root,
+             resolve(s.candidate.bridge, "test", BRIDGE).root]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *paths])}
     done = subprocess.run([sys.executable, "-c", REFUSE, str(ROOT / "scenarios" / "bridge_gtp.toml")],
                           env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
@@ -199,10 +198,9 @@ def test_pr_head_refuses_what_gtp_does_not_support():
 @pytest.fixture(scope="module")
 def seed_trees(tmp_path_factory):
     _bridge_installed()
-    _mirrors()
+    _seed_trees()
     out = tmp_path_factory.mktemp("bridge-seed")
-    files = [ROOT / "scenarios" / "bridge_vs_mlm_seed.toml", ROOT / "scenarios" / "bridge_gtp.toml"]
-    code = run_scenarios([s for f in files for s in scenario.load(f)], out, parallel=2)
+    code = run_scenarios([s for f in SEED_FILES for s in scenario.load(f)], out, parallel=2)
     assert code == 0
     return out
 

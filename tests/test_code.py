@@ -20,10 +20,11 @@ from harness import cli, scenario
 from harness.common.errors import BadInput
 from harness.compare.outcome import holds_fix, judge_known_divergence
 from harness.compare.summary import ScenarioSummary, Verdict
-from harness.run import code
+from harness.run import trees
+from harness.run.tree_checks import check_imports
 from harness.run.launch import worker_env
 from harness.run.plan import plan
-from harness.scenario.code import is_code_comparison, with_code
+from harness.scenario.tree_specs import is_code_comparison, with_code
 from helpers import ASSETS
 
 GTP_FILE = "megatron/core/tensor_parallel/generalized_tensor_parallelism.py"
@@ -38,7 +39,7 @@ def _git(repo: Path, *args: str) -> str:
 
 
 def _copy_installed(dest: Path) -> Path:
-    shutil.copytree(code.installed_root() / "megatron", dest / "megatron",
+    shutil.copytree(trees.installed_root() / "megatron", dest / "megatron",
                     ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
     return dest
 
@@ -79,9 +80,9 @@ def repo(tmp_path_factory, cache) -> tuple[Path, list[str]]:
 
 
 def test_installed_tree_reads_its_own_version():
-    tree = code.resolve("installed", "t")
+    tree = trees.resolve("installed", "t")
     assert tree.kind == "installed" and tree.root == ""
-    assert tree.version == code.read_version(code.installed_root())
+    assert tree.version == trees.read_version(trees.installed_root())
     assert tree.version.count(".") == 2
 
 
@@ -89,19 +90,19 @@ def test_a_folder_tree_names_its_version_from_package_info(tmp_path):
     root = _copy_installed(tmp_path)
     info = root / "megatron" / "core" / "package_info.py"
     info.write_text(info.read_text().replace("MINOR = ", "MINOR = 7  # was ", 1))
-    tree = code.resolve(str(root), "t")
+    tree = trees.resolve(str(root), "t")
     assert tree.kind == "path" and tree.version.startswith("0.7.")
-    assert code.resolve(str(root / "megatron"), "t").root == str(root)  # the megatron/ folder itself
+    assert trees.resolve(str(root / "megatron"), "t").root == str(root)  # the megatron/ folder itself
 
 
 def test_a_revision_is_materialized_once_read_only_by_commit(repo, cache):
     path, commits = repo
-    tree = code.resolve(f"git:{path}@{commits[2][:10]}", "t")
+    tree = trees.resolve(f"git:{path}@{commits[2][:10]}", "t")
     assert tree.commit == commits[2] and Path(tree.root) == cache / "gtp-parity" / "trees" / commits[2]
     gtp = Path(tree.root) / GTP_FILE
     assert "planted" in gtp.read_text() and not gtp.stat().st_mode & 0o222
     before = gtp.stat().st_mtime_ns
-    assert code.resolve(f"git:{path}@{commits[2]}", "t").root == tree.root
+    assert trees.resolve(f"git:{path}@{commits[2]}", "t").root == tree.root
     assert gtp.stat().st_mtime_ns == before  # not extracted again
     assert not [p for p in Path(tree.root).parent.iterdir() if p.name.startswith(".")]  # no half-written tree
 
@@ -115,7 +116,7 @@ def test_a_revision_is_materialized_once_read_only_by_commit(repo, cache):
 def test_bad_specs_are_bad_input_naming_side_and_spec(spec, message, tmp_path, repo):
     spec = spec.format(tmp=tmp_path, repo=repo[0])
     with pytest.raises(BadInput) as e:
-        code.resolve(spec, "s.toml: [candidate].megatron_core")
+        trees.resolve(spec, "s.toml: [candidate].megatron_core")
     assert message in str(e.value) and "[candidate].megatron_core" in str(e.value)
     assert e.value.exit_code == 2
 
@@ -127,8 +128,8 @@ def test_a_dirty_worktree_given_as_a_revision_is_refused(repo):
     gtp.write_text(text + "# uncommitted\n")
     try:
         with pytest.raises(BadInput, match="uncommitted changes"):
-            code.resolve(f"git:{path}@HEAD", "t")
-        assert code.resolve(str(path), "t").dirty  # as a folder it runs, and says it is dirty
+            trees.resolve(f"git:{path}@HEAD", "t")
+        assert trees.resolve(str(path), "t").dirty  # as a folder it runs, and says it is dirty
     finally:
         gtp.write_text(text)
 
@@ -137,9 +138,9 @@ def test_a_tree_that_does_not_import_quotes_the_error(tmp_path):
     root = _copy_installed(tmp_path)
     init = root / "megatron" / "core" / "__init__.py"
     init.write_text("raise ImportError('planted: this tree is broken')\n" + init.read_text())
-    tree = code.resolve(str(root), "t")
+    tree = trees.resolve(str(root), "t")
     with pytest.raises(BadInput, match="does not import: ImportError: planted: this tree is broken"):
-        code.check_imports(tree, "s.toml: [reference].megatron_core", worker_env(tree.root))
+        check_imports(tree, "s.toml: [reference].megatron_core", worker_env(tree.root))
 
 
 def test_the_cli_refuses_a_bad_spec_before_anything_launches(tmp_path, capsys):
@@ -163,7 +164,8 @@ def test_code_options_make_a_code_comparison_judged_exact():
 
 
 def test_a_scenario_file_differing_only_in_code_defaults_to_exact(tmp_path):
-    text = (ASSETS / "tiny.toml").read_text().replace("[candidate]\ngtp = 2", '[candidate]\ngtp = 1\nmegatron_core = "/x"')
+    code_only = '[candidate]\ngtp = 1\nmegatron_core = "git:megatron-lm@main"'  # a name: its form only is read
+    text = (ASSETS / "tiny.toml").read_text().replace("[candidate]\ngtp = 2", code_only)
     (tmp_path / "c.toml").write_text(text)
     (s,) = scenario.load(tmp_path / "c.toml")
     assert s.compare.policy == "exact"
@@ -203,7 +205,7 @@ def test_a_checkpoints_saving_side_imports_the_scenarios_tree(repo):
 
 def test_fixed_in_is_checked_against_the_candidates_history(repo):
     path, commits = repo
-    tree = code.resolve(f"git:{path}@{commits[1]}", "t").to_json()
+    tree = trees.resolve(f"git:{path}@{commits[1]}", "t").to_json()
     fix_old = scenario.KnownDivergence(reason="r", fixed_in=commits[0][:10])
     fix_new = scenario.KnownDivergence(reason="r", fixed_in=commits[3][:10])
     assert holds_fix(fix_old, tree, "0.19.2") and not holds_fix(fix_new, tree, "0.19.2")

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import MAIN_TREE, needs_repositories
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -93,7 +95,6 @@ def test_inactive_when_cuda_is_available():
 
 # Megatron-LM main's tree, for the stand-ins main needs beyond the wheel (a git:REPO@REV spec or
 # a folder; the default is the local mirror where there is one).
-MAIN_TREE = os.environ.get("GTP_PARITY_MAIN_TREE", "git:/work/.mirror/NVIDIA+Megatron-LM/repo@d98e8a64dd")
 
 # Imports GTP through the compat layer and prints what GTP's recompute-phase test answers and which
 # of its module-level names are still TE's absent-module stubs (MagicMock) after install.
@@ -112,22 +113,20 @@ print(json.dumps({"version": compat.tree_version(), "answers": answers, "stubs":
 
 
 def _tree_root(spec: str, tmp_path: Path) -> Path | None:
-    from harness.run import code
+    from harness.run import trees
 
     if spec == "installed":
         return None
     if spec == "wheel-with-main-alias":
         # The wheel with main's alias (gtp.py l.110 on main): CI has no Megatron-LM checkout.
-        shutil.copytree(code.installed_root() / "megatron", tmp_path / "megatron",
+        shutil.copytree(trees.installed_root() / "megatron", tmp_path / "megatron",
                         ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
         gtp = tmp_path / "megatron/core/tensor_parallel/generalized_tensor_parallelism.py"
         gtp.write_text(gtp.read_text() + "\nin_activation_recompute_phase = in_fp8_activation_recompute_phase\n")
         return tmp_path
 
-    repo = spec[len("git:"):].rpartition("@")[0] if spec.startswith("git:") else spec
-    if not Path(repo).is_dir():
-        pytest.skip(f"no Megatron-LM tree at {repo} (set GTP_PARITY_MAIN_TREE)")
-    return Path(code.resolve(spec, "test").root)
+    needs_repositories(spec)
+    return Path(trees.resolve(spec, "test").root)
 
 
 @pytest.mark.slow

@@ -14,6 +14,8 @@ what is wrong:
 
 The last tests feed a broken link, a broken anchor, an unknown flag and an unknown subcommand
 through the same functions, so the checks are known to be able to fail.
+
+Their size and scope are checked in tests/test_docs_scope.py.
 """
 
 from __future__ import annotations

@@ -73,8 +73,9 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def import_graph(package_dir: Path) -> dict[str, set[str]]:
-    modules = module_files(package_dir)
+def import_graph(*package_dirs: Path) -> dict[str, set[str]]:
+    """Module -> the modules of the packages it imports (edges between the packages count)."""
+    modules = {name: path for d in package_dirs for name, path in module_files(d).items()}
     return {name: imports_of(name, path, modules) for name, path in modules.items()}
 
 

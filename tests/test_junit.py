@@ -60,7 +60,7 @@ def test_message_matches_the_shared_one_line_text(tmp_path):
 def test_a_fixed_divergence_is_a_passing_testcase(tmp_path):
     """``fixed`` (a known divergence whose upstream fix the tree holds, holding parity) passes:
     neither a failure nor an error, nor skipped as a known divergence is."""
-    from harness.report.gate import junit_tree
+    from harness.report.junit import junit_tree
     from harness.report.model import expectation_failures
 
     doc = {"scenarios": [{"scenario": "s", "verdict": "fixed", "expectation": "fixed in c2fd8275d9: parity holds"},

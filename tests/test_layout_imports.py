@@ -2,7 +2,8 @@
 
 The order is the pipeline's: scenario -> capture (the trace format every later stage reads)
 -> run (plan, launch) -> backends (what a rank runs) -> compare -> report; then the session
-that chains them, the tools built on it, the pytest plugins and the command line. Every
+that chains them, the tools built on it, the pytest plugins and the command line; last the
+public API, ``gtp_parity``, a facade over the stages that nothing of the harness imports. Every
 import statement counts, inside functions too (:func:`tests.test_imports.imports_of`), so a
 call from an earlier stage into a later one can only be a callback it was handed.
 """
@@ -29,7 +30,9 @@ STAGES: list[tuple[str, ...]] = [
     ("harness.pytest_plugin",),
     ("harness.cli",),
     ("harness.__main__",),
+    ("gtp_parity",),  # the public API: re-exports capture, common, scenario and compare
 ]
+PACKAGES = (ROOT / "harness", ROOT / "gtp_parity")
 
 
 def stage_of(module: str, stages=STAGES) -> tuple[int, str] | None:
@@ -57,14 +60,15 @@ def violations(graph: dict[str, set[str]], stages=STAGES) -> list[str]:
 
 
 def test_every_module_belongs_to_a_stage():
-    graph = import_graph(ROOT / "harness")
+    graph = import_graph(*PACKAGES)
     homeless = [m for m in graph if m != "harness" and stage_of(m) is None]
     assert not homeless, f"modules in no stage of STAGES (add them to a stage package): {homeless}"
 
 
 def test_no_import_runs_to_a_later_stage():
-    graph = import_graph(ROOT / "harness")
+    graph = import_graph(*PACKAGES)
     assert "harness.run.provenance" in graph["harness.compare.outcome"]  # the walk sees cross-stage edges
+    assert "harness.capture.api" in graph["gtp_parity"]  # and the facade's edges into the harness
     bad = violations(graph)
     assert not bad, "imports against the stage order:\n  " + "\n  ".join(bad)
 

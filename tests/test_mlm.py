@@ -168,7 +168,7 @@ def test_a_source_tree_borrows_the_wheels_helpers_build_only_for_the_same_source
     """A checkout has helpers.cpp but no build: the wheel's build serves where the source is
     byte for byte the wheel's, and an edited source is refused with how to build it."""
     from harness.backends.mlm.compat import wheel_build_of_same_source
-    from harness.run.code import installed_root
+    from harness.run.trees import installed_root
 
     wheel = installed_root() / "megatron" / "core" / "datasets"
     tree = tmp_path / "datasets"

@@ -64,7 +64,7 @@ MTP_CASES = [
     ("mtp-fault-on-the-wheel", 'mtp_num_layers = 1', "candidate", 'inject = ["mtp-output-wgrad-dropped"]',
      "[candidate].inject", "backport-gtp-mtp"),
     ("mtp-backport-on-a-tree", 'mtp_num_layers = 1', "candidate",
-     'inject = ["backport-gtp-mtp"]\nmegatron_core = "/tmp"', "[candidate].inject", "installed 0.19.2 wheel"),
+     'inject = ["backport-gtp-mtp"]\nmegatron_core = "git:megatron-lm@main"', "[candidate].inject", "installed 0.19.2 wheel"),
     ("expect-raises-with-signature", 'mtp_num_layers = 1', "expect",
      'raises = "KeyError"\nsignature = "mismatch"\nreason = "x"', "[expect].raises", "no signature"),
 ]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from harness.scenario.faults import CATALOG
 from harness.scenario.planting import plant
 from harness.scenario.rules import validate
 from harness.session import run_scenarios
-from tests.helpers import ROOT, results, summary
+from tests.helpers import MAIN_TREE, ROOT, needs_repositories, results, summary
 
 FEATURES = ROOT / "scenarios" / "features.toml"
 FAULT = "pgc-grad-norm-without-gtp"
@@ -108,15 +107,12 @@ def test_a_model_parallel_group_without_the_gtp_peers_is_caught_at_the_grad_norm
 
 # Megatron-LM main, where the decoder follows the collection and two reads of parallel_state's GTP
 # group remain (repro/FINDINGS.md J). A git:REPO@REV spec; CI has no checkout.
-MAIN_TREE = os.environ.get("GTP_PARITY_MAIN_TREE", "git:/work/.mirror/NVIDIA+Megatron-LM/repo@d98e8a64dd")
 
 
 @pytest.mark.multirank
 @pytest.mark.slow
 def test_on_main_the_embedding_and_output_layer_remain_and_the_proposed_fix_holds(tmp_path):
-    repo = MAIN_TREE[len("git:"):].rpartition("@")[0]
-    if not Path(repo).is_dir():
-        pytest.skip(f"no Megatron-LM repository at {repo} (set GTP_PARITY_MAIN_TREE to git:REPO@REV)")
+    needs_repositories(MAIN_TREE)
     (s,) = [s for s in _pg_scenarios() if s.name == "pg-collection-permuted"]
     on_main = {r: dataclasses.replace(side, megatron_core=MAIN_TREE) for r, side in
                (("reference", s.reference), ("candidate", s.candidate))}  # fmt: skip

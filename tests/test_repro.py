@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import MAIN_TREE, at_revision, needs_repositories
+
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.multirank
 
@@ -137,7 +139,6 @@ def test_interleaved_prefetch_hands_a_chunk_another_layers_weight(tmp_path):
 
 # Megatron-LM main for the reproducers that also show what main fixed (a git:REPO@REV spec or a
 # folder holding megatron/; the default is the local mirror where there is one).
-MAIN_TREE = os.environ.get("GTP_PARITY_MAIN_TREE", "git:/work/.mirror/NVIDIA+Megatron-LM/repo@d98e8a64dd")
 
 
 def _rounded_once_more(weight: dict) -> bool:
@@ -169,9 +170,7 @@ def test_gtp_wgrad_reduce_scatter_on_main_fixed_for_linears_only(tmp_path):
     """FINDINGS I on Megatron-LM main (d98e8a64dd): e5542e85f2 widens the linear layers' wgrad
     to main_grad's dtype (fp32 reduce-scatter, main_grad bitwise GTP off); the word embedding's
     wgrad (GTPEmbeddingWeight.backward) still reduce-scatters in bf16: rounded once more."""
-    repo = MAIN_TREE[len("git:"):].rpartition("@")[0] if MAIN_TREE.startswith("git:") else MAIN_TREE
-    if not Path(repo).is_dir():
-        pytest.skip(f"no Megatron-LM tree at {repo} (set GTP_PARITY_MAIN_TREE)")
+    needs_repositories(MAIN_TREE)
     ranks = _run("gtp_wgrad_rs_bf16.py", ["gtp-off", "gtp2"], tmp_path, returncode=1,
                  extra=("--megatron", MAIN_TREE))  # fmt: skip
     for rank in ranks:
@@ -225,11 +224,11 @@ def test_gtp_with_mtp_upstream_fixes(tmp_path, rev, embedding_finite):
     """FINDINGS L on Megatron-LM: 79e6b6a7f5 runs GTP + MTP, but DDP adds the embedding's unzeroed
     placeholder wgrad (its undefined content, NaN here) from the second pass on; from d262dbed3d
     every gradient is GTP off's up to summation order (GTP reduces each use's wgrad on its own)."""
-    repo = MAIN_TREE[len("git:"):].rpartition("@")[0] if MAIN_TREE.startswith("git:") else MAIN_TREE
-    if not MAIN_TREE.startswith("git:") or not Path(repo).is_dir():
-        pytest.skip(f"no Megatron-LM repository at {repo} (set GTP_PARITY_MAIN_TREE to git:<repo>@<rev>)")
+    if not MAIN_TREE.startswith("git:"):
+        pytest.skip(f"GTP_PARITY_MAIN_TREE={MAIN_TREE} names no repository (give git:<repository>@<rev>)")
+    needs_repositories(MAIN_TREE)
     ranks = _run("gtp_mtp_shared_weights.py", ["gtp-off-mtp1", "gtp2-mtp1"], tmp_path,
-                 returncode=0 if embedding_finite else 1, extra=("--megatron", f"git:{repo}@{rev}"))  # fmt: skip
+                 returncode=0 if embedding_finite else 1, extra=("--megatron", at_revision(MAIN_TREE, rev)))  # fmt: skip
     for rank in ranks:
         side = rank["gtp2-mtp1"]
         assert side["shared"]["embedding.word_embeddings.weight"]["finite"] is embedding_finite
@@ -255,9 +254,7 @@ def test_an_expert_parallel_checkpoint_loads_only_into_its_optimizer_chain(tmp_p
 def test_an_expert_parallel_checkpoint_on_main_does_not_load_at_ep1(tmp_path):
     """FINDINGS N on Megatron-LM main: abf04f46e3 keeps the experts' tag, the saved run has two
     optimizers: EP 2 without expert GTP loads, EP 1 (one optimizer) raises."""
-    repo = MAIN_TREE[len("git:"):].rpartition("@")[0] if MAIN_TREE.startswith("git:") else MAIN_TREE
-    if not Path(repo).is_dir():
-        pytest.skip(f"no Megatron-LM tree at {repo} (set GTP_PARITY_MAIN_TREE)")
+    needs_repositories(MAIN_TREE)
     ranks = _run("ckpt_ep_optimizer_chain.py", ["ep2-egtpoff-gtpoff", "ep1-egtpoff-gtpoff"], tmp_path,
                  flag="--loads", extra=("--megatron", MAIN_TREE))  # fmt: skip
     for rank in ranks:
@@ -293,9 +290,7 @@ def test_megatron_lm_eval_loss_averages_each_ranks_own_samples_on_the_wheel(tmp_
 def test_megatron_lm_eval_loss_on_main_averages_the_whole_batch(tmp_path):
     """FINDINGS M on Megatron-LM main (d98e8a64dd): df197a816f reduces over the GTP-inclusive
     data-parallel group; every rank reports the whole batch's mean. Exit 0."""
-    repo = MAIN_TREE[len("git:"):].rpartition("@")[0] if MAIN_TREE.startswith("git:") else MAIN_TREE
-    if not Path(repo).is_dir():
-        pytest.skip(f"no Megatron-LM tree at {repo} (set GTP_PARITY_MAIN_TREE)")
+    needs_repositories(MAIN_TREE)
     ranks = _run("eval_loss_gtp_group.py", ["gtp-off", "gtp2"], tmp_path, extra=("--megatron", MAIN_TREE))
     for rank in _eval_sides(ranks):
         for side in rank.values():

@@ -151,7 +151,7 @@ def _cmd_compare(args) -> int:
 def _load(args, path: str) -> list:
     """The scenarios of ``path`` with the megatron-core trees the code options name."""
     from harness import scenario
-    from harness.scenario.code import with_code
+    from harness.scenario.tree_specs import with_code
 
     return with_code(scenario.load(path, limits=not args.no_limits), every=getattr(args, "megatron_core", None),
                      reference=getattr(args, "reference_code", None),
@@ -161,7 +161,8 @@ def _load(args, path: str) -> list:
 def _code_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--megatron-core", metavar="SPEC",
                    help="the megatron-core every megatron/mlm/bridge side imports: installed, a folder holding "
-                        "megatron/, or git:REPO@REV (default: as the scenario says)")  # fmt: skip
+                        "megatron/, or git:REPO@REV, REPO a configured name, a git URL or a folder (default: as "
+                        "the scenario says)")
     p.add_argument("--bridge", metavar="SPEC", help="the Megatron-Bridge every bridge side runs: installed, a "
                    "checkout, or git:REPO@REV (default: as the scenario says)")  # fmt: skip
     p.add_argument("--reference-code", metavar="SPEC", help="the reference's megatron-core (see --megatron-core)")

@@ -20,8 +20,7 @@ from pathlib import Path
 
 from harness import scenario
 from harness.common.errors import BadInput, HarnessError
-from harness.run.code import GIT_PREFIX
-from harness.scenario.code import with_code
+from harness.scenario.tree_specs import GIT_PREFIX, with_code
 from harness.session import run_scenarios
 
 SKIP = 125

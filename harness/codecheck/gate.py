@@ -16,7 +16,7 @@ from pathlib import Path
 from harness import scenario
 from harness.common.errors import EXIT_PARITY_FAIL, EXIT_PASS
 from harness.compare.summary import ScenarioSummary, Verdict
-from harness.scenario.code import with_code
+from harness.scenario.tree_specs import with_code
 from harness.session import run_scenarios
 
 CANARY = Path(__file__).with_name("canary.toml")

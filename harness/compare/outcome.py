@@ -15,11 +15,11 @@ from harness.common.jsonio import write_json
 from harness.compare import split, steps
 from harness.compare.judge import compare
 from harness.compare.summary import ScenarioSummary, Verdict
-from harness.run.code import CodeTree, is_ancestor
+from harness.run.trees import CodeTree, is_ancestor
 from harness.run.provenance import differences
 from harness.scenario import ComparePolicy, KnownDivergence, Role, Scenario
 from harness.scenario.checkpoint import topology
-from harness.scenario.code import code_axes
+from harness.scenario.tree_specs import code_axes
 from harness.scenario.rules import version_key
 
 

@@ -11,7 +11,8 @@ Reads only ``summary.json``, ``steps.csv``, ``results.csv`` and the traces' JSON
 tensor is loaded, nothing is recomputed.
 """
 
-from harness.report.gate import compare_to_baseline, update_baseline, write_junit
+from harness.report.baseline import compare_to_baseline, update_baseline
+from harness.report.junit import write_junit
 from harness.report.index import run_expectations, write_index, write_scenario_page
 from harness.report.model import divergence_line
 

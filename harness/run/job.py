@@ -27,7 +27,7 @@ class Job:
     """Where a saving side writes its checkpoint, or a resuming side reads it ("": neither)."""
     megatron_root: str = ""
     """The folder holding the side's megatron-core tree, first on its ranks' PYTHONPATH
-    ("": the installed one; :mod:`harness.run.code`)."""
+    ("": the installed one; :mod:`harness.run.trees`)."""
 
     def to_json(self) -> dict:
         return {

@@ -25,8 +25,7 @@ from harness.run.job import Job
 from harness.scenario.checkpoint import saver_side
 from harness.common.errors import RunFailed
 from harness.common.jsonio import write_json
-from harness.run import bridge_code
-from harness.run.code import CodeTree, resolve_all
+from harness.run.trees import BRIDGE, CodeTree, resolve_all
 from harness.run.launch import Interrupted, describe_pending, launch, worker_env, write_plan
 from harness.run.provenance import code_identity
 from harness.scenario import COMPARED_ROLES, Role, Scenario
@@ -55,25 +54,24 @@ def job_for(s: Scenario, role: str, traces: Path, provenance: dict, checkpoint_d
 
 
 def plan(scenarios: list[Scenario], out: Path, provenance: dict | None = None,
-         trees: dict[str, CodeTree] | None = None) -> dict[str, dict[str, Job]]:
+         trees: dict[str, CodeTree] | None = None,
+         bridges: dict[str, CodeTree] | None = None) -> dict[str, dict[str, Job]]:
     """Scenario name -> role -> job (jobs shared between scenarios are the same object).
 
-    ``trees``: spec -> resolved megatron-core tree (:func:`harness.run.code.resolve_all`);
-    each tree's sides are keyed by the identity of the code they import. ``provenance``
-    overrides the installed tree's identity."""
+    ``trees``: spec -> resolved megatron-core tree (:func:`harness.run.trees.resolve_all`),
+    ``bridges`` the same for Megatron-Bridge (both resolved here where not given); each tree's
+    sides are keyed by the identity of the code they import. ``provenance`` overrides the
+    installed tree's identity."""
     traces = out / "traces"
     trees = resolve_all(scenarios) if trees is None else trees
     identities: dict[str, dict] = {} if provenance is None else {"": provenance}
-
-    bridges: dict[str, CodeTree] = {}
+    bridges = resolve_all(scenarios, BRIDGE) if bridges is None else bridges
 
     def code_of(s: Scenario, role: str) -> tuple[dict, str]:
         side = s.sides[role] if role in s.sides else s.saver
         tree = trees.get(side.megatron_core)
         root = tree.root if tree is not None else ""
         if side.backend == "bridge" and side.bridge != "installed":  # Bridge's tree after megatron-core's
-            if side.bridge not in bridges:
-                bridges[side.bridge] = bridge_code.resolve(side.bridge, f"{s.source}: [{role}].bridge")
             root = os.pathsep.join(filter(None, [root, bridges[side.bridge].root]))
         if root not in identities:
             identities[root] = code_identity(worker_env(root), tree)

@@ -143,7 +143,7 @@ def _cpu_capability() -> str:
 def code_identity(env: dict[str, str] | None = None, tree=None) -> dict:
     """What computes a side, as recorded in its trace's manifest. ``digest`` sums it up.
 
-    ``tree``: the side's megatron-core (:class:`harness.run.code.CodeTree`); one other than the
+    ``tree``: the side's megatron-core (:class:`harness.run.trees.CodeTree`); one other than the
     installed wheel is named (spec, commit, dirty state, the version its own package_info.py
     says) and its version replaces the wheel's."""
     env = dict(os.environ if env is None else env)

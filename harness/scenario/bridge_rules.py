@@ -1,7 +1,7 @@
 """The ``bridge`` backend's rules: what a Megatron-Bridge side may say, checked before launch.
 
 What the side's Bridge tree supports (GTP needs the PR's ``training/gtp.py``) is checked once the
-tree is resolved (:func:`harness.run.bridge_code.check_trees`, before anything launches); the
+tree is resolved (:func:`harness.run.tree_checks.check_bridge_trees`, before anything launches); the
 form of the keys here.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from harness.common.errors import BadInput
 from harness.scenario.schema import Scenario, Side
+from harness.scenario.tree_specs import spec_problem
 
 
 def validate_bridge(s: Scenario, side: Side, where: str) -> None:
@@ -17,8 +18,8 @@ def validate_bridge(s: Scenario, side: Side, where: str) -> None:
         if side.bridge != "installed":
             raise BadInput(f"{where}.bridge", f"a key of the bridge backend, not {side.backend}")
         return
-    if not side.bridge.strip():
-        raise BadInput(f"{where}.bridge", "give 'installed', a Megatron-Bridge checkout, or git:<repo>@<rev>")
+    if (problem := spec_problem(side.bridge)) is not None:
+        raise BadInput(f"{where}.bridge", problem)
     if side.data not in ("synthetic", "mock"):
         raise BadInput(f"{where}.data", f"unknown data {side.data!r}; one of ['mock', 'synthetic']")
     other = s.candidate if side is s.reference else s.reference

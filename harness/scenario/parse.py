@@ -22,7 +22,7 @@ import harness.scenario.checkpoint as checkpointing
 from harness.scenario.options import golden_side
 from harness.common.errors import BadInput, shown
 from harness.scenario.matrix import expand_matrix, read_toml
-from harness.scenario.code import is_code_comparison
+from harness.scenario.tree_specs import is_code_comparison
 from harness.scenario.rules import validate
 from harness.scenario.schema import (
     HARD_INT_LIMIT, TOP_KEYS, CapturePolicy, ComparePolicy, DataConfig, KnownDivergence, ModelConfig, Scenario,

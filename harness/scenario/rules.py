@@ -22,6 +22,7 @@ from harness.scenario.options import backend_problem, declared, need_problem, va
 from harness.scenario.schema import (
     CAPTURE_KINDS, CAPTURE_MODES, LIMITS, POLICIES, PRECISIONS, DataConfig, ModelConfig, Scenario, Side,
 )
+from harness.scenario.tree_specs import spec_problem
 
 
 def validate(s: Scenario, limits: bool = True) -> None:
@@ -176,15 +177,11 @@ def _validate_faults(name: str, side: Side, where: str, data=None) -> None:
 
 
 def _validate_code(side: Side, where: str) -> None:
-    """The spec's form only; what it names is resolved before launch (:mod:`harness.run.code`)."""
-    spec = side.megatron_core
-    if side.backend == "torch" and spec != "installed":
+    """The spec's form only; what it names is resolved before launch (:mod:`harness.run.trees`)."""
+    if side.backend == "torch" and side.megatron_core != "installed":
         raise BadInput(f"{where}.megatron_core", "the torch backend imports no megatron-core")
-    if not spec.strip():
-        raise BadInput(f"{where}.megatron_core", "give 'installed', a folder holding megatron/, or git:<repo>@<rev>")
-    repo = spec[4:].rpartition("@")[0] if "@" in spec[4:] else spec[4:]
-    if spec.startswith("git:") and not repo.strip():
-        raise BadInput(f"{where}.megatron_core", f"{spec!r}: git:<repo folder>@<rev> names no repository")
+    if (problem := spec_problem(side.megatron_core)) is not None:
+        raise BadInput(f"{where}.megatron_core", problem)
 
 
 def _validate_expect(s: Scenario) -> None:

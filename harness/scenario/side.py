@@ -43,11 +43,11 @@ class Side:
         plain PyTorch GPT; the golden)""", golden=OWN, golden_value="torch", carried=True)
     megatron_core: str = option(
         "installed", "backend", """the megatron-core a side imports: ``installed`` (the venv's), a folder
-        holding ``megatron/``, or ``git:<repo>@<rev>``""", backends=TREES, golden=NEVER, placement_only=True,
+        holding ``megatron/``, or ``git:<repository>@<rev>`` (a configured name, a git URL or a folder)""", backends=TREES, golden=NEVER, placement_only=True,
         added_later=True)
     bridge: str = option(
         "installed", "backend", """the Megatron-Bridge a ``bridge`` side runs (``installed``, a checkout,
-        or ``git:<repo>@<rev>``)""", backends=frozenset({"bridge"}), golden=NEVER, added_later=True)
+        or ``git:<repository>@<rev>``)""", backends=frozenset({"bridge"}), golden=NEVER, added_later=True)
     args: tuple[str, ...] = option(
         (), "backend", """extra ``pretrain_gpt.py`` flags after the side's own, checked by Megatron-LM's
         parser; a flag a declared key sets, or one that shapes parameters or the parallel layout, is

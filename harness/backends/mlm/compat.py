@@ -60,7 +60,7 @@ def import_dataset_helpers() -> None:
     except ModuleNotFoundError:
         import megatron.core.datasets as datasets
 
-        from harness.run.code import installed_root
+        from harness.run.trees import installed_root
 
         wheel = (installed_root() or Path("/nonexistent")) / "megatron" / "core" / "datasets"
         module = wheel_build_of_same_source(Path(datasets.__file__).parent, wheel)

@@ -1,11 +1,6 @@
-"""Gating in CI: JUnit XML of a run, and baselines to compare later runs with.
+"""Baselines: a run's verdicts and step scalars kept, to list what a later run changed.
 
-JUnit: one testcase per scenario. A failing scenario carries a ``<failure>`` whose message is
-the first divergence in one line (type: its signature) and whose text adds the metrics; a
-scenario whose run failed carries an ``<error>`` naming the side and the launcher's message.
-Matrix axes become properties.
-
-Baselines: a folder with one ``<scenario>.json`` per scenario: its verdict, its steps table
+A baseline is a folder with one ``<scenario>.json`` per scenario: its verdict, its steps table
 (every side's per-step loss, grad norm, LR, ...) and provenance (versions from the traces'
 manifests, the date, a hash of the scenario's configuration). It is written only by an
 explicit :func:`update_baseline`; :func:`compare_to_baseline` lists what changed.
@@ -17,87 +12,10 @@ import datetime
 import hashlib
 import json
 import math
-import re
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from harness.compare.summary import Verdict
+from harness.report.model import load_scenario
 from harness.scenario import COMPARED_ROLES
-from harness.report.model import divergence_line, fmt, load_scenario
-
-# XML 1.0 forbids most control characters, even escaped; launcher logs can contain them.
-_INVALID_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
-
-
-def _clean(text) -> str:
-    return _INVALID_XML.sub("?", str(text))
-
-
-def _classname(scenarios: list[dict], fallback: str) -> str:
-    """``gtp_parity.<scenario file stem>``, the same for every case of a run (a failed run's
-    summary has no config: it takes its siblings')."""
-    sources = [str((s.get("config") or {}).get("source", "")).split(" (")[0] for s in scenarios]
-    stem = next((Path(src).stem for src in sources if src), fallback)
-    return "gtp_parity." + re.sub(r"[^A-Za-z0-9_]+", "_", stem)
-
-
-def _details(summary: dict) -> str:
-    fd = summary.get("first_divergence") or {}
-    lines = [divergence_line(summary), ""]
-    lines += [f"{k}: {fmt(v, 8)}" for k, v in (fd.get("metrics") or {}).items() if v is not None]
-    lines += ["", f"failing comparisons: {summary.get('failing')}", f"region: {json.dumps(fd.get('region'))}"]
-    lines += [f"{role} trace: {path}" for role, path in (summary.get("traces") or {}).items()]
-    return "\n".join(lines)
-
-
-def junit_tree(doc: dict, suite: str = "gtp-parity", run_name: str = "run") -> ET.ElementTree:
-    """The JUnit document of a run summary (``RUN/summary.json``)."""
-    scenarios = doc.get("scenarios", [])
-    classname = _classname(scenarios, run_name)
-    failures = sum(s.get("verdict") == Verdict.FAIL for s in scenarios)
-    errors = sum(s.get("verdict") == Verdict.ERROR for s in scenarios)
-    skipped = sum(s.get("verdict") in (Verdict.SKIP, Verdict.KNOWN_DIVERGENCE) for s in scenarios)
-    root = ET.Element(
-        "testsuites", name=suite, tests=str(len(scenarios)), failures=str(failures), errors=str(errors)
-    )
-    ts = ET.SubElement(root, "testsuite", name=suite, tests=str(len(scenarios)), failures=str(failures),
-                       errors=str(errors), skipped=str(skipped))  # fmt: skip
-    for s in scenarios:
-        case = ET.SubElement(ts, "testcase", classname=classname, name=_clean(s.get("scenario", "?")))
-        axes = s.get("axes") or {}
-        if axes:
-            props = ET.SubElement(case, "properties")
-            for k, v in axes.items():
-                ET.SubElement(props, "property", name=_clean(k), value=_clean(v))
-        if s.get("verdict") == Verdict.FAIL:
-            fd = s.get("first_divergence") or {}
-            el = ET.SubElement(
-                case, "failure", message=_clean(divergence_line(s)), type=_clean(fd.get("signature", ""))
-            )
-            el.text = _clean(_details(s))
-        elif s.get("verdict") in (Verdict.SKIP, Verdict.KNOWN_DIVERGENCE):
-            # A known divergence is not a pass: reported like an expected failure, with its cause.
-            el = ET.SubElement(case, "skipped", type=str(s["verdict"]), message=_clean(divergence_line(s)))
-            el.text = _clean((s.get("expect") or {}).get("reason", "") or s.get("reason", "") or "")
-        elif s.get("verdict") not in (Verdict.PASS, Verdict.FIXED):  # fixed: parity, as its tree's fix says
-            el = ET.SubElement(case, "error", message=_clean(divergence_line(s)), type="run-failed")
-            el.text = _clean("\n\n".join(f"{role}:\n{msg}" for role, msg in (s.get("error") or {}).items()))
-    ET.indent(root)
-    return ET.ElementTree(root)
-
-
-def write_junit(run_dir: Path, path: Path) -> Path:
-    """Write the JUnit XML of ``run_dir/summary.json`` to ``path``."""
-    doc = json.loads((Path(run_dir) / "summary.json").read_text())
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    junit_tree(doc, f"gtp-parity {Path(run_dir).name}", Path(run_dir).name).write(
-        path, encoding="utf-8", xml_declaration=True
-    )
-    return path
-
-
-# --- baselines -----------------------------------------------------------------------------
 
 FP32_RTOL, FP32_ATOL = 1.3e-6, 1e-5
 """Step scalars may move this much (Transformer Engine's fp32 tolerances) without a message."""
@@ -109,7 +27,7 @@ def config_hash(summary: dict, manifests: dict[str, dict]) -> str:
     capture settings), its label and the compare policy. Paths and descriptions are left out."""
     cfg = summary.get("config") or {}
     blob = {"sides": {r: manifests.get(r, {}).get("key") for r in COMPARED_ROLES},
-            "labels": {r: cfg.get(r) for r in COMPARED_ROLES}, "policy": summary.get("policy")}  # fmt: skip
+            "labels": {r: cfg.get(r) for r in COMPARED_ROLES}, "policy": summary.get("policy")}
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -167,7 +85,7 @@ def compare_steps(name: str, base: list[dict], now: list[dict]) -> list[str]:
         for col in sorted((b[k].keys() | n[k].keys()) - {"side", "step"}):
             if not _close(b[k].get(col), n[k].get(col)):
                 out.append(f"{name}: {k[0]} step {k[1]} {col} {b[k].get(col)!r} -> {n[k].get(col)!r} "
-                           f"(beyond fp32 tolerance rtol {FP32_RTOL:g} atol {FP32_ATOL:g})")  # fmt: skip
+                           f"(beyond fp32 tolerance rtol {FP32_RTOL:g} atol {FP32_ATOL:g})")
     return out
 
 
@@ -190,7 +108,7 @@ def compare_to_baseline(run_dir: Path, baseline_dir: Path) -> list[str]:
         if base.get("provenance", {}).get("config_hash") != now["provenance"]["config_hash"]:
             msgs.append(f"{name}: the scenario's configuration changed since the baseline "
                         f"({base.get('provenance', {}).get('config_hash')} -> "
-                        f"{now['provenance']['config_hash']})")  # fmt: skip
+                        f"{now['provenance']['config_hash']})")
         msgs += compare_steps(name, base.get("steps", []), now["steps"])
         if len(msgs) > MAX_MESSAGES_PER_SCENARIO:
             msgs = msgs[:MAX_MESSAGES_PER_SCENARIO] + [
