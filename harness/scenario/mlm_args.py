@@ -26,17 +26,20 @@ FIXED_FLAGS = (
 _PARAMETERS = "shapes the model's parameters beyond the scenario's keys (the harness could not assemble them)"
 _COMPUTATION = "changes the model's computation, which the golden does not follow"
 _LAYOUT = "changes the parallel layout beyond the scenario's keys (the harness could not assemble it)"
-_DATA = "changes what the side reads or evaluates: the scenario's [data] keys and eval_interval / eval_iters say it"
+_DATA = ("changes what the side reads or evaluates: the scenario's [data] keys and eval_interval / "
+         "eval_iters say it")
 _PRECISION = "changes the side's precision: the precision and recipe keys say it"
 
 # Megatron-LM's flags (megatron/training/arguments.py) a side's args may not set, by what they change.
 REFUSED = {
     **dict.fromkeys((
-        "--num-query-groups", "--group-query-attention", "--kv-channels", "--softmax-type", "--add-qkv-bias", "--qk-layernorm", "--qk-l2-norm", "--normalization", "--apply-layernorm-1p",
+        "--num-query-groups", "--group-query-attention", "--kv-channels", "--softmax-type", "--add-qkv-bias",
+        "--qk-layernorm", "--qk-l2-norm", "--normalization", "--apply-layernorm-1p",
         "--position-embedding-type", "--use-rotary-position-embeddings", "--no-position-embedding",
         "--max-position-embeddings", "--multi-latent-attention", "--attention-output-gate",
-        "--experimental-attention-variant", "--encoder-num-layers", "--decoder-num-layers", "--is-hybrid-model",
-        "--padded-vocab-size", "--heterogeneous-layers-config-path", "--heterogeneous-layers-config-encoded-json",
+        "--experimental-attention-variant", "--encoder-num-layers", "--decoder-num-layers",
+        "--is-hybrid-model", "--padded-vocab-size", "--heterogeneous-layers-config-path",
+        "--heterogeneous-layers-config-encoded-json",
     ), _PARAMETERS),
     **dict.fromkeys((
         "--swiglu", "--squared-relu", "--quick-geglu", "--openai-gelu", "--glu-linear-offset",
@@ -74,8 +77,8 @@ def flag_problem(arg: str, declared: dict[str, Option] | None = None) -> str | N
     if (o := declared.get(flag)) is not None:
         return f"{flag} is what the key [{o.section}].{o.name} sets: set {o.name} instead"
     if flag in FIXED_FLAGS:
-        return (f"{flag} is fixed by the harness for every mlm side (the model's fixed choices, its loader and the "
-                "log line its hooks read)")
+        return (f"{flag} is fixed by the harness for every mlm side (the model's fixed choices, its loader "
+                "and the log line its hooks read)")
     if flag in REFUSED:
         return f"{flag} {REFUSED[flag]}"
     prefix = next((p for p in REFUSED_PREFIXES if flag.startswith(p)), None)

@@ -37,9 +37,9 @@ trace's provenance records the value the tree used (``tree_defaults``)."""
 @dataclass(frozen=True)
 class Need:
     """A rule tying an option's value to another key: where the option is off its default and
-    ``applies`` holds for its value, ``holds`` must hold for the side (or model); ``says`` is the rule as the message
-    states it. Rules between keys that need arithmetic over several keys are code, in the rule
-    modules; these are the ones a search can read."""
+    ``applies`` holds for its value, ``holds`` must hold for the side (or model); ``says`` is the
+    rule as the message states it. Rules that need arithmetic over several keys are code, in the
+    rule modules; these are the ones a search can read."""
 
     applies: Callable[[Any], bool]
     holds: Callable[[Any], bool]
@@ -214,12 +214,14 @@ def key_tables(*classes: type) -> str:
         opts, side = declared(cls), cls.SECTION == "side"
         for group in dict.fromkeys(o.group for o in opts.values()):
             head = ["key", "default", "backends", *(["golden"] if side else []), "reaches", "meaning"]
-            out += [f"**[{cls.SECTION}] {group}**", "", "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+            out += [f"**[{cls.SECTION}] {group}**", "", "| " + " | ".join(head) + " |",
+                    "|---" * len(head) + "|"]
             for o in (o for o in opts.values() if o.group == group):
-                backends = "all" if o.backends == EVERY_BACKEND else ", ".join(b for b in BACKENDS if b in o.backends)
+                backends = ", ".join(b for b in BACKENDS if b in o.backends)
+                backends = "all" if o.backends == EVERY_BACKEND else backends
                 reaches = "<br>".join(f"`{r}`" for r in (*o.mcore, o.mlm) if r) or "the harness"
-                notes = [f"one of {', '.join(f'`{c}`' for c in o.choices)}" if o.choices else "", value_range(o),
-                         "placement only" if o.placement_only else ""]
+                choices = f"one of {', '.join(f'`{c}`' for c in o.choices)}" if o.choices else ""
+                notes = [choices, value_range(o), "placement only" if o.placement_only else ""]
                 meaning = "; ".join([o.doc.replace("``", "`"), *filter(None, notes)])
                 cells = [f"`{o.name}`", _shown_default(o), backends, *([_shown_golden(o)] if side else []),
                          reaches, meaning]

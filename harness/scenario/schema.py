@@ -23,8 +23,8 @@ from harness.scenario.choices import (  # noqa: F401
 from harness.scenario.options import option
 # The policies are part of the schema: parsing resolves their fields' types in this namespace.
 from harness.scenario.policies import (  # noqa: F401
-    CAPTURE_KINDS, CAPTURE_MODES, POLICIES, CaptureKind, CaptureMode, CapturePolicy, ComparePolicy, KnownDivergence,
-    Expected, PolicyName,
+    CAPTURE_KINDS, CAPTURE_MODES, POLICIES, CaptureKind, CaptureMode, CapturePolicy, ComparePolicy, Expected,
+    KnownDivergence, PolicyName,
 )
 from harness.scenario.side import Side  # noqa: F401
 
@@ -112,7 +112,8 @@ class ModelConfig:
                            mlm="--moe-router-topk")
     moe_aux_loss_coeff: float = option(
         0.01, "MoE", "coefficient of the load-balancing (``aux_loss``) loss, per layer and micro-batch",
-        low=0.0, backends=MOE_BACKENDS, added_later=True, mcore=("TransformerConfig.moe_aux_loss_coeff (with experts)",),
+        low=0.0, backends=MOE_BACKENDS, added_later=True,
+        mcore=("TransformerConfig.moe_aux_loss_coeff (with experts)",),
         mlm="--moe-aux-loss-coeff")
     mtp_num_layers: int = option(
         0, "MTP", """multi-token prediction depths D (0: none): depth d predicts the token d + 1 places
@@ -120,10 +121,12 @@ class ModelConfig:
         mcore=("TransformerConfig.mtp_num_layers (with MTP)",), mlm="--mtp-num-layers")
     mtp_use_repeated_layer: bool = option(
         False, "MTP", "one MTP layer applied at every depth instead of D layers", backends=MOE_BACKENDS,
-        added_later=True, mcore=("TransformerConfig.mtp_use_repeated_layer (with MTP)",), mlm="--mtp-use-repeated-layer")
+        added_later=True, mcore=("TransformerConfig.mtp_use_repeated_layer (with MTP)",),
+        mlm="--mtp-use-repeated-layer")
     mtp_loss_scaling_factor: float = option(
         0.1, "MTP", "weight of the MTP loss: the mean of the D depths' losses times this joins the objective",
-        low=0.0, backends=MOE_BACKENDS, added_later=True, mcore=("TransformerConfig.mtp_loss_scaling_factor (with MTP)",),
+        low=0.0, backends=MOE_BACKENDS, added_later=True,
+        mcore=("TransformerConfig.mtp_loss_scaling_factor (with MTP)",),
         mlm="--mtp-loss-scaling-factor")
 
 

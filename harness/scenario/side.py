@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from harness.scenario.choices import (
-    Backend, Collectives, DecayStyle, MlmData, MuonTpMode, Optimizer, PerTokenLoss, Precision, ProcessGroups, Recipe,
-    Recompute,
+    Backend, Collectives, DecayStyle, MlmData, MuonTpMode, Optimizer, PerTokenLoss, Precision, ProcessGroups,
+    Recipe, Recompute,
 )
 from harness.scenario.options import NEVER, OWN, Need, declared, keyed_later, option
 
@@ -43,8 +43,8 @@ class Side:
         plain PyTorch GPT; the golden)""", golden=OWN, golden_value="torch", carried=True)
     megatron_core: str = option(
         "installed", "backend", """the megatron-core a side imports: ``installed`` (the venv's), a folder
-        holding ``megatron/``, or ``git:<repository>@<rev>`` (a configured name, a git URL or a folder)""", backends=TREES, golden=NEVER, placement_only=True,
-        added_later=True)
+        holding ``megatron/``, or ``git:<repository>@<rev>`` (a configured name, a git URL or a folder)""",
+        backends=TREES, golden=NEVER, placement_only=True, added_later=True)
     bridge: str = option(
         "installed", "backend", """the Megatron-Bridge a ``bridge`` side runs (``installed``, a checkout,
         or ``git:<repository>@<rev>``)""", backends=frozenset({"bridge"}), golden=NEVER, added_later=True)
@@ -58,13 +58,15 @@ class Side:
         mlm="--mock-data (mock)")
 
     # --- topology ---
-    world_size: int = option(1, "topology", "processes launched for this side", low=1, golden=OWN, golden_value=1)
+    world_size: int = option(1, "topology", "processes launched for this side", low=1, golden=OWN,
+                             golden_value=1)
     tp: int = option(
         1, "topology", "tensor-parallel size", low=1, golden=OWN, golden_value=1,
         mcore=("TransformerConfig.tensor_model_parallel_size",), mlm="--tensor-model-parallel-size")
     gtp: int = option(
-        1, "topology", "GTP degree G = num_weight_shards / TP (1 = GTP off)", low=1, golden=OWN, golden_value=1,
-        placement_only=True, mcore=("TransformerConfig.tensor_parallel_num_weight_shards (TP x G)",),
+        1, "topology", "GTP degree G = num_weight_shards / TP (1 = GTP off)", low=1, golden=OWN,
+        golden_value=1, placement_only=True,
+        mcore=("TransformerConfig.tensor_parallel_num_weight_shards (TP x G)",),
         mlm="--tensor-parallel-num-weight-shards (TP x G)")
     dp: int | None = option(
         None, "topology", "replicate data-parallel size; derived as world / (TP x G) when omitted", low=1,
@@ -85,7 +87,8 @@ class Side:
     pipeline_parallel: int = option(
         1, "topology", """pipeline stages: layers split evenly, megatron-core's 1F1B schedule over the
         micro-batches""", low=1, backends=MEGATRON, golden=NEVER, path=True, added_later=True,
-        mcore=("TransformerConfig.pipeline_model_parallel_size (PP > 1)",), mlm="--pipeline-model-parallel-size")
+        mcore=("TransformerConfig.pipeline_model_parallel_size (PP > 1)",),
+        mlm="--pipeline-model-parallel-size")
     virtual_pipeline: int | None = option(
         None, "topology", "model chunks per stage (the interleaved schedule); none: not interleaved", low=2,
         backends=MEGATRON, golden=NEVER, path=True, added_later=True,
@@ -97,7 +100,8 @@ class Side:
     precision: Precision = option(
         "fp32", "precision", "parameter and compute precision: fp32 or bf16 (megatron, mlm, bridge); fp64, "
         "fp32 or bf16 (torch)", golden=OWN, golden_value="fp64", carried=True,
-        mcore=("TransformerConfig.bf16 (bf16)", "TransformerConfig.params_dtype (its dtype)"), mlm="--bf16 (bf16)")
+        mcore=("TransformerConfig.bf16 (bf16)", "TransformerConfig.params_dtype (its dtype)"),
+        mlm="--bf16 (bf16)")
     recipe: Recipe = option(
         "none", "precision", """quantization recipe of the linear GEMMs (Transformer Engine's recipes; the
         torch backend emulates them, the megatron backend needs Transformer Engine)""",
@@ -119,8 +123,9 @@ class Side:
         ``muon`` (megatron-core's Muon on 2-D weights, Adam on the rest)""", carried=True,
         mcore=("OptimizerConfig.optimizer",), mlm="--optimizer")
     muon_tp_mode: MuonTpMode = option(
-        "duplicated", "optimizer", """muon: how a TP- and GTP-sharded matrix is orthogonalized: ``duplicated``,
-        ``distributed`` or ``blockwise``""", backends=MEGATRON, golden=NEVER, path=True, added_later=True,
+        "duplicated", "optimizer", """muon: how a TP- and GTP-sharded matrix is orthogonalized:
+        ``duplicated``, ``distributed`` or ``blockwise``""", backends=MEGATRON, golden=NEVER, path=True,
+        added_later=True,
         mcore=("OptimizerConfig.muon_tp_mode (muon)",), mlm="--muon-tp-mode",
         needs=_needs("optimizer", lambda o: o == "muon", 'takes effect only with optimizer = "muon"'))
     muon_blocks: int = option(
@@ -169,9 +174,10 @@ class Side:
         async collective lands only when its handle is waited (a stream behind them)""", backends=MEGATRON,
         golden=NEVER, placement_only=True, path=True)
     recompute: Recompute = option(
-        "none", "code paths", "activation recompute: ``selective`` (core attention) or ``full`` (uniform, one "
-        "layer per checkpoint)", backends=MEGATRON, golden=NEVER, placement_only=True, path=True,
-        mcore=("TransformerConfig.recompute_granularity (not none)", "TransformerConfig.recompute_method (full)"),
+        "none", "code paths", "activation recompute: ``selective`` (core attention) or ``full`` (uniform, "
+        "one layer per checkpoint)", backends=MEGATRON, golden=NEVER, placement_only=True, path=True,
+        mcore=("TransformerConfig.recompute_granularity (not none)",
+               "TransformerConfig.recompute_method (full)"),
         mlm="--recompute-granularity")
     per_token_loss: PerTokenLoss = option(
         "none", "code paths", """loss summed over tokens, normalized by the global token count:
@@ -200,11 +206,12 @@ class Side:
         False, "code paths", """megatron-core's DistributedOptimizer: grads reduce-scattered over the
         data-parallel group, each rank steps its range, params all-gathered after the step""",
         backends=MEGATRON, golden=NEVER, path=True,
-        mcore=("DistributedDataParallelConfig.use_distributed_optimizer", "OptimizerConfig.use_distributed_optimizer"),
+        mcore=("DistributedDataParallelConfig.use_distributed_optimizer",
+               "OptimizerConfig.use_distributed_optimizer"),
         mlm="--use-distributed-optimizer",
         # megatron-core 0.19.2, optimizer/distrib_optimizer.py, DistributedOptimizer.__init__ (l.688-694).
-        needs=_needs("optimizer", lambda o: o == "adam", "megatron-core's DistributedOptimizer takes Adam only "
-                     "(it asserts Adam or an init_state_fn, for its checkpoint format)"))
+        needs=_needs("optimizer", lambda o: o == "adam", "megatron-core's DistributedOptimizer takes Adam "
+                     "only (it asserts Adam or an init_state_fn, for its checkpoint format)"))
 
     overlap_param_gather: bool = option(
         False, "code paths", """the distributed optimizer's param all-gather waits for the next forward
@@ -252,7 +259,8 @@ class Side:
         """A short hash identifying what this side computes; equal sides share one run."""
         docs = [dataclasses.asdict(self), dataclasses.asdict(model), dataclasses.asdict(data)]
         for doc, cls in zip(docs, (Side, type(model), type(data))):
-            for k, default in keyed_later(cls).items():  # at its default, a later key leaves the key as it was
+            # at its default, a key added later leaves the key as it was
+            for k, default in keyed_later(cls).items():
                 if doc[k] == default:
                     del doc[k]
         blob = json.dumps(docs, sort_keys=True)
