@@ -129,6 +129,22 @@ def test_mlm_command_bad_flag_exits_2_naming_it(tmp_path, capsys):
     assert code == 2 and "--no-such-flag" in capsys.readouterr().err
 
 
+def test_mlm_command_reads_its_keys_and_refuses_what_the_harness_cannot_assemble():
+    """The seed command's flags are the scenario's keys or the harness's fixed flags: no args
+    are left; a fixed flag at another value, or a flag shaping the parameters, is refused."""
+    from harness.backends.mlm.command import scenario_of
+
+    s = scenario_of(list(SEED_FLAGS), 2)
+    assert s.reference.args == () and (s.reference.gtp, s.reference.lr, s.model.seq_length) == (2, 3e-4, 64)
+    assert scenario_of([*SEED_FLAGS, "--log-timers-to-tensorboard"], 2).reference.args == (
+        "--log-timers-to-tensorboard",)
+    for extra, said in ((["--num-workers", "2"], "--num-workers 0"),
+                        (["--max-position-embeddings=128"], "--max-position-embeddings 64"),
+                        (["--softmax-type", "learnable"], "shapes the model's parameters")):
+        with pytest.raises(BadInput, match=re.escape(said)):
+            scenario_of([*SEED_FLAGS, *extra], 2)
+
+
 def test_mlm_command_trace_compares_with_the_seed_side(mlm_run, tmp_path, capsys):
     """The seed's command (on the harness's samples: no --mock-data) is the seed scenario's GTP 2
     side: compare reads its trace and finds them bitwise equal."""

@@ -182,6 +182,15 @@ def muon_run(tmp_path_factory):
     return code, out, {s.name: s for s in mine}
 
 
+# How far the fitted factor may sit from sqrt(128/80): the two sides orthogonalize the same
+# momentum in two shapes (80 and 128 rows), so their fp32 GEMMs round differently, at most
+# K * eps(fp32) relatively over K = 128 terms, and each of Newton-Schulz's 5 quintic steps may
+# grow a perturbation of a small singular direction by its linear coefficient a = 3.4445.
+# The bound (7.4e-3) still tells sqrt(128/80) = 1.265 from the neighbouring paddings' scales
+# (sqrt(112/80) = 1.183, sqrt(144/80) = 1.342) and from no scaling at all.
+NS_REL = 3.4445**5 * 128 * torch.finfo(torch.float32).eps
+
+
 @pytest.mark.multirank
 def test_padded_gtp_shards_scale_muons_update_as_recorded(muon_run):
     """0.19.2 gathers the padded shards: linear_fc1's update is sqrt(128/80) times GTP off's
@@ -194,7 +203,7 @@ def test_padded_gtp_shards_scale_muons_update_as_recorded(muon_run):
         assert s["verdict"] == "known-divergence", (name, fd)
         assert (fd["step"], fd["kind"], fd["signature"]) == (1, "param", "update-term")
         assert fd["tensor"].endswith("mlp.linear_fc1.weight") and "emerging_optimizers.py" in s["expect"]["reason"]
-        assert fd["update"]["factor"] == pytest.approx(math.sqrt(128 / 80), rel=1e-4)
+        assert fd["update"]["factor"] == pytest.approx(math.sqrt(128 / 80), rel=NS_REL)
     assert summary(out, "muon-blockwise")["verdict"] == "pass"
 
 

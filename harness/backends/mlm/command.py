@@ -3,9 +3,10 @@
 
 The flags are parsed by Megatron-LM's own parser (a flag it refuses is bad input, exit 2);
 the side, model and data the harness records them under are read back from the parsed
-values, and the flags themselves are the side's ``args`` (they come last on the command
-line, so they are what runs), but for the evaluation's, which the side's keys carry. The
-run starts from the canonical weights, so its trace compares with any side of the same model.
+values. The flags those keys carry, and the harness's fixed flags at their fixed values, are
+dropped; the rest are the side's ``args``, judged by ``validate`` as any side's are (a flag
+the harness cannot assemble exits 2 before launch). The run starts from the canonical
+weights, so its trace compares with any side of the same model.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 from harness.scenario import rules
 from harness.backends.mlm.args import check_flags
 from harness.common.errors import BadInput
+from harness.scenario.mlm_args import FIXED_FLAGS
 from harness.scenario.schema import CapturePolicy, ComparePolicy, DataConfig, ModelConfig, Scenario, Side
 
 WHERE = "gtp-parity mlm"
@@ -42,26 +44,61 @@ def _side(ns: argparse.Namespace, flags: list[str], nproc: int) -> Side:
         min_lr=ns.min_lr, lr_warmup_steps=ns.lr_warmup_iters, lr_decay_steps=ns.lr_decay_iters,
         lr_decay_style=ns.lr_decay_style, weight_decay=ns.weight_decay, clip_grad=ns.clip_grad,
         adam_beta1=ns.adam_beta1, adam_beta2=ns.adam_beta2, adam_eps=ns.adam_eps, sgd_momentum=ns.sgd_momentum,
-        args=_without(flags, EVAL_FLAGS), data="mock" if ns.mock_data else "synthetic",
+        args=_args_of(flags, ns), data="mock" if ns.mock_data else "synthetic",
         eval_interval=(ns.eval_interval or ns.train_iters + 100) if evaluates else 0,
         eval_iters=ns.eval_iters if evaluates else 1,
     )  # fmt: skip
 
 
-EVAL_FLAGS = ("--eval-interval", "--eval-iters")
-"""Flags the side's own keys carry (``eval_interval``, ``eval_iters``): its command line writes them."""
+# The valued flags and the switches the scenario's keys carry (read back from the parsed command
+# by _side and scenario_of): the side's command line writes them from the keys.
+READ_BACK = (
+    "--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads", "--seq-length",
+    "--vocab-size", "--init-method-std", "--micro-batch-size", "--global-batch-size",
+    "--tensor-model-parallel-size", "--tensor-parallel-num-weight-shards", "--train-iters", "--seed",
+    "--optimizer", "--lr", "--min-lr", "--lr-warmup-iters", "--lr-decay-iters", "--lr-decay-style",
+    "--weight-decay", "--clip-grad", "--adam-beta1", "--adam-beta2", "--adam-eps", "--sgd-momentum",
+    "--eval-interval", "--eval-iters",
+)
+READ_BACK_SWITCHES = ("--bf16", "--mock-data", "--untie-embeddings-and-output-weights")
 
 
-def _without(flags: list[str], valued: tuple[str, ...]) -> tuple[str, ...]:
-    """``flags`` without the ``valued`` flags and their values (``--flag V`` or ``--flag=V``)."""
-    out, skip = [], False
-    for flag in flags:
-        if skip:
-            skip = False
-        elif flag in valued:
-            skip = True
-        elif flag.split("=", 1)[0] not in valued:
-            out.append(flag)
+def fixed_values() -> dict[str, str | None]:
+    """:data:`FIXED_FLAGS` as ``{flag: value}`` (None for a switch)."""
+    out: dict[str, str | None] = {}
+    for i, flag in enumerate(FIXED_FLAGS):
+        if flag.startswith("--"):
+            value = FIXED_FLAGS[i + 1] if i + 1 < len(FIXED_FLAGS) else None
+            out[flag] = None if value is None or value.startswith("--") else value
+    return out
+
+
+def _same(a: str, b: str) -> bool:
+    try:
+        return float(a) == float(b)
+    except ValueError:
+        return a == b
+
+
+def _args_of(flags: list[str], ns: argparse.Namespace) -> tuple[str, ...]:
+    """The command's flags less those the scenario's keys carry and those the harness fixes (at
+    the value it fixes; another value is refused): the side's ``args``, which ``validate`` judges."""
+    fixed = fixed_values()
+    fixed["--max-position-embeddings"] = str(ns.seq_length)  # the harness's: one position per token
+    out, i = [], 0
+    while i < len(flags):
+        flag, eq, value = flags[i].partition("=")
+        valued = flag in READ_BACK or fixed.get(flag) is not None
+        width = 2 if valued and not eq else 1
+        if valued and not eq:
+            value = flags[i + 1] if i + 1 < len(flags) else ""
+        if flag in fixed and fixed[flag] is not None and not _same(value, fixed[flag]):
+            raise BadInput(f"{WHERE}: {flag}", f"the harness runs every mlm side with {flag} {fixed[flag]}")
+        if flag in READ_BACK or flag in READ_BACK_SWITCHES or flag in fixed:
+            i += width
+            continue
+        out.append(flags[i])
+        i += 1
     return tuple(out)
 
 
