@@ -138,3 +138,30 @@ def test_a_side_key_only_some_backends_honour_is_refused_elsewhere_by_its_declar
     assert cli.main(["validate", str(path)]) == 2
     err = capsys.readouterr().err
     assert "[golden].recompute: only the megatron backend takes this option (backend 'torch')" in err
+
+
+def test_the_trees_own_defaults_are_recorded_and_a_changed_one_is_named():
+    """The megatron backend records each declared option's default as the imported tree declares
+    it: 0.19.2's muon_tp_mode defaults to blockwise, which the harness pins (duplicated by default)
+    so the golden knows the mode; a default that differs between the sides' trees is named, and
+    whether it changed what ran."""
+    from harness.backends.megatron.defaults import tree_defaults
+    from harness.capture.trace import Trace
+    from harness.compare.outcome import tree_default_notes
+
+    side, model, data = Side(optimizer="muon"), ModelConfig(), DataConfig()
+    wheel = tree_defaults(model, data, side)
+    assert wheel["muon_tp_mode"] == {"target": "OptimizerConfig.muon_tp_mode", "default": "blockwise",
+                                     "left_to_tree": False}
+    assert wheel["bucket_size"]["left_to_tree"] and not tree_defaults(Side(bucket_size=64))["bucket_size"]["left_to_tree"]
+
+    def traced(defaults):
+        return Trace(path=Path("."), manifest={}, entries=[], scalars=[], infos={0: {"tree_defaults": defaults}})
+
+    main = {**wheel, "muon_tp_mode": {**wheel["muon_tp_mode"], "default": "duplicated"},
+            "bucket_size": {**wheel["bucket_size"], "default": 40_000_000}}
+    notes = tree_default_notes({"reference": traced(wheel), "candidate": traced(main), "golden": traced({})})
+    assert len(notes) == 2
+    assert notes[0].startswith("bucket_size (DistributedDataParallelConfig.bucket_size)") and "values that ran" in notes[0]
+    assert notes[1].startswith("muon_tp_mode") and "'blockwise' vs 'duplicated'" in notes[1] and "no effect" in notes[1]
+    assert tree_default_notes({"reference": traced(wheel), "candidate": traced(wheel)}) == []

@@ -134,6 +134,22 @@ def provenance_warnings(traces: dict[str, trace.Trace]) -> list[str]:
     return out
 
 
+def tree_default_notes(traces: dict[str, trace.Trace]) -> list[str]:
+    """The declared options whose megatron-core default differs between the reference's and the
+    candidate's trees (recorded by the megatron backend as ``tree_defaults``)."""
+    infos = [next(iter(traces[r].infos.values()), {}) if r in traces else {} for r in (Role.REFERENCE,
+                                                                                       Role.CANDIDATE)]
+    a, b = (i.get("tree_defaults") or {} for i in infos)
+    out = []
+    for name in sorted(set(a) & set(b)):
+        if a[name]["default"] != b[name]["default"]:
+            ran = a[name].get("left_to_tree") or b[name].get("left_to_tree")
+            out.append(f"{name} ({a[name]['target']}): the trees' defaults differ, {a[name]['default']!r} vs "
+                       f"{b[name]['default']!r}; " + ("a side left it unset: the values that ran differ" if ran
+                                                      else "both sides set it: no effect on this run"))
+    return out
+
+
 def compare_scenario(s: Scenario | None, paths: dict[str, Path], sdir: Path, say=print,
                      policy: ComparePolicy | None = None, verify: bool = True, jobs: int = 1,
                      ranks: bool = False) -> ScenarioSummary | None:
@@ -157,7 +173,7 @@ def compare_scenario(s: Scenario | None, paths: dict[str, Path], sdir: Path, say
     say(steps.format_steps(table))
     summary, results = compare(traces, policy=policy, jobs=jobs, ranks=ranks)
     results.to_csv(sdir / "results.csv", index=False)
-    if warnings := provenance_warnings(traces):
+    if warnings := provenance_warnings(traces) + tree_default_notes(traces):
         summary = summary.with_(warnings=warnings)
         for w in warnings:
             say(f"warning: {w}")

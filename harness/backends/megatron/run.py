@@ -19,7 +19,7 @@ from harness.backends import faults
 from harness.run.job import Job
 from harness.backends.evaluation import EvalRecorder
 from harness.backends.megatron import checkpoint, compat, evaluation, groups, moe, pipeline
-from harness.backends.megatron import mtp
+from harness.backends.megatron import defaults, mtp
 from harness.backends.megatron.gathers import record_gathers
 from harness.backends.megatron.optimizer_ranges import optimizer_state, reduced_grad, updated_param
 from harness.backends.megatron.terms import GradTerms
@@ -240,6 +240,7 @@ def run(job: Job, cap: Capture) -> None:
         faults.install(job.side.inject, ctx)  # before the optimizer: a fault may act on how it is built
         ctx.optimizer, scheduler = _optimizer(job, chunks, ctx.saved["pg_collection"])
         cap.info["stepped_by"] = muon.stepped_by(ctx.optimizer, named)
+        cap.info["tree_defaults"] = defaults.tree_defaults(job.model, job.data, job.side)
         _train(job, cap, ctx, config, chunks, scheduler, mesh, get_forward_backward_func(), finalize_model_grads)
     finally:
         if reach is not None:  # beside the rank's trace files, not in them (see mutation.campaign)
