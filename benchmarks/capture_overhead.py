@@ -34,15 +34,17 @@ POLICIES = {
                                          fingerprint_async=True),
     "full": CapturePolicy(kinds=("loss", "scalar", "param", "main_grad")),
 }
-XXH3 = {"fingerprint, xxh3 digests": "fingerprint", "fingerprint (async), xxh3 digests": "fingerprint (async)"}
+XXH3 = {"fingerprint, xxh3 digests": "fingerprint",
+        "fingerprint (async), xxh3 digests": "fingerprint (async)"}
 """Rows measured with fingerprint.WHOLE_DIGEST / BLOCK_DIGEST set to xxh3_128 / xxh3_64."""
 
 
 def model() -> torch.nn.Module:
     h, ffn, vocab = 512, 4096, 4096
-    blocks = [torch.nn.Sequential(torch.nn.Linear(h, 3 * h, bias=False), torch.nn.Linear(3 * h, h, bias=False),
+    blocks = [torch.nn.Sequential(torch.nn.Linear(h, 3 * h, bias=False),
+                                  torch.nn.Linear(3 * h, h, bias=False),
                                   torch.nn.Linear(h, ffn, bias=False), torch.nn.GELU(),
-                                  torch.nn.Linear(ffn, h, bias=False)) for _ in range(4)]  # fmt: skip
+                                  torch.nn.Linear(ffn, h, bias=False)) for _ in range(4)]
     return torch.nn.Sequential(torch.nn.Embedding(vocab, h), *blocks, torch.nn.Linear(h, vocab, bias=False))
 
 
@@ -53,11 +55,13 @@ def layout(name: str, p: torch.Tensor) -> Layout:
 def run(policy: CapturePolicy, net, opt, steps: int, tokens: torch.Tensor) -> tuple[float, float, float]:
     """Seconds per step: without waiting for the writer, with close, and process CPU with close."""
     with tempfile.TemporaryDirectory() as d:
-        cap = Capture(d, rank=0, world_size=1, coord={"tp": 0, "gtp": 0, "dp": 0}, mesh={"tp": 1}, policy=policy)
+        cap = Capture(d, rank=0, world_size=1, coord={"tp": 0, "gtp": 0, "dp": 0}, mesh={"tp": 1},
+                      policy=policy)
         t0, c0 = time.perf_counter(), time.process_time()
         for step in range(1, steps + 1):
             cap.begin_step(step)
-            loss = torch.nn.functional.cross_entropy(net(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+            loss = torch.nn.functional.cross_entropy(net(tokens[:, :-1]).flatten(0, 1),
+                                                     tokens[:, 1:].flatten())
             opt.zero_grad()
             loss.backward()
             cap.params("main_grad", net.named_parameters(), layout, value=lambda p: p.grad)
@@ -85,17 +89,20 @@ def main() -> None:
     best = {k: (float("inf"),) * 3 for k in [*POLICIES, *XXH3]}
     for _ in range(args.rounds):
         for name in best:
-            fp.WHOLE_DIGEST, fp.BLOCK_DIGEST = ("xxh3_128", "xxh3_64") if name in XXH3 else ("sha256", "crc32")
+            fp.WHOLE_DIGEST, fp.BLOCK_DIGEST = ("xxh3_128", "xxh3_64") if name in XXH3 else ("sha256",
+                "crc32")
             policy = POLICIES[XXH3.get(name, name)]
             best[name] = tuple(map(min, best[name], run(policy, net, opt, args.steps, tokens)))
     base, base_cpu = best["losses+scalars"][1], best["losses+scalars"][2]
     print(f"# {platform.machine()}, torch {torch.__version__}, 1 thread, {n / 1e6:.1f}M parameters, "
           f"params + grads each step, best of {args.rounds} interleaved rounds, load average "
           f"{os.getloadavg()[0]:.1f}")
-    print("| capture | s/step (step only) | s/step (with writes) | vs losses+scalars | CPU s/step | CPU vs losses+scalars |")
+    print("| capture | s/step (step only) | s/step (with writes) | vs losses+scalars | CPU s/step | CPU vs "
+          "losses+scalars |")
     print("|---|---|---|---|---|---|")
     for name, (step, total, cpu) in best.items():
-        print(f"| {name} | {step:.3f} | {total:.3f} | {total / base:.2f}x | {cpu:.3f} | {cpu / base_cpu:.2f}x |")
+        print(f"| {name} | {step:.3f} | {total:.3f} | {total / base:.2f}x | {cpu:.3f} | "
+              f"{cpu / base_cpu:.2f}x |")
 
 
 if __name__ == "__main__":

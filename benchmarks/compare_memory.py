@@ -32,7 +32,7 @@ print(json.dumps([before * 1024, after * 1024, 2 * numel * 4]))
 
 def measure(method: str, numel: int) -> float:
     out = subprocess.run([sys.executable, "-c", CHILD, method, str(numel)], capture_output=True, text=True,
-                         check=True)  # fmt: skip
+                         check=True)
     before, after, pair = json.loads(out.stdout.strip().splitlines()[-1])
     return (after - before) / pair
 
@@ -46,7 +46,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for numel in args.numel:
         row = {m: measure(m, numel) for m in ("metrics", "assert_close", "fused", "clone")}
-        print(f"| {numel} | {2 * numel * 4 / 2**20:.0f} | " + " | ".join(f"{v:.2f}x" for v in row.values()) + " |",
+        print(f"| {numel} | {2 * numel * 4 / 2**20:.0f} | " + " | ".join(f"{v:.2f}x"
+                                                                         for v in row.values()) + " |",
               flush=True)
 
 

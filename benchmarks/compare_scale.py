@@ -60,14 +60,16 @@ def _tree(root: int) -> list[int]:
 def measure(cmd: list[str], env: dict, cwd: Path = ROOT) -> dict:
     """Run ``cmd``; its wall time, exit code, peak summed RSS of its tree and of one process."""
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
     total = single = 0
     while proc.poll() is None:
         sizes = [_rss(p) for p in _tree(proc.pid)]
         total, single = max(total, sum(sizes)), max(single, max(sizes, default=0))
         time.sleep(0.05)
     err = proc.stderr.read()
-    return {"wall": time.perf_counter() - start, "rc": proc.returncode, "tree": total, "one": single, "err": err}
+    return {"wall": time.perf_counter() - start, "rc": proc.returncode, "tree": total, "one": single,
+            "err": err}
 
 
 def main() -> None:
@@ -88,13 +90,15 @@ def main() -> None:
     n = args.jobs
     configs = {"1 process": (harness, env, ROOT), f"--jobs {n}": ([*harness, "--jobs", str(n)], env, ROOT),
                f"torchrun {n}": ([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                  f"--nproc-per-node={n}", "-m", "harness", "compare", *trace_args], env, ROOT)}  # fmt: skip
+                                  f"--nproc-per-node={n}", "-m", "harness", "compare", *trace_args], env,
+                                      ROOT)}
     if args.before:  # run from that checkout: `-m harness` imports the working directory's package first
         before = Path(args.before).resolve()
         configs["before (1 process)"] = (harness, {**env, "PYTHONPATH": str(before)}, before)
     load = os.getloadavg()
-    print(f"# {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, one torch thread per process,"
-          f" traces {size / 2**30:.2f} GiB, load average {load[0]:.1f} at start")  # fmt: skip
+    print(f"# {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, one torch thread per "
+          f"process,"
+          f" traces {size / 2**30:.2f} GiB, load average {load[0]:.1f} at start")
     print("| compare | wall s | speedup | peak RSS, process tree | peak RSS, largest process | exit |")
     print("|---|---|---|---|---|---|")
     results: dict[str, list[dict]] = {name: [] for name in configs}
@@ -106,7 +110,7 @@ def main() -> None:
     for name, runs in results.items():
         best = min(runs, key=lambda x: x["wall"])
         print(f"| {name} | {best['wall']:.1f} | {base / best['wall']:.2f}x | {best['tree'] / 2**30:.2f} GiB"
-              f" | {best['one'] / 2**30:.2f} GiB | {best['rc']} |", flush=True)  # fmt: skip
+              f" | {best['one'] / 2**30:.2f} GiB | {best['rc']} |", flush=True)
         if best["rc"] not in (0, 1):
             print(f"#   {name} failed: {best['err'].strip()[-400:]}")
     print(f"# load average {os.getloadavg()[0]:.1f} at the end")

@@ -41,7 +41,8 @@ def _clone(r, c):
     return r.clone(), c.clone()
 
 
-def run(n_pairs: int, numel: int, dtype: torch.dtype, rounds: int) -> tuple[dict[str, float], dict[str, float]]:
+def run(n_pairs: int, numel: int, dtype: torch.dtype,
+        rounds: int) -> tuple[dict[str, float], dict[str, float]]:
     """GB/s per method: (by wall clock, by process CPU time), best of ``rounds``."""
     pairs = list(_pairs(n_pairs, numel, dtype))
     metrics(*pairs[0])  # the compiled loop loads (or compiles) once per process: not timed
@@ -70,7 +71,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for dtype, n_pairs, numel in ((torch.float32, 32, 1 << 22), (torch.bfloat16, 32, 1 << 20)):
         for clock, g in zip(("wall", "CPU"), run(n_pairs, numel, dtype, args.rounds)):
-            print(f"| {str(dtype)[6:]} | {n_pairs} x {numel} | {clock} | {g['metrics']:.3f} | {g['assert_close']:.3f} "
+            print(f"| {str(dtype)[6:]} | {n_pairs} x {numel} | {clock} | {g['metrics']:.3f} | "
+                  f"{g['assert_close']:.3f} "
                   f"| {g['fused']:.3f} | {g['clone']:.3f} | {g['metrics'] / g['assert_close']:.2f}x "
                   f"| {g['metrics'] / g['clone']:.0%} |", flush=True)
 

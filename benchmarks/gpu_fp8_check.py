@@ -82,7 +82,8 @@ CASES = [
     Case("delayed e5m2", lambda: _delayed(E5M2), any_shape=True),
     Case("block 1x128 e4m3", lambda: Float8BlockQuantizer(fmt=E4M3), any_shape=True),
     Case("block 128x128 e4m3", lambda: Float8BlockQuantizer(fmt=E4M3, block_scaling_dim=2), any_shape=True),
-    Case("block 1x128 fp32 e5m2", lambda: Float8BlockQuantizer(fmt=E5M2, power_2_scale=False), any_shape=True),
+    Case("block 1x128 fp32 e5m2", lambda: Float8BlockQuantizer(fmt=E5M2, power_2_scale=False),
+         any_shape=True),
     Case("mxfp8 e4m3", lambda: MXFP8Quantizer(fmt=E4M3)),
     Case("mxfp8 e5m2", lambda: MXFP8Quantizer(fmt=E5M2)),
     Case("mxfp8 2d e4m3", lambda: MXFP8Quantizer(fmt=E4M3, with_2d_quantization=True)),
@@ -90,7 +91,8 @@ CASES = [
     Case("nvfp4 2d", lambda: NVFP4Quantizer(with_2d_quantization=True)),
     Case(
         "nvfp4 rht sr",
-        lambda: NVFP4Quantizer(with_rht=True, stochastic_rounding=True, generator=torch.Generator().manual_seed(5)),
+        lambda: NVFP4Quantizer(with_rht=True, stochastic_rounding=True,
+                               generator=torch.Generator().manual_seed(5)),
     ),
 ]
 
@@ -178,7 +180,8 @@ def part1(device: str, size: tuple[int, int], seeds: int) -> int:
 # --------------------------------------------------------------------------- part 2
 
 
-def _report(name: str, out: torch.Tensor, emulated: torch.Tensor, magnitude: torch.Tensor, out_ulp: float) -> bool:
+def _report(name: str, out: torch.Tensor, emulated: torch.Tensor, magnitude: torch.Tensor,
+            out_ulp: float) -> bool:
     out = out.float()
     diff = (out - emulated).abs()
     bound = GEMM_REL_TOL * magnitude + out_ulp * emulated.abs()
@@ -228,14 +231,18 @@ def part2(device: str, m: int, k: int, n: int, *, on_cpu: bool = False) -> int:
                 qa.scale_inv.reshape(()), qb.scale_inv.reshape(()), out_dtype)
 
     # one scale per row of A and per row of B (per output column)
-    qa = Float8BlockQuantizer(fmt=E4M3, power_2_scale=False, block_len=k).quantize(a_hp, columnwise=False).rowwise
-    qb = Float8BlockQuantizer(fmt=E4M3, power_2_scale=False, block_len=k).quantize(b_hp, columnwise=False).rowwise
-    run("rowwise E4M3xE4M3 -> bfloat16", qa, qb, qa.scale_inv.contiguous(), qb.scale_inv.t().contiguous(), torch.bfloat16)
+    qa = Float8BlockQuantizer(fmt=E4M3, power_2_scale=False, block_len=k).quantize(a_hp,
+        columnwise=False).rowwise
+    qb = Float8BlockQuantizer(fmt=E4M3, power_2_scale=False, block_len=k).quantize(b_hp,
+        columnwise=False).rowwise
+    run("rowwise E4M3xE4M3 -> bfloat16", qa, qb, qa.scale_inv.contiguous(), qb.scale_inv.t().contiguous(),
+        torch.bfloat16)
 
     # TE Float8BlockScaling fprop: 1x128 input, 128x128 weight; and 1x128 x 1x128
     qa = Float8BlockQuantizer(fmt=E4M3).quantize(a_hp, columnwise=False).rowwise
     for label, qb in (
-        ("block 1x128 x 128x128", Float8BlockQuantizer(fmt=E4M3, block_scaling_dim=2).quantize(b_hp, columnwise=False).rowwise),
+        ("block 1x128 x 128x128",
+         Float8BlockQuantizer(fmt=E4M3, block_scaling_dim=2).quantize(b_hp, columnwise=False).rowwise),
         ("block 1x128 x 1x128", Float8BlockQuantizer(fmt=E4M3).quantize(b_hp, columnwise=False).rowwise),
     ):
         for out_dtype in (torch.bfloat16, torch.float32):
@@ -263,11 +270,13 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, default=3, help="random tensors per dtype in part 1")
     parser.add_argument("--gemm", type=int, nargs=3, default=(512, 1024, 768), help="M K N of part 2")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--cpu-gemm", action="store_true", help="run part 2 on the CPU (exercises the script)")
+    parser.add_argument("--cpu-gemm", action="store_true",
+                        help="run part 2 on the CPU (exercises the script)")
     args = parser.parse_args()
     start = time.time()
     if args.device != "cpu":
-        print(f"device: {torch.cuda.get_device_name(args.device)}, torch {torch.__version__}, cuda {torch.version.cuda}")
+        print(f"device: {torch.cuda.get_device_name(args.device)}, torch {torch.__version__}, cuda "
+              f"{torch.version.cuda}")
     else:
         print(f"device: cpu, torch {torch.__version__}")
     byte_failures = part1(args.device, tuple(args.size), args.seeds)

@@ -33,7 +33,8 @@ def main() -> None:
         with contextlib.redirect_stdout(log):
             code = gate(matrix, "installed", args.spec, out)
         table = log.getvalue().split("\n\n")[-1]
-        print(f"## {matrix} (base: installed, head: {args.spec}): exit {code}, {time.monotonic() - start:.0f} s")
+        print(f"## {matrix} (base: installed, head: {args.spec}): exit {code}, "
+              f"{time.monotonic() - start:.0f} s")
         print(table)
         (out / "gate.txt").write_text(table)
 

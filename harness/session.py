@@ -35,8 +35,10 @@ def skip_reason(s: Scenario) -> str | None:
             try:
                 import transformer_engine  # noqa: F401
             except ImportError:
-                return f"[{role}] uses recipe {side.recipe!r} on the megatron backend: Transformer Engine is not importable"
-            return f"[{role}] uses recipe {side.recipe!r}: the megatron backend runs recipes only through Transformer Engine, which it does not drive yet"
+                return (f"[{role}] uses recipe {side.recipe!r} on the megatron backend: Transformer Engine "
+                        f"is not importable")
+            return (f"[{role}] uses recipe {side.recipe!r}: the megatron backend runs recipes only through "
+                    f"Transformer Engine, which it does not drive yet")
     return None
 
 
@@ -44,7 +46,8 @@ def reads_mock_data(s: Scenario) -> bool:
     """Whether the compared sides read Megatron-LM's mock samples (mlm ``data = "mock"``): the
     golden reads the harness's synthetic samples, so it is no measure of them, and the sides
     are judged against each other only (the policy's no-golden fallback)."""
-    return any(side.backend in ("mlm", "bridge") and side.data == "mock" for side in (s.reference, s.candidate))
+    return any(side.backend in ("mlm", "bridge") and side.data == "mock"
+               for side in (s.reference, s.candidate))
 
 
 def check_mlm_flags(scenarios: list[Scenario]) -> None:
@@ -87,7 +90,7 @@ def run_scenarios(scenarios: list[Scenario], out: Path, parallel: int = 2, verbo
             runnable.append(s)
             continue
         summary = ScenarioSummary.of(scenario=s.name, verdict=Verdict.SKIP, reason=reason, axes=dict(s.axes),
-                                     config=scenario_config(s))  # fmt: skip
+                                     config=scenario_config(s))
         write_json(out / "scenarios" / s.name / "summary.json", summary.to_json())
         say(f"== {s.name}: skipped: {reason}")
         skipped.append(summary)
@@ -95,8 +98,9 @@ def run_scenarios(scenarios: list[Scenario], out: Path, parallel: int = 2, verbo
     check_mlm_flags(scenarios)
     by_scenario = plan_checked(scenarios, out)
     say(f"gtp-parity: {len(scenarios)} scenario(s), "
-        f"{len({j.key for r in by_scenario.values() for j in r.values()})} distinct side(s) -> {out}")  # fmt: skip
-    failures = execute(by_scenario, scenarios, out, parallel=parallel, progress=say, fresh=fresh, collect=collect)
+        f"{len({j.key for r in by_scenario.values() for j in r.values()})} distinct side(s) -> {out}")
+    failures = execute(by_scenario, scenarios, out, parallel=parallel, progress=say, fresh=fresh,
+                       collect=collect)
     worst = EXIT_PASS
     results = []
     for s in scenarios:
@@ -108,7 +112,7 @@ def run_scenarios(scenarios: list[Scenario], out: Path, parallel: int = 2, verbo
             write_json(sdir / "summary.json", summary.to_json())
             known = summary.verdict == Verdict.KNOWN_DIVERGENCE
             say(f"\n== {s.name}: run failed" + (f", {summary.expectation}" if known else "") + "\n"
-                + "\n".join(f"  {r}: {m}" for r, m in failed.items()))  # fmt: skip
+                + "\n".join(f"  {r}: {m}" for r, m in failed.items()))
             worst = worst if known else max(worst, EXIT_RUN_FAILED)
             results.append(summary)
             continue
@@ -121,12 +125,12 @@ def run_scenarios(scenarios: list[Scenario], out: Path, parallel: int = 2, verbo
             worst = max(worst, EXIT_PARITY_FAIL)
     results += skipped
     write_json(out / "summary.json", {"scenarios": [r.to_json() for r in results],
-                                      "verdict": overall(r.verdict for r in results)})  # fmt: skip
+                                      "verdict": overall(r.verdict for r in results)})
     return worst
 
 
 def plan_launches(scenarios: list[Scenario], out: Path, nnodes: int = 1, endpoint: str | None = None,
-                  fresh: bool = False, say=print) -> int:  # fmt: skip
+                  fresh: bool = False, say=print) -> int:
     """``gtp-parity plan``: write the launch plans of every side without a complete trace under
     ``out/launches`` (paths made absolute: every node reads them) and print what runs each;
     launch nothing. Incomplete traces of those sides are removed, as ``run`` would."""
@@ -138,8 +142,9 @@ def plan_launches(scenarios: list[Scenario], out: Path, nnodes: int = 1, endpoin
     batches = launches(by_scenario, scenarios, pending)
     clear_incomplete(pending.values())
     paths = write_plans(batches, out)
-    say(f"gtp-parity: {len(scenarios)} scenario(s), {len(pending)} side(s) to run in {len(batches)} launch(es), "
-        f"one after another -> {out}")  # fmt: skip
+    say(f"gtp-parity: {len(scenarios)} scenario(s), {len(pending)} side(s) to run in {len(batches)} "
+        f"launch(es), "
+        f"one after another -> {out}")
     root = Path(__file__).resolve().parents[1]
     for b, path in zip(batches, paths):
         where, lines = node_commands(b.name, path, b.world, nnodes, endpoint, root)
@@ -149,7 +154,8 @@ def plan_launches(scenarios: list[Scenario], out: Path, nnodes: int = 1, endpoin
     return EXIT_PASS
 
 
-def launch_plan(path: str, nnodes: int = 1, node_rank: int = 0, endpoint: str | None = None, say=print) -> int:
+def launch_plan(path: str, nnodes: int = 1, node_rank: int = 0, endpoint: str | None = None,
+                say=print) -> int:
     """``gtp-parity launch PLAN``: run this node's share of a planned launch under torchrun,
     watched as ``run`` watches its launches (timeouts, heartbeats, failures named by node and
     rank). Bad flags are refused before anything starts."""
@@ -162,8 +168,9 @@ def launch_plan(path: str, nnodes: int = 1, node_rank: int = 0, endpoint: str | 
         raise BadInput(path, f"not a launch plan: a malformed job ({type(e).__name__}: {e})") from None
     plan_path = Path(path).resolve()
     try:
-        wall = launch(jobs, world=doc["world"], timeout_s=timeout_s, workdir=plan_path.parent, name=doc["name"],
-                      nodes=nodes, plan=plan_path)  # fmt: skip
+        wall = launch(jobs, world=doc["world"], timeout_s=timeout_s, workdir=plan_path.parent,
+                      name=doc["name"],
+                      nodes=nodes, plan=plan_path)
     except KeyboardInterrupt:  # the launch's ranks are already ended (launch's finally)
         mark_interrupted(jobs, doc["world"])
         raise
@@ -179,8 +186,9 @@ def compare_traces(ref: Path, cand: Path, golden: Path | None, out: Path,
     """Compare three traces into ``out``; under torchrun, split over the ranks (every rank
     returns rank 0's exit code)."""
     with split.rank_group() as ranks:
-        summary = compare_scenario(None, {Role.REFERENCE: ref, Role.CANDIDATE: cand, Role.GOLDEN: golden}, out,
-                                   policy=policy, verify=verify, jobs=jobs, ranks=ranks)  # fmt: skip
+        summary = compare_scenario(None, {Role.REFERENCE: ref, Role.CANDIDATE: cand, Role.GOLDEN: golden},
+                                   out,
+                                   policy=policy, verify=verify, jobs=jobs, ranks=ranks)
         code = EXIT_PASS if summary is None or summary.verdict.passes_gate else EXIT_PARITY_FAIL
         return split.share_exit_code(code) if ranks else code
 

@@ -10,7 +10,6 @@ calls it wraps; the two controls that do change behaviour are explicit sides of 
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import sys
@@ -29,7 +28,7 @@ from harness.backends.megatron import compat  # noqa: E402
 
 SEED = 1234
 GTP_WEIGHTS = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight",
-               "linear_fc2.weight", "word_embeddings.weight", "output_layer.weight")  # fmt: skip
+               "linear_fc2.weight", "word_embeddings.weight", "output_layer.weight")
 
 
 @dataclass(frozen=True)
@@ -129,7 +128,7 @@ def build(run: Run, collection=None):
     m = run.model
     dtype = torch.bfloat16 if run.bf16 else torch.float32
     recompute = dict(recompute_granularity="full", recompute_method="uniform",
-                     recompute_num_layers=1) if run.recompute else {}  # fmt: skip
+                     recompute_num_layers=1) if run.recompute else {}
     config = TransformerConfig(
         num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
         num_attention_heads=m.num_attention_heads, tensor_model_parallel_size=run.tp,
@@ -139,7 +138,7 @@ def build(run: Run, collection=None):
         bf16=run.bf16, params_dtype=dtype, pipeline_dtype=dtype, init_method_std=0.05,
         deterministic_mode=True, sequence_parallel=run.sequence_parallel,
         calculate_per_token_loss=run.per_token_loss, mtp_num_layers=run.mtp_num_layers or None, **recompute,
-    )  # fmt: skip
+    )
     undo = _norm_without_sp_assert()
     spec = get_gpt_layer_local_spec()
     try:
@@ -147,15 +146,17 @@ def build(run: Run, collection=None):
             config=config, transformer_layer_spec=spec,
             vocab_size=m.vocab_size, max_sequence_length=m.seq_length,
             share_embeddings_and_output_weights=False, position_embedding_type="learned_absolute", **groups,
-            mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if run.mtp_num_layers else None,
-        )  # fmt: skip
+            mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
+                if run.mtp_num_layers else None,
+        )
     finally:
         undo()
     if run.bf16:
         from megatron.core.transformer.module import Float16Module
 
         model = Float16Module(config, model)
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model, **groups)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model,
+                                  **groups)
     if run.gtp > 1:
         gtp_api.classify_gtp_remat_chains(ddp)
     return config, ddp
@@ -254,7 +255,7 @@ def step(config, ddp, run: Run) -> float:
         forward_step_func=forward_step, data_iterator=iter([None]), model=[ddp],
         num_microbatches=1, seq_length=m.seq_length, micro_batch_size=m.micro_batch_size,
         forward_only=False,
-    )  # fmt: skip
+    )
     total = totals[0].clone()
     dist.all_reduce(total, group=ps.get_data_parallel_group())
     return float(total[0] / total[1])
@@ -307,7 +308,7 @@ class Recorder:
 
     def _record(self, param, out, phase, ticket):
         use = Use(self.names.get(id(param), "?"), phase, out, out.detach().clone(),
-                  ticket=ticket, buffer=out.data_ptr())  # fmt: skip
+                  ticket=ticket, buffer=out.data_ptr())
         self.uses.append(use)
         # A buffer handed out again supersedes an earlier hand-out no GEMM has read yet.
         self._pending = [u for u in self._pending if u.buffer != use.buffer] + [use]
@@ -331,7 +332,7 @@ class Recorder:
                 "into": "recompute" if kw.get("recompute") else "fwd" if fwd else "bwd",
                 "async": bool(async_op), "buffer": out.data_ptr(),
                 "in_backward": torch._C._current_graph_task_id() != -1,
-            })  # fmt: skip
+            })
             return out, handle
 
         return wrapper
@@ -399,7 +400,7 @@ def gemm_report(recorder: Recorder, weights: dict[str, torch.Tensor], gtp: int) 
             "call": i, "param": use.param, "phase": use.phase, "verdict": verdict,
             "changed_before_gemm": raced, "changed_during_gemm": clobbered,
             "ticket": use.ticket, "buffer": use.buffer,
-        })  # fmt: skip
+        })
     return rows
 
 
@@ -413,7 +414,7 @@ def chain_links(ddp) -> dict[str, dict]:
         nm = lambda q: names.get(id(q)) if q is not None else None  # noqa: E731
         out[n] = {"next_w": nm(p.next_w), "prev_w": nm(p.prev_w),
                   "recompute_next": nm(p._recompute_next), "recompute_prev": nm(p._recompute_prev),
-                  "buffer_key": str(p._get_cache_key(p.dtype, True, False))}  # fmt: skip
+                  "buffer_key": str(p._get_cache_key(p.dtype, True, False))}
     return out
 
 
@@ -447,7 +448,7 @@ def run_side(run: Run, instrument: bool = True) -> dict:
         "gemms": gemm_report(recorder, weights, run.gtp) if recorder else [],
         "links": chain_links(ddp) if run.gtp > 1 else {},
         "gathers": recorder.gathers if recorder else [],
-    }  # fmt: skip
+    }
     ps.destroy_model_parallel()
     compat.reset_gtp_state()
     return result
@@ -458,7 +459,8 @@ def _flag_recompute_phase():
     GTP calls it by (main calls ``in_activation_recompute_phase``, an alias bound at import)."""
     from megatron.core.tensor_parallel import generalized_tensor_parallelism as gtp
 
-    names = [n for n in ("in_fp8_activation_recompute_phase", "in_activation_recompute_phase") if hasattr(gtp, n)]
+    names = [n for n in ("in_fp8_activation_recompute_phase", "in_activation_recompute_phase")
+             if hasattr(gtp, n)]
     originals = {n: getattr(gtp, n) for n in names}
     for n in names:
         setattr(gtp, n, lambda: torch._C._current_graph_task_id() != -1)
@@ -507,7 +509,7 @@ def summarize(sides: list[dict]) -> dict:
             "gemms": len(s["gemms"]), "wrong_gemms": bad,
             "raced_gemms": [g for g in s["gemms"] if g["changed_before_gemm"] or g["changed_during_gemm"]],
             "links": s["links"], "gathers": s["gathers"],
-        }  # fmt: skip
+        }
     return out
 
 
@@ -564,7 +566,7 @@ def megatron_banner() -> str:
 
 
 def parse_args(doc: str, labels, argv=None, flag: str = "--sides",
-               what: str = "labels to run (the first is the baseline)"):  # fmt: skip
+               what: str = "labels to run (the first is the baseline)"):
     """The reproducers' command line: ``--json OUT``, ``flag`` (comma-separated, out of
     ``labels``; an unknown one exits 2) and ``--megatron TREE`` (:func:`use_megatron_tree`,
     applied here). Returns the namespace, with the chosen labels as ``chosen``."""
@@ -576,7 +578,7 @@ def parse_args(doc: str, labels, argv=None, flag: str = "--sides",
     ap.add_argument(flag, dest="chosen", help=f"comma-separated {what}; default all: {','.join(labels)}")
     ap.add_argument("--megatron", metavar="TREE",
                     help="run this megatron-core instead of the installed one: a folder holding "
-                    "megatron/, or git:<repo>@<rev>")  # fmt: skip
+                    "megatron/, or git:<repo>@<rev>")
     args = ap.parse_args(argv)
     args.chosen = args.chosen.split(",") if args.chosen else labels
     unknown = [x for x in args.chosen if x not in labels]

@@ -53,15 +53,18 @@ def _build(ep: int, eg: int, g: int):
     cfg = TransformerConfig(
         num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
         tensor_parallel_num_weight_shards=g, expert_tensor_parallel_num_weight_shards=eg,
-        num_moe_experts=4, moe_router_topk=2, expert_model_parallel_size=ep, moe_token_dispatcher_type="alltoall",
+        num_moe_experts=4, moe_router_topk=2, expert_model_parallel_size=ep,
+            moe_token_dispatcher_type="alltoall",
         use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False,
         gradient_accumulation_fusion=False, deterministic_mode=True,
-    )  # fmt: skip
-    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False),
+    )
+    model = GPTModel(config=cfg,
+                     transformer_layer_spec=get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False),
                      vocab_size=64, max_sequence_length=8, share_embeddings_and_output_weights=False,
-                     position_embedding_type="learned_absolute")  # fmt: skip
+                     position_embedding_type="learned_absolute")
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
-    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, params_dtype=torch.float32), [ddp])
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, params_dtype=torch.float32),
+                                 [ddp])
     return ddp, opt
 
 
@@ -94,7 +97,7 @@ def _rank(rank: int, world: int, directory: str, loads: list[str]) -> dict:
     opt.step()
     out = {"saved": _layout(ddp, opt)}
     dist_checkpointing.save(sharded_state(ddp, opt, is_loading=False), directory,
-                            sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1))  # fmt: skip
+                            sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1))
     dist.barrier()
     _done()
     for label in loads:
@@ -121,10 +124,12 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="gtp-ckpt-ep-") as tmp:
         ranks = spawn(_rank, 4, tmp, args.chosen)
     first = ranks[0]
-    print(f"saved: {first['saved']['optimizers']} optimizer(s), expert allreduce {first['saved']['expert_allreduce']}")
+    print(f"saved: {first['saved']['optimizers']} optimizer(s), expert allreduce "
+          f"{first['saved']['expert_allreduce']}")
     for label in args.chosen:
         r = first[label]
-        print(f"load at {label}: {r['optimizers']} optimizer(s), expert allreduce {r['expert_allreduce']}: {r['load']}")
+        print(f"load at {label}: {r['optimizers']} optimizer(s), expert allreduce {r['expert_allreduce']}: "
+              f"{r['load']}")
     if args.json:
         args.json.write_text(json.dumps(ranks, indent=1))
     return 0

@@ -44,13 +44,14 @@ def _build(tp: int, gtp: int):
     gtp_api.configure_gtp_remat_from_recipe(calculate_per_token_loss=False)
     cfg = TransformerConfig(
         num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS,
-        tensor_model_parallel_size=tp, tensor_parallel_num_weight_shards=tp * gtp, use_cpu_initialization=True,
+        tensor_model_parallel_size=tp, tensor_parallel_num_weight_shards=tp * gtp,
+            use_cpu_initialization=True,
         hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False, gradient_accumulation_fusion=False,
         params_dtype=torch.float32, init_method_std=0.05, deterministic_mode=True,
-    )  # fmt: skip
+    )
     return GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
                     max_sequence_length=SEQ, share_embeddings_and_output_weights=False,
-                    position_embedding_type="learned_absolute")  # fmt: skip
+                    position_embedding_type="learned_absolute")
 
 
 def _full(p) -> torch.Tensor:
@@ -78,11 +79,12 @@ def _save(rank: int, world: int, directory: str) -> dict:
     model = _build(1, 2)
     full = {n: _full(p) for n, p in model.named_parameters()}
     dist_checkpointing.save({"model": model.sharded_state_dict()}, directory,
-                            sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1))  # fmt: skip
+                            sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1))
     if rank == 0:
         for n, t in full.items():
             np.save(Path(directory, f"expected.{n}.npy"), t.numpy(), allow_pickle=False)
-    pads = {n: int(getattr(p, "pad_length", 0)) for n, p in model.named_parameters() if getattr(p, "pad_length", 0)}
+    pads = {n: int(getattr(p, "pad_length", 0)) for n, p in model.named_parameters()
+            if getattr(p, "pad_length", 0)}
     dist.barrier()
     ps.destroy_model_parallel()
     compat.reset_gtp_state()
@@ -108,9 +110,13 @@ def _load(rank: int, world: int, directory: str, tp: int) -> dict:
         got = _full(p)
         want = torch.from_numpy(np.load(Path(directory, f"expected.{n}.npy"), allow_pickle=False))
         if got.shape != want.shape or not torch.equal(got, want):
-            rows = (got != want).reshape(got.shape[0], -1).any(1).nonzero().flatten().tolist() if got.shape == want.shape else []
-            out[n] = {"max_abs_diff": float((got - want).abs().max()) if got.shape == want.shape else None,
-                      "wrong_rows": len(rows), "rows": got.shape[0], "first_wrong_row": rows[0] if rows else None}  # fmt: skip
+            same_shape = got.shape == want.shape
+            rows = []
+            if same_shape:
+                rows = (got != want).reshape(got.shape[0], -1).any(1).nonzero().flatten().tolist()
+            out[n] = {"max_abs_diff": float((got - want).abs().max()) if same_shape else None,
+                      "wrong_rows": len(rows), "rows": got.shape[0], "first_wrong_row": rows[0] if rows
+                          else None}
     ps.destroy_model_parallel()
     compat.reset_gtp_state()
     return out
@@ -132,8 +138,9 @@ def main() -> int:
                 continue
             print(f"{label}: {len(wrong)} parameters differ from the saved ones, no error raised")
             for n, w in wrong.items():
-                print(f"    {n}: max |diff| {w['max_abs_diff']:.3e}, {w['wrong_rows']} of {w['rows']} logical rows wrong"
-                      f" (first: row {w['first_wrong_row']})")  # fmt: skip
+                print(f"    {n}: max |diff| {w['max_abs_diff']:.3e}, {w['wrong_rows']} of {w['rows']} "
+                      f"logical rows wrong"
+                      f" (first: row {w['first_wrong_row']})")
     return 0
 
 

@@ -38,10 +38,11 @@ def _megatron_lm_globals(data_ranks: int, gtp: int, m: c.Model) -> None:
         eval_global_batch_size=batch, eval_micro_batch_size=m.micro_batch_size, eval_iters=1,
         data_parallel_size=data_ranks // gtp, gtp_weight_remat_size=gtp, seq_length=m.seq_length,
         decoder_seq_length=None, cuda_graph_impl="none", cuda_graph_warmup_steps=0,
-        moe_expert_rank_capacity_factor=None, overlap_param_gather=False, reuse_grad_buf_for_mxfp8_param_ag=False,
+        moe_expert_rank_capacity_factor=None, overlap_param_gather=False,
+            reuse_grad_buf_for_mxfp8_param_ag=False,
         empty_unused_memory_level=0, sft=False, consumed_valid_samples=0, exit_duration_in_mins=None,
         timing_log_level=0, timing_log_option="minmax",
-    )  # fmt: skip
+    )
     global_vars.set_args(args)
     global_vars._set_timers(args)
 
@@ -84,7 +85,7 @@ def _side(run: c.Run) -> dict:
     ps.destroy_model_parallel()
     c.compat.reset_gtp_state()
     return {"label": run.label, "reported": float(loss["lm loss"]), "own": float(mine[0] / mine[1]),
-            "batch": float(whole[0] / whole[1]), "micro_batch_terms": len(totals) * dist.get_world_size()}  # fmt: skip
+            "batch": float(whole[0] / whole[1]), "micro_batch_terms": len(totals) * dist.get_world_size()}
 
 
 def _on_rank(rank, world, sides):
@@ -104,7 +105,8 @@ def main(argv=None) -> int:
             tol = (s["micro_batch_terms"] + 2) * eps * abs(s["batch"])
             is_batch = math.isclose(s["reported"], s["batch"], rel_tol=0, abs_tol=tol)
             is_own = math.isclose(s["reported"], s["own"], rel_tol=0, abs_tol=tol)
-            which = "the whole batch's mean" if is_batch else "its own samples' mean only" if is_own else "neither"
+            which = ("the whole batch's mean" if is_batch else "its own samples' mean only" if is_own
+                     else "neither")
             wrong += not is_batch
             print(f"{label:>8} rank {rank}: eval loss {s['reported']:.6f}  own samples {s['own']:.6f}  "
                   f"whole batch {s['batch']:.6f}  -> {which}")

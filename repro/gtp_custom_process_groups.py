@@ -53,7 +53,8 @@ def _on_rank(rank, world):
     from megatron.core.tensor_parallel import param_is_not_gtp_duplicate
 
     made = []
-    _, ddp = c.build(c.Run("collection-permuted", gtp=2), collection=lambda: made.append(_collection()) or made[0])
+    _, ddp = c.build(c.Run("collection-permuted", gtp=2), collection=lambda: made.append(_collection())
+                     or made[0])
     pgc = made[0]
     want = dist.get_process_group_ranks(pgc.gtp_remat)
     counted_here = pgc.gtp_remat.rank() == 0  # each replicated grad once per model-parallel group
@@ -67,7 +68,7 @@ def _on_rank(rank, world):
     return {"rank": rank, "collection_gtp_group": want, "weights": weights,
             "weights_off_collection": {n: g for n, g in weights.items() if g != want},
             "replicated_counted_here": counted_here,
-            "replicated_miscounted": sorted(n for n, k in kept.items() if k != counted_here)}  # fmt: skip
+            "replicated_miscounted": sorted(n for n, k in kept.items() if k != counted_here)}
 
 
 def main(argv=None) -> int:
@@ -79,8 +80,10 @@ def main(argv=None) -> int:
         print(f"rank {r['rank']}: the collection's GTP group {r['collection_gtp_group']}: "
               f"{len(r['weights']) - len(off)} of {len(r['weights'])} GTP weights gather over it"
               + "".join(f"\n    {n} gathers over {g}" for n, g in sorted(off.items())))
-        print(f"    replicated grads the norm should count here: {'all' if r['replicated_counted_here'] else 'none'}; "
-              f"counted otherwise: {len(miscounted)}" + (f" ({', '.join(miscounted[:3])}, ...)" if miscounted else ""))
+        print(f"    replicated grads the norm should count here: "
+              f"{'all' if r['replicated_counted_here'] else 'none'}; "
+              f"counted otherwise: {len(miscounted)}" + (f" ({', '.join(miscounted[:3])}, ...)" if miscounted
+                                                         else ""))
     if args.json:
         args.json.write_text(json.dumps(ranks, indent=1))
     return 1 if any(r["weights_off_collection"] or r["replicated_miscounted"] for r in ranks) else 0

@@ -70,7 +70,7 @@ def _on_rank(rank, world, sides):
             "shared": {n: {"rel_diff": _rel(s["grads"][n], base["grads"][n]),
                            "finite": bool(torch.isfinite(s["grads"][n]).all())} for n in SHARED},
             "others_max_rel_diff": max(_rel(s["grads"][n], base["grads"][n]) for n in others),
-        }  # fmt: skip
+        }
     return out
 
 
@@ -88,9 +88,10 @@ def main(argv=None) -> int:
             print(f"{label:>14}: raised {s['raised']} at {s['where']}")
             continue
         shared = "; ".join(f"{n} {v['rel_diff']:.2e}" + ("" if v["finite"] else " NOT FINITE")
-                           for n, v in s["shared"].items())  # fmt: skip
+                           for n, v in s["shared"].items())
         bad |= not all(v["finite"] for v in s["shared"].values())
-        print(f"{label:>14}: loss {s['loss']:.6f}  grad norm {s['grad_norm']:.6f}  shared grads vs first side: "
+        print(f"{label:>14}: loss {s['loss']:.6f}  grad norm {s['grad_norm']:.6f}  shared grads vs first "
+              f"side: "
               f"{shared}; others max rel diff {s['others_max_rel_diff']:.2e}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

@@ -39,9 +39,9 @@ def _muon_update(run: c.Run, mode: str) -> dict:
     config, ddp = c.build(run)
     c.step(config, ddp, run)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="muon", lr=1.0, weight_decay=0.0, clip_grad=0.0,
-                                                 muon_tp_mode=mode), [ddp])  # fmt: skip
+                                                 muon_tp_mode=mode), [ddp])
     muon = {id(p) for part in opt.chained_optimizers if hasattr(part.optimizer, "scaled_orthogonalize_fn")
-            for g in part.optimizer.param_groups for p in g["params"]}  # fmt: skip
+            for g in part.optimizer.param_groups for p in g["params"]}
     named = [(c.unwrapped_name(n), p) for n, p in ddp.named_parameters() if id(p) in muon]
     before = {n: c.logical(p, p.data) for n, p in named}
     opt.step()
@@ -59,24 +59,26 @@ def _on_rank(rank, world, modes):
 def _compare(off: dict, gtp: dict) -> dict:
     rows = {}
     for name, u_off in off["updates"].items():
-        a, b = torch.tensor(u_off, dtype=torch.float64), torch.tensor(gtp["updates"][name], dtype=torch.float64)
+        a, b = torch.tensor(u_off, dtype=torch.float64), torch.tensor(gtp["updates"][name],
+                                                                      dtype=torch.float64)
         rows[name] = {"pad_rows": gtp["pads"][name], "norm_ratio": float(b.norm() / a.norm()),
                       "max_rel_diff": float((b - a).abs().max() / a.abs().max()),
-                      "bitwise": bool(torch.equal(a, b))}  # fmt: skip
+                      "bitwise": bool(torch.equal(a, b))}
     return rows
 
 
 def main(argv=None) -> int:
     args = c.parse_args(__doc__, MODES, argv, flag="--modes", what="Muon tp_modes to run")
     results = c.spawn(_on_rank, 2, tuple(args.chosen))[0]
-    print(f"== {c.megatron_banner()}: Muon update, TP1 x GTP2 vs GTP off, FFN 80 (fc1 padded 80 -> 96 rows) ==")
+    print(f"== {c.megatron_banner()}: Muon update, TP1 x GTP2 vs GTP off, FFN 80 (fc1 padded 80 -> 96 rows) "
+          f"==")
     report = {}
     for mode, sides in results.items():
         report[mode] = _compare(sides["gtp-off"], sides["gtp2"])
         print(f"muon_tp_mode = {mode}:")
         for name, r in report[mode].items():
             verdict = ("bitwise equal" if r["bitwise"] else
-                       f"norm ratio {r['norm_ratio']:.4f}, max rel diff {r['max_rel_diff']:.2e}")  # fmt: skip
+                       f"norm ratio {r['norm_ratio']:.4f}, max rel diff {r['max_rel_diff']:.2e}")
             print(f"  {name:<52} pad rows {r['pad_rows']:>2}: {verdict}")
     print(f"spectral scale ratio of a 96- vs an 80-row matrix of 64 columns: {(96 / 80) ** 0.5:.4f}")
     if args.json:

@@ -54,7 +54,7 @@ def _extend(runs, results, summary):
 
 def main(argv=None):
     results = c.cli(__doc__, "calculate_per_token_loss: TransformerConfig vs GTP's config, TP1 x GTP2",
-                    SIDES, 2, argv, extend=_extend)  # fmt: skip
+                    SIDES, 2, argv, extend=_extend)
     for label, s in results[0].items():
         ratio = ", ".join(f"{k} {v:.6f}" for k, v in s["grad_ratio_vs_gtp_off"].items())
         print(f"{label:>28}: GTP_CONFIG.calculate_per_token_loss={s['gtp_config_per_token_loss']}; "

@@ -10,7 +10,8 @@ hand-out is checked when GTP returns it, so it follows program order (no timing)
 prefetched for the next chunk's first GEMM was overwritten by an interleaved micro-batch's gather
 into the same buffer before that GEMM ran.
 
-    export PYTHONPATH=$PWD; .venv/bin/python repro/gtp_vpp_prefetch_chain.py [--sides a,b] [--json OUT] [--megatron TREE]
+    export PYTHONPATH=$PWD; .venv/bin/python repro/gtp_vpp_prefetch_chain.py [--sides a,b] [--json OUT]
+    [--megatron TREE]
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def _build(gtp: int, prefetch: bool):
 
     compat.reset_gtp_state()
     ps.initialize_model_parallel(1, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
-                                 gtp_remat_size=gtp)  # fmt: skip
+                                 gtp_remat_size=gtp)
     model_parallel_cuda_manual_seed(1)
     if gtp > 1:
         gtp_api.configure_gtp_remat_from_recipe(calculate_per_token_loss=False)
@@ -56,7 +57,7 @@ def _build(gtp: int, prefetch: bool):
         use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False,
         gradient_accumulation_fusion=False, params_dtype=torch.float32, pipeline_dtype=torch.float32,
         init_method_std=0.05, deterministic_mode=True,
-    )  # fmt: skip
+    )
     chunks = []
     for vp in range(2):
         # Same full weights on every side: one CPU seed per (stage, chunk), GTP slices them after.
@@ -65,9 +66,11 @@ def _build(gtp: int, prefetch: bool):
                          max_sequence_length=SEQ, share_embeddings_and_output_weights=False,
                          position_embedding_type="learned_absolute",
                          pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
-                         post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp), vp_stage=vp)  # fmt: skip
-        chunks.append(DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model,
-                                              disable_bucketing=bool(chunks)))  # fmt: skip
+                         post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+                             vp_stage=vp)
+        chunks.append(DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+                                              model,
+                                              disable_bucketing=bool(chunks)))
     if gtp > 1:
         gtp_api.classify_gtp_remat_chains(chunks)
     return cfg, chunks
@@ -100,7 +103,8 @@ def _record_handouts(names: dict, weights: dict, handouts: list):
             own = names.get(id(param), ("?",))[0]
             if not torch.equal(out, weights.get(own, out)):
                 match = [n for n, w in weights.items() if w.shape == out.shape and torch.equal(w, out)]
-                handouts.append({"param": own, "index": len(handouts), "holds": match or ["no parameter's weight"]})
+                handouts.append({"param": own, "index": len(handouts), "holds": match
+                                 or ["no parameter's weight"]})
             else:
                 handouts.append(None)
         return out
@@ -123,7 +127,8 @@ def _side(gtp: int, prefetch: bool) -> dict:
     handouts = []
     undo = _record_handouts(names, weights, handouts)
     data_rank, data_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    tokens = torch.randint(0, VOCAB, (data_size, MICRO, MBS, SEQ + 1), generator=torch.Generator().manual_seed(7))[data_rank]
+    tokens = torch.randint(0, VOCAB, (data_size, MICRO, MBS, SEQ + 1),
+                           generator=torch.Generator().manual_seed(7))[data_rank]
     mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), 1)
     positions = torch.arange(SEQ)[None].expand(MBS, -1)
     totals = []
@@ -140,7 +145,7 @@ def _side(gtp: int, prefetch: bool) -> dict:
         get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=[iter(list(tokens)) for _ in chunks], model=chunks,
             num_microbatches=MICRO, seq_length=SEQ, micro_batch_size=MBS, forward_only=False,
-        )  # fmt: skip
+        )
     finally:
         undo()
     total = torch.stack(totals).sum(0) if totals else torch.zeros(2)
@@ -150,7 +155,7 @@ def _side(gtp: int, prefetch: bool) -> dict:
     compat.reset_gtp_state()
     wrong = [h for h in handouts if h is not None]
     return {"loss": float(total[0] / total[1]), "grads": grads, "wrong": wrong,
-            "handouts": len(handouts)}  # fmt: skip
+            "handouts": len(handouts)}
 
 
 def _rank(rank: int, world: int, sides: list) -> dict:
@@ -158,10 +163,11 @@ def _rank(rank: int, world: int, sides: list) -> dict:
     base = results[sides[0]]["grads"]
     out = {}
     for s, r in results.items():
-        rel = {n: float((g - base[n]).abs().max() / base[n].abs().max().clamp_min(1e-30)) for n, g in r["grads"].items()}
+        rel = {n: float((g - base[n]).abs().max() / base[n].abs().max().clamp_min(1e-30))
+               for n, g in r["grads"].items()}
         worst = max(rel, key=rel.get)
         out[s] = {"loss": r["loss"], "worst_grad": worst, "worst_rel_diff": rel[worst],
-                  "wrong_handouts": r["wrong"], "handouts": r["handouts"]}  # fmt: skip
+                  "wrong_handouts": r["wrong"], "handouts": r["handouts"]}
     return out
 
 
@@ -173,11 +179,13 @@ def main(argv=None) -> int:
     for s in sides:
         rows = [r[s] for r in per_rank]
         worst = max(rows, key=lambda x: x["worst_rel_diff"])
-        print(f"{s:>18}: loss {rows[0]['loss']:.6f}  worst grad rel diff vs {sides[0]}: {worst['worst_rel_diff']:.3e}"
-              f" ({worst['worst_grad']})")  # fmt: skip
+        print(f"{s:>18}: loss {rows[0]['loss']:.6f}  worst grad rel diff vs {sides[0]}: "
+              f"{worst['worst_rel_diff']:.3e}"
+              f" ({worst['worst_grad']})")
         for rank, r in enumerate(rows):
             for h in r["wrong_handouts"][:3]:
-                print(f"{'':>20}rank {rank}: forward hand-out #{h['index']} of {h['param']} holds {', '.join(h['holds'])}")
+                print(f"{'':>20}rank {rank}: forward hand-out #{h['index']} of {h['param']} holds "
+                      f"{', '.join(h['holds'])}")
     if args.json:
         args.json.write_text(json.dumps(per_rank, indent=1))
     return 0

@@ -35,7 +35,7 @@ from repro import _common as c  # noqa: E402
 
 EMBEDDING = "embedding.word_embeddings.weight"
 SEED_MODEL = c.Model(num_layers=2, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4,
-                     vocab_size=128, seq_length=64, micro_batch_size=1)  # fmt: skip
+                     vocab_size=128, seq_length=64, micro_batch_size=1)
 SIDES = {"gtp-off": 1, "gtp2": 2}  # label: GTP size; the first is the baseline
 
 
@@ -50,7 +50,7 @@ def _record_rs_inputs(names: dict, record: dict):
     def wrapper(param, wgrad, *args, **kwargs):
         # one tensor per non-routed weight (a list only for routed experts: none here)
         record[names.get(id(param), "?")] = {"dtype": str(wgrad.dtype).removeprefix("torch."),
-                                             "value": wgrad.detach().float().clone()}  # fmt: skip
+                                             "value": wgrad.detach().float().clone()}
         return original(param, wgrad, *args, **kwargs)
 
     cls.wgrad_reduce_scatter = wrapper
@@ -82,7 +82,7 @@ def _side(gtp: int) -> dict:
     ps.destroy_model_parallel()
     c.compat.reset_gtp_state()
     return {"loss": loss, "grads": grads, "gtp_weights": gtp_weights, "rs_sum": rs_sum,
-            "rs_dtype": {n: r["dtype"] for n, r in rs_inputs.items()}}  # fmt: skip
+            "rs_dtype": {n: r["dtype"] for n, r in rs_inputs.items()}}
 
 
 def _bf16_ulps(diff: torch.Tensor, ref: torch.Tensor) -> float:
@@ -100,7 +100,7 @@ def _compare(gtp: torch.Tensor, off: torch.Tensor, rs_sum: torch.Tensor | None) 
         "max_abs_diff": float(diff.abs().max()), "max_bf16_ulps": _bf16_ulps(diff, off),
         "equals_off_rounded_to_bf16": torch.equal(gtp, off.bfloat16().float()),
         "rs_inputs_summed_equal_off": None if rs_sum is None else torch.equal(rs_sum, off),
-    }  # fmt: skip
+    }
 
 
 def _verdict(rows: list[dict]) -> str:
@@ -109,8 +109,9 @@ def _verdict(rows: list[dict]) -> str:
     if all(r["equals_off_rounded_to_bf16"] for r in rows):
         same_inputs = all(r["rs_inputs_summed_equal_off"] for r in rows)
         return ("= gtp-off main_grad rounded to bf16, exactly (one extra rounding"
-                + ("; the reduce-scatter's inputs, summed in fp32, are gtp-off's bitwise: not an order difference)"
-                   if same_inputs else ")"))  # fmt: skip
+                + ("; the reduce-scatter's inputs, summed in fp32, are gtp-off's bitwise: not an order "
+                   "difference)"
+                   if same_inputs else ")"))
     return "differs, and not by one bf16 rounding"
 
 
@@ -120,18 +121,20 @@ def _rank(rank: int, world: int, sides: list) -> dict:
     weights = {}
     for n in cand["gtp_weights"] or base["gtp_weights"]:
         weights[n] = {"rs_dtype": cand["rs_dtype"].get(n),
-                      **_compare(cand["grads"][n], base["grads"][n], cand["rs_sum"].get(n))}  # fmt: skip
+                      **_compare(cand["grads"][n], base["grads"][n], cand["rs_sum"].get(n))}
     others = [n for n in base["grads"] if n not in weights]
-    groups = {"linear": [n for n in weights if n != EMBEDDING], "embedding": [n for n in weights if n == EMBEDDING]}
+    groups = {"linear": [n for n in weights if n != EMBEDDING],
+              "embedding": [n for n in weights if n == EMBEDDING]}
     return {
         "loss": {s: r["loss"] for s, r in results.items()}, "weights": weights,
         "groups": {g: {"weights": ns, "verdict": _verdict([weights[n] for n in ns]),
                        "bitwise": all(weights[n]["bitwise"] for n in ns),
-                       "exact_extra_rounding": all(weights[n]["equals_off_rounded_to_bf16"] and not weights[n]["bitwise"]
+                       "exact_extra_rounding": all(weights[n]["equals_off_rounded_to_bf16"]
+                                                   and not weights[n]["bitwise"]
                                                    for n in ns)}
                    for g, ns in groups.items() if ns},
         "replicated_bitwise": all(torch.equal(cand["grads"][n], base["grads"][n]) for n in others),
-    }  # fmt: skip
+    }
 
 
 def _yes(flag) -> str:
@@ -147,21 +150,23 @@ def main(argv=None) -> int:
     per_rank = c.spawn(_rank, 2, sides)
     r0 = per_rank[0]
     print(f"== {c.megatron_banner()}: TP1 x GTP2 vs GTP off, world 2, bf16 params, fp32 main_grad, "
-          "step-1 main_grad ==")  # fmt: skip
+          "step-1 main_grad ==")
     print("loss: " + "  ".join(f"{s} {v:.6f}" for s, v in r0["loss"].items()))
     print(f"{'GTP weight':>50}  {'RS dtype':>8}  bitwise  {'differ':>13}  {'max (bf16 ULP)':>14}  "
-          f"= bf16(off)  RS inputs summed in fp32 = off")  # fmt: skip
+          f"= bf16(off)  RS inputs summed in fp32 = off")
     for n, w in r0["weights"].items():
-        print(f"{n:>50}  {w['rs_dtype'] or '-':>8}  {_yes(w['bitwise']):>7}  {w['differ']:>6} of {w['numel']:<6}"
+        print(f"{n:>50}  {w['rs_dtype'] or '-':>8}  {_yes(w['bitwise']):>7}  {w['differ']:>6} of "
+              f"{w['numel']:<6}"
               f"  {w['max_bf16_ulps']:>14.3f}  {_yes(w['equals_off_rounded_to_bf16']):>10}  "
-              f"{_yes(w['rs_inputs_summed_equal_off'])}")  # fmt: skip
+              f"{_yes(w['rs_inputs_summed_equal_off'])}")
     for g, v in r0["groups"].items():
         # every rank holds the logical (gathered) main_grads: the verdict must agree on all
         agree = all(r["groups"][g]["verdict"] == v["verdict"] for r in per_rank)
         print(f"{g} ({len(v['weights'])} weight{'s' * (len(v['weights']) > 1)}): {v['verdict']}"
-              + ("" if agree else "  (ranks disagree: see --json)"))  # fmt: skip
-    print("replicated params: " + ("bitwise equal to gtp-off" if all(r["replicated_bitwise"] for r in per_rank)
-                                   else "differ"))  # fmt: skip
+              + ("" if agree else "  (ranks disagree: see --json)"))
+    print("replicated params: " + ("bitwise equal to gtp-off"
+                                   if all(r["replicated_bitwise"] for r in per_rank)
+                                   else "differ"))
     if args.json:
         args.json.write_text(json.dumps(per_rank, indent=1))
     return 0 if all(v["bitwise"] for r in per_rank for v in r["groups"].values()) else 1

@@ -30,7 +30,7 @@ def _side(restore: bool) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import (
         DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads,
-    )  # fmt: skip
+    )
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel import gtp_api
@@ -47,14 +47,15 @@ def _side(restore: bool) -> dict:
     cfg = TransformerConfig(
         num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
         tensor_parallel_num_weight_shards=2, expert_tensor_parallel_num_weight_shards=2,
-        num_moe_experts=4, moe_router_topk=2, expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall",
+        num_moe_experts=4, moe_router_topk=2, expert_model_parallel_size=2,
+            moe_token_dispatcher_type="alltoall",
         use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False,
         gradient_accumulation_fusion=False, deterministic_mode=True,
-    )  # fmt: skip
+    )
     spec = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False)
     model = GPTModel(config=cfg, transformer_layer_spec=spec,
                      vocab_size=64, max_sequence_length=8, share_embeddings_and_output_weights=False,
-                     position_embedding_type="learned_absolute")  # fmt: skip
+                     position_embedding_type="learned_absolute")
     if restore:
         for name, p in model.named_parameters():
             if ".experts." in name:
@@ -79,7 +80,7 @@ def _rank(rank: int, world: int) -> dict:
     diff = max(float((built["grads"][n] - restored["grads"][n]).abs().max()) for n in built["grads"])
     return {"built": {k: built[k] for k in ("allreduce", "in_expert_buffer")},
             "restored": {k: restored[k] for k in ("allreduce", "in_expert_buffer")},
-            "max_expert_main_grad_difference": diff}  # fmt: skip
+            "max_expert_main_grad_difference": diff}
 
 
 def main() -> int:

@@ -16,7 +16,8 @@ non-GTP params, and for experts over the expert GTP group). Right only where EG 
 wheel (0.19.2) EP 1 experts stay in the dense buffers (``use_expert_pgs`` ignores expert GTP);
 on main (abf04f46e3) they move to the expert topology whenever EG != G, and hit the factor.
 
-    export PYTHONPATH=$PWD; .venv/bin/python repro/moe_expert_grad_scale.py [--cases a,b] [--json OUT] [--megatron TREE]
+    export PYTHONPATH=$PWD; .venv/bin/python repro/moe_expert_grad_scale.py [--cases a,b] [--json OUT]
+    [--megatron TREE]
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def _side(ep: int, egtp: int, gtp: int) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import (
         DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads,
-    )  # fmt: skip
+    )
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel import gtp_api
@@ -59,7 +60,8 @@ def _side(ep: int, egtp: int, gtp: int) -> dict:
     from repro._common import logical
 
     compat.reset_gtp_state()
-    ps.initialize_model_parallel(1, gtp_remat_size=gtp, expert_model_parallel_size=ep, expert_gtp_remat_size=egtp)
+    ps.initialize_model_parallel(1, gtp_remat_size=gtp, expert_model_parallel_size=ep,
+                                 expert_gtp_remat_size=egtp)
     model_parallel_cuda_manual_seed(1)
     torch.manual_seed(1)
     if gtp > 1 or egtp > 1:
@@ -71,10 +73,12 @@ def _side(ep: int, egtp: int, gtp: int) -> dict:
         moe_token_dispatcher_type="alltoall", use_cpu_initialization=True, hidden_dropout=0.0,
         attention_dropout=0.0, add_bias_linear=False, gradient_accumulation_fusion=False,
         deterministic_mode=True, init_method_std=0.05,
-    )  # fmt: skip
-    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False),
+    )
+    model = GPTModel(config=cfg,
+                     transformer_layer_spec=get_gpt_layer_local_spec(num_experts=EXPERTS,
+                                                                     moe_grouped_gemm=False),
                      vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=False,
-                     position_embedding_type="learned_absolute")  # fmt: skip
+                     position_embedding_type="learned_absolute")
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
     if gtp > 1 or egtp > 1:
         gtp_api.classify_gtp_remat_chains(ddp)
@@ -87,7 +91,7 @@ def _side(ep: int, egtp: int, gtp: int) -> dict:
     grads = {n: logical(p, p.main_grad) for n, p in experts.items()}
     first = next(iter(experts.values()))
     out = {"grads": grads, "allreduce": getattr(first, "allreduce", "absent"),
-           "expert_buffer": id(first) in expert_buffer_params}  # fmt: skip
+           "expert_buffer": id(first) in expert_buffer_params}
     ps.destroy_model_parallel()
     compat.reset_gtp_state()
     return out
@@ -99,7 +103,7 @@ def _relation(cand: dict, ref: dict) -> dict:
     b = torch.cat([ref[n].double().flatten() for n in ref])
     r = float(a @ b / (b @ b))
     return {"ratio": r, "residual": float((a - r * b).norm() / a.norm().clamp_min(1e-30)),
-            "max_rel_error": float((a - b).abs().max() / b.abs().max())}  # fmt: skip
+            "max_rel_error": float((a - b).abs().max() / b.abs().max())}
 
 
 def _rank(rank: int, world: int, cases: list) -> dict:
@@ -111,7 +115,7 @@ def _rank(rank: int, world: int, cases: list) -> dict:
         cand = _side(ep, egtp, gtp)
         out[label] = {"allreduce": cand["allreduce"], "expert_buffer": cand["expert_buffer"],
                       "reference_expert_buffer": refs[ep]["expert_buffer"],
-                      **_relation(cand["grads"], refs[ep]["grads"])}  # fmt: skip
+                      **_relation(cand["grads"], refs[ep]["grads"])}
     return out
 
 
@@ -120,7 +124,8 @@ def _verdict(rel: dict) -> str:
         return "parity"
     if rel["residual"] < 1e-5:
         return f"expert main_grad = {rel['ratio']:.4f} x reference (exactly one factor)"
-    return f"no single factor: max rel error {rel['max_rel_error']:.3e} (best factor {rel['ratio']:.4f}, residual {rel['residual']:.2e})"
+    return (f"no single factor: max rel error {rel['max_rel_error']:.3e} (best factor {rel['ratio']:.4f}, "
+            f"residual {rel['residual']:.2e})")
 
 
 def main(argv=None) -> int:
@@ -137,8 +142,9 @@ def main(argv=None) -> int:
             worst = max(rels, key=lambda x: (x["max_rel_error"], x["residual"]))
             r0 = rels[0]
             results[label] = rels
-            print(f"{label:>17} (world {world}): allreduce={r0['allreduce']!s:<5} expert buffer={r0['expert_buffer']!s:<5} "
-                  f"-> {_verdict(worst)}")  # fmt: skip
+            print(f"{label:>17} (world {world}): allreduce={r0['allreduce']!s:<5} expert "
+                  f"buffer={r0['expert_buffer']!s:<5} "
+                  f"-> {_verdict(worst)}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0

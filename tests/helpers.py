@@ -100,7 +100,7 @@ def step1_main_grads(out: Path, name: str) -> dict[str, tuple[torch.Tensor, torc
     paths = summary(out, name)["traces"]
     ref, cand = (assemble_trace(trace.read(paths[role])) for role in ("reference", "candidate"))
     return {key[2]: (t, cand.tensors[key]) for key, t in ref.tensors.items()
-            if key[0] == 1 and key[1] == "main_grad"}  # fmt: skip
+            if key[0] == 1 and key[1] == "main_grad"}
 
 
 def assert_grads_differ_by_order_only(out: Path, sc: scenario.Scenario) -> int:

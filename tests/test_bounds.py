@@ -55,7 +55,8 @@ def _megatron_norm(script: str, timeout: float) -> tuple[float, float, list[int]
     """(megatron-core's norm, the exact norm, the tensors' sizes), from ``script`` run in a
     subprocess: the compat layer patches torch for the whole process."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -114,11 +115,13 @@ from harness.backends.megatron import compat
 compat.install()
 from megatron.core.utils import local_multi_tensor_l2_norm
 h, layers, vocab = 512, 4, 4096  # scenarios/scale_nightly.toml (FFN 8h), and one tensor past 2^24 elements
-shapes = [(vocab, h)] + [(3 * h, h), (h, h), (8 * h, h), (h, 8 * h), (h,), (h,)] * layers + [(vocab, h), (2**25,)]
+layer = [(3 * h, h), (h, h), (8 * h, h), (h, 8 * h), (h,), (h,)]
+shapes = [(vocab, h)] + layer * layers + [(vocab, h), (2**25,)]
 gen = torch.Generator().manual_seed(3)
 grads = [torch.randn(*s, generator=gen) * 1e-3 for s in shapes]
 (norm,), _ = local_multi_tensor_l2_norm(0, None, [grads], False)
-exact = math.sqrt(sum(float(torch.dot(c.double(), c.double())) for g in grads for c in g.reshape(-1).split(1 << 20)))
+chunks = [c.double() for g in grads for c in g.reshape(-1).split(1 << 20)]
+exact = math.sqrt(sum(float(torch.dot(c, c)) for c in chunks))
 print(json.dumps([float(norm), exact, [g.numel() for g in grads]]))
 """
 

@@ -71,7 +71,8 @@ def _logged_window_holds(s, ref, cand):
     assert reduced == {st: table.loc[("candidate", st), "reduced_loss"] for st in (1, 2, 3)}
     mean = float(torch.tensor([reduced[1], reduced[2]], dtype=torch.float32).sum()) / 2
     assert f"{table.loc[('reference', 2), 'loss_logged']:.6E}" == f"{mean:.6E}"
-    for side, step in (("candidate", 1), ("candidate", 2), ("candidate", 3), ("reference", 1), ("reference", 3)):
+    for side, step in (("candidate", 1), ("candidate", 2), ("candidate", 3), ("reference", 1),
+                       ("reference", 3)):
         assert f"{table.loc[(side, step), 'loss_logged']:.6E}" == f"{reduced[step]:.6E}", (side, step)
 
 
@@ -116,7 +117,8 @@ def test_bridge_side_records_its_stand_ins_and_micro_batches(bridge_ci):
 def test_gtp_needs_a_bridge_tree_with_gtp_wiring(tmp_path):
     """No released Megatron-Bridge has GTP: a GTP side on one is bad input, before any launch."""
     _bridge_installed()
-    text = CI_FILE.read_text().replace('[candidate]\nbackend = "bridge"', '[candidate]\nbackend = "bridge"\ngtp = 2')
+    text = CI_FILE.read_text().replace('[candidate]\nbackend = "bridge"',
+                                       '[candidate]\nbackend = "bridge"\ngtp = 2')
     path = tmp_path / "gtp.toml"
     path.write_text(text)
     scenarios = scenario.load(path)
@@ -126,7 +128,8 @@ def test_gtp_needs_a_bridge_tree_with_gtp_wiring(tmp_path):
 
 def test_bridge_key_belongs_to_bridge_sides(tmp_path):
     path = tmp_path / "key.toml"
-    path.write_text(CI_FILE.read_text().replace('[reference]\nbackend = "mlm"', '[reference]\nbackend = "mlm"\nbridge = "x"'))
+    path.write_text(CI_FILE.read_text().replace('[reference]\nbackend = "mlm"',
+                                                '[reference]\nbackend = "mlm"\nbridge = "x"'))
     with pytest.raises(BadInput, match=r"\[reference\]\.bridge"):
         scenario.load(path)
 
@@ -189,7 +192,7 @@ def test_pr_head_refuses_what_gtp_does_not_support():
              resolve(s.candidate.bridge, "test", BRIDGE).root]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *paths])}
     done = subprocess.run([sys.executable, "-c", REFUSE, str(ROOT / "scenarios" / "bridge_gtp.toml")],
-                          env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+                          env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "decentralized REFUSED GTP is not supported with dist.use_decentralized_pg=True" in done.stdout
     assert "average REFUSED GTP requires ddp.average_in_collective=False." in done.stdout

@@ -61,7 +61,7 @@ def _doc(**checkpoint) -> dict:
     ({"load_into": [{"label": "x", "save_step": 1}]}, "load_into[0].save_step"),
     ({"load_into": [{"label": "a"}, {"label": "a"}]}, "label"),
     ({"keep": 1}, "keep"),
-])  # fmt: skip
+])
 def test_bad_checkpoint_tables_are_refused(edit, where):
     with pytest.raises(BadInput) as e:
         checkpointing.expand(_doc(**edit), "bad.toml", parse_scenario, validate)
@@ -86,10 +86,11 @@ class _Payload:
 
 def test_metadata_is_read_through_the_allow_list(tmp_path):
     from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, TensorProperties,
-                                                       TensorStorageMetadata)  # fmt: skip
+                                                       TensorStorageMetadata)
 
     good = Metadata({"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([4, 2]),
-                                                [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([4, 2]))])})  # fmt: skip
+                                                [ChunkStorageMetadata(torch.Size([0, 0]),
+                                                                      torch.Size([4, 2]))])})
     (tmp_path / "good").write_bytes(pickle.dumps(good))
     assert checkpoint.read_metadata(tmp_path / "good").state_dict_metadata["w"].size == torch.Size([4, 2])
     (tmp_path / "evil").write_bytes(pickle.dumps(_Payload()))
@@ -169,7 +170,8 @@ def test_pad_rows_saved_as_data_are_localized_at_load(fast):
     s = summary(out, "ckpt-fault-pad-rows-as-data")
     fd, expect = s["first_divergence"], CATALOG["ckpt-pad-rows-as-data"].expect
     assert s["verdict"] == "fail" and not s["checkpoint"]["bitwise_at_load"] and fd["phase"] == "load"
-    assert (fd["step"], fd["kind"], fd["tensor"], fd["signature"]) == (1, expect["kind"], expect["tensor"], expect["signature"])
+    assert (fd["step"], fd["kind"], fd["tensor"], fd["signature"]) == (1, expect["kind"], expect["tensor"],
+                                                                       expect["signature"])
     # G = 2 shards of 64 rows, each saved with 16 zero pad rows: the second shard lands 16 rows late.
     assert fd["inserted_rows"] == {"row": 64, "count": 16}
 

@@ -35,15 +35,16 @@ EXTRA = {
                        {"label": "fault-expert-index", "inject": ["ckpt-expert-index-shifted"]}],
     "ckpt-pp2-gtp2": [{"label": "fault-stage-layers", "world_size": 2, "pipeline_parallel": 1, "gtp": 1,
                        "inject": ["ckpt-stage-layers-mirrored"]}],
-}  # fmt: skip
-FAULTS = {"ckpt-ep2-egtp2-fault-expert-index": ("ckpt-expert-index-shifted", "local_experts.0.", "local_experts.2."),
-          "ckpt-pp2-gtp2-fault-stage-layers": ("ckpt-stage-layers-mirrored", "layers.0.", "layers.1.")}  # fmt: skip
+}
+FAULTS = {"ckpt-ep2-egtp2-fault-expert-index": ("ckpt-expert-index-shifted", "local_experts.0.",
+                                                "local_experts.2."),
+          "ckpt-pp2-gtp2-fault-stage-layers": ("ckpt-stage-layers-mirrored", "layers.0.", "layers.1.")}
 
 
 def _docs(extra: dict | None = None) -> list[tuple[dict, str]]:
     """The ``ckpt-*`` documents of features.toml, with ``extra`` loads appended per label."""
     docs = [(copy.deepcopy(d), src) for d, src in expand_matrix(read_toml(FEATURES), FEATURES)
-            if d["axes"]["feature"] in LABELS]  # fmt: skip
+            if d["axes"]["feature"] in LABELS]
     for d, _ in docs:
         d["checkpoint"]["load_into"] += (extra or {}).get(d["axes"]["feature"], [])
     return docs
@@ -70,7 +71,8 @@ def test_expert_parallel_and_pipelined_runs_are_saved_and_loaded():
     # The matrix's [candidate] (GTP 2) is what every loader starts from, under its own keys.
     assert by_name["ckpt-pp2-gtp2-pp1-gtp2"].candidate.gtp == 2 and pp.candidate.gtp == 1
     assert by_name["ckpt-ep2-egtp2-fault-expert-index"].saver.inject == ()  # planted where it saves:
-    assert checkpointing.saver_side(by_name["ckpt-ep2-egtp2-fault-expert-index"]).inject == ("ckpt-expert-index-shifted",)
+    saver = checkpointing.saver_side(by_name["ckpt-ep2-egtp2-fault-expert-index"])
+    assert saver.inject == ("ckpt-expert-index-shifted",)
 
 
 def test_an_interleaved_side_is_refused():
@@ -84,7 +86,7 @@ def test_an_interleaved_side_is_refused():
 @pytest.mark.parametrize("label, fault, problem", [
     ("ckpt-pp2-gtp2", "ckpt-expert-index-shifted", "no expert parallelism"),
     ("ckpt-ep2-egtp2", "ckpt-stage-layers-mirrored", "not pipelined"),
-])  # fmt: skip
+])
 def test_a_save_fault_the_saved_layout_cannot_fire_is_refused(label, fault, problem):
     (doc, src), = [(d, s) for d, s in _docs() if d["axes"]["feature"] == label]
     doc["checkpoint"]["load_into"] = [{"label": "f", "inject": [fault]}]
@@ -153,18 +155,24 @@ def _chains(rank: int, world: int, layouts: list) -> list[int]:
     out = []
     for ep, eg, g in layouts:
         compat.reset_gtp_state()
-        ps.initialize_model_parallel(1, gtp_remat_size=g, expert_model_parallel_size=ep, expert_gtp_remat_size=eg)
+        ps.initialize_model_parallel(1, gtp_remat_size=g, expert_model_parallel_size=ep,
+                                     expert_gtp_remat_size=eg)
         gtp_api.configure_gtp_remat_from_recipe(calculate_per_token_loss=False)
         cfg = TransformerConfig(num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
-                                tensor_parallel_num_weight_shards=g, expert_tensor_parallel_num_weight_shards=eg,
+                                tensor_parallel_num_weight_shards=g,
+                                    expert_tensor_parallel_num_weight_shards=eg,
                                 num_moe_experts=4, moe_router_topk=2, expert_model_parallel_size=ep,
-                                moe_token_dispatcher_type="alltoall", use_cpu_initialization=True, add_bias_linear=False,
-                                gradient_accumulation_fusion=False)  # fmt: skip
-        model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False),
+                                moe_token_dispatcher_type="alltoall", use_cpu_initialization=True,
+                                    add_bias_linear=False,
+                                gradient_accumulation_fusion=False)
+        model = GPTModel(config=cfg,
+                         transformer_layer_spec=get_gpt_layer_local_spec(num_experts=4,
+                                                                         moe_grouped_gemm=False),
                          vocab_size=64, max_sequence_length=8, share_embeddings_and_output_weights=False,
-                         position_embedding_type="learned_absolute")  # fmt: skip
+                         position_embedding_type="learned_absolute")
         ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(), model)
-        out.append(len(get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3), [ddp]).chained_optimizers))
+        out.append(len(get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3),
+                                              [ddp]).chained_optimizers))
         ps.destroy_model_parallel()
     compat.reset_gtp_state()
     return out
@@ -172,7 +180,7 @@ def _chains(rank: int, world: int, layouts: list) -> list[int]:
 
 def test_permuted_tensors_are_named_by_the_tensor_they_hold():
     ref = {(1, "exp_avg", "a"): torch.arange(6.0).view(2, 3), (1, "exp_avg", "b"): torch.ones(2, 3),
-           (1, "param", "c"): torch.zeros(2, 3)}  # fmt: skip
+           (1, "param", "c"): torch.zeros(2, 3)}
     assert other_tensor(torch.ones(2, 3), (1, "exp_avg", "a"), ref) == "b"
     assert other_tensor(torch.ones(2, 3) * 2, (1, "exp_avg", "a"), ref) is None
     assert other_tensor(torch.zeros(2, 3), (1, "exp_avg", "a"), ref) is None  # zeros show no permutation
@@ -228,8 +236,9 @@ def test_each_save_fault_is_localized_at_the_load(suite, name):
 def test_expert_and_layer_stacked_keys_hold_the_logical_tensors(suite):
     _, out = suite
     (saved,) = [p for p in out.glob("traces/*ep2-egtp2*/checkpoint")
-                if not json.loads((p.parent / "manifest.json").read_text())["config"]["inject"]]  # fmt: skip
+                if not json.loads((p.parent / "manifest.json").read_text())["config"]["inject"]]
     meta = checkpoint.read_metadata(saved / ".metadata").state_dict_metadata
     # Layers x experts x the whole (unsharded) expert weight, from 4 ranks' EP x EGTP shards.
     assert tuple(meta["decoder.layers.mlp.experts.experts.linear_fc1.weight"].size) == (2, 4, 64, 32)
-    assert tuple(meta["optimizer.state.exp_avg.decoder.layers.mlp.experts.experts.linear_fc2.weight"].size) == (2, 4, 32, 64)
+    exp_avg = meta["optimizer.state.exp_avg.decoder.layers.mlp.experts.experts.linear_fc2.weight"]
+    assert tuple(exp_avg.size) == (2, 4, 32, 64)

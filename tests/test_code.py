@@ -33,14 +33,14 @@ PRESCALE = "torch._foreach_mul_(list(wgrads), 1.0 / gtp_remat_size)"
 
 def _git(repo: Path, *args: str) -> str:
     env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-           "GIT_COMMITTER_EMAIL": "t@t", "PATH": "/usr/bin:/bin"}  # fmt: skip
+           "GIT_COMMITTER_EMAIL": "t@t", "PATH": "/usr/bin:/bin"}
     return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True,
-                          env=env).stdout.strip()  # fmt: skip
+                          env=env).stdout.strip()
 
 
 def _copy_installed(dest: Path) -> Path:
     shutil.copytree(trees.installed_root() / "megatron", dest / "megatron",
-                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+                    ignore=shutil.ignore_patterns("__pycache__"))
     return dest
 
 
@@ -112,7 +112,7 @@ def test_a_revision_is_materialized_once_read_only_by_commit(repo, cache):
     ("git:{tmp}@HEAD", "is not a git repository"),
     ("git:{repo}@0123456789abcdef", "does not know the revision"),
     ("git:{repo}/missing@HEAD", "is not a folder"),
-])  # fmt: skip
+])
 def test_bad_specs_are_bad_input_naming_side_and_spec(spec, message, tmp_path, repo):
     spec = spec.format(tmp=tmp_path, repo=repo[0])
     with pytest.raises(BadInput) as e:
@@ -145,7 +145,8 @@ def test_a_tree_that_does_not_import_quotes_the_error(tmp_path):
 
 def test_the_cli_refuses_a_bad_spec_before_anything_launches(tmp_path, capsys):
     out = tmp_path / "run"
-    assert cli.main(["run", str(ASSETS / "tiny.toml"), "--out", str(out), "--candidate-code", str(tmp_path)]) == 2
+    assert cli.main(["run", str(ASSETS / "tiny.toml"), "--out", str(out), "--candidate-code",
+                     str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "[candidate].megatron_core" in err and "no megatron/core package" in err
     assert not (out / "traces").exists()
@@ -164,7 +165,8 @@ def test_code_options_make_a_code_comparison_judged_exact():
 
 
 def test_a_scenario_file_differing_only_in_code_defaults_to_exact(tmp_path):
-    code_only = '[candidate]\ngtp = 1\nmegatron_core = "git:megatron-lm@main"'  # a name: its form only is read
+    # a name: its form only is read
+    code_only = '[candidate]\ngtp = 1\nmegatron_core = "git:megatron-lm@main"'
     text = (ASSETS / "tiny.toml").read_text().replace("[candidate]\ngtp = 2", code_only)
     (tmp_path / "c.toml").write_text(text)
     (s,) = scenario.load(tmp_path / "c.toml")
@@ -186,7 +188,8 @@ def test_a_commit_changes_the_side_key(repo):
         keys.append(jobs["candidate"].key)
     assert keys[0] != keys[1]
     installed = plan([s], Path("/nonexistent"))[s.name]
-    assert installed["candidate"].megatron_root == "" and "megatron_core" not in installed["candidate"].provenance
+    assert (installed["candidate"].megatron_root == ""
+            and "megatron_core" not in installed["candidate"].provenance)
 
 
 @pytest.mark.slow
@@ -216,10 +219,13 @@ def test_fixed_in_is_checked_against_the_candidates_history(repo):
 
 def test_a_fixed_divergence_reads_fixed_and_one_still_there_fails():
     exp = scenario.KnownDivergence(reason="file:function:line", signature="ratio-G", fixed_in="c2fd8275d9")
-    passed = ScenarioSummary.of(scenario="s", verdict=Verdict.PASS, first_divergence=None, checked={"param": 1})
+    passed = ScenarioSummary.of(scenario="s", verdict=Verdict.PASS, first_divergence=None,
+                                checked={"param": 1})
     fixed = judge_known_divergence(passed, exp, fixed=True)
-    assert fixed.verdict == Verdict.FIXED and fixed.verdict.passes_gate and "fixed in c2fd8275d9" in fixed.expectation
-    assert judge_known_divergence(passed, exp, fixed=False).verdict == Verdict.FAIL  # gone where the fix is not
+    assert (fixed.verdict == Verdict.FIXED and fixed.verdict.passes_gate
+            and "fixed in c2fd8275d9" in fixed.expectation)
+    # gone where the fix is not
+    assert judge_known_divergence(passed, exp, fixed=False).verdict == Verdict.FAIL
     failed = passed.with_(verdict=Verdict.FAIL)
     still = judge_known_divergence(failed, exp, fixed=True)
     assert still.verdict == Verdict.FAIL and "still diverges" in still.expectation
@@ -250,8 +256,9 @@ def test_code_against_code_localizes_the_planted_edit(repo, tmp_path):
     on both trees, judged exact, fails at the first tensor the edit changes."""
     path, commits = repo
     out = tmp_path / "run"
-    argv = ["run", str(ASSETS / "tiny.toml"), "--out", str(out), "--reference-code", f"git:{path}@{commits[1]}",
-            "--candidate-code", f"git:{path}@{commits[2]}"]  # fmt: skip
+    argv = ["run", str(ASSETS / "tiny.toml"), "--out", str(out), "--reference-code",
+            f"git:{path}@{commits[1]}",
+            "--candidate-code", f"git:{path}@{commits[2]}"]
     assert cli.main(argv) == 1
     doc = json.loads((out / "scenarios" / "tiny-tp1-gtp2-fp32-sgd" / "summary.json").read_text())
     fd = doc["first_divergence"]
@@ -269,17 +276,18 @@ def test_bisect_names_the_commit_that_broke_parity_and_the_one_that_restored_it(
     path, commits = repo
     for old, new, first, verdicts in ((0, 3, 2, ("pass", "fail")), (2, 4, 4, ("fail", "pass"))):
         argv = ["bisect", str(ASSETS / "tiny.toml"), "--repo", str(path), "--old", commits[old],
-                "--new", commits[new], "--out", str(tmp_path / "bisect")]  # fmt: skip
+                "--new", commits[new], "--out", str(tmp_path / "bisect")]
         assert cli.main(argv) == 0
         printed = capsys.readouterr().out
         assert f"first changed commit: {commits[first][:10]} commit {first}" in printed
-        assert f"verdict: {verdicts[0]} at {commits[old]} -> {verdicts[1]} at {commits[first][:10]}" in printed
+        changed = f"verdict: {verdicts[0]} at {commits[old]} -> {verdicts[1]} at {commits[first][:10]}"
+        assert changed in printed
         assert "first divergence of the failing side: step 1 backward main_grad" in printed
 
 
 def test_the_bisect_scenario_is_the_matrix_entry_without_its_expectation():
     (alone,) = scenario.load(Path(__file__).parents[1] / "scenarios" / "bisect_shared_buffer.toml")
     entry = next(s for s in scenario.load(Path(__file__).parents[1] / "scenarios" / "gtp_paths.toml")
-                 if s.name == alone.name)  # fmt: skip
+                 if s.name == alone.name)
     assert entry.expect is not None and entry.expect.fixed_in and alone.expect is None
     assert dataclasses.replace(entry, expect=None, source=alone.source, axes={}, description="") == alone

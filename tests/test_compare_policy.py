@@ -21,7 +21,7 @@ def _pair(ratio: float):
 
 
 @pytest.mark.parametrize("step, ratio, passes", [(1, 1.2, True), (1, 1.5, False), (2, 1.5, True),
-                                                  (2, 4.5, False)])  # fmt: skip
+                                                  (2, 4.5, False)])
 def test_k_first_step_applies_to_step_1_only(step, ratio, passes):
     ref, cand, golden = _pair(ratio)
     ok, used, bound, *_ = judge(FP8, step, ref, cand, golden, metrics(ref, cand))
@@ -107,8 +107,10 @@ def test_dtype_policy_takes_the_recipe_tolerance(recipe, passes):
     assert (ok, used) == (passes, "dtype")
 
 
-@pytest.mark.parametrize("args, says", [(["--k", "-1"], "--k: must be a finite number >= 0"), (["--floor", "x"], "not a number"),
-                                        (["--policy", "loose"], "invalid choice")])  # fmt: skip
+@pytest.mark.parametrize("args, says",
+                         [(["--k", "-1"], "--k: must be a finite number >= 0"),
+                          (["--floor", "x"], "not a number"),
+                                        (["--policy", "loose"], "invalid choice")])
 def test_compare_cli_rejects_bad_policy_arguments(args, says, capsys):
     from harness import cli
 

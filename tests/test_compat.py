@@ -67,7 +67,8 @@ def test_ddp_coalesced_all_gathers_land_at_the_wait(reports):
 @pytest.mark.multirank
 @pytest.mark.parametrize("key, expected", [
     # rank = tp + TP * (g + G * dp); data rank = rank // TP; data rank d reads [d*mbs, (d+1)*mbs).
-    ("tp2-gtp2-dp1", [[[0], [2], [4], [6]], [[0], [2], [4], [6]], [[1], [3], [5], [7]], [[1], [3], [5], [7]]]),
+    ("tp2-gtp2-dp1",
+     [[[0], [2], [4], [6]], [[0], [2], [4], [6]], [[1], [3], [5], [7]], [[1], [3], [5], [7]]]),
     ("tp1-gtp2-dp2", [[[0], [4]], [[1], [5]], [[2], [6]], [[3], [7]]]),
 ])
 def test_sample_to_rank_mapping(reports, key, expected):
@@ -80,7 +81,8 @@ def test_version_guard_reads_the_imported_tree_not_the_wheels_metadata(monkeypat
     from harness.backends.megatron import compat
 
     monkeypatch.setattr(package_info, "__version__", "0.18.0")
-    with pytest.warns(UserWarning, match=r"read against megatron-core \['0.19.2', '0.20.0'\], this tree is 0.18.0"):
+    with pytest.warns(UserWarning,
+                      match=r"read against megatron-core \['0.19.2', '0.20.0'\], this tree is 0.18.0"):
         assert compat.check_version() == "0.18.0"
 
 
@@ -105,8 +107,8 @@ import torch
 from harness.backends.megatron import compat
 compat.install()
 from megatron.core.tensor_parallel import generalized_tensor_parallelism as gtp
-answers = {n: repr(getattr(gtp, n)()) for n in ("in_fp8_activation_recompute_phase", "in_activation_recompute_phase")
-           if hasattr(gtp, n)}
+names = ("in_fp8_activation_recompute_phase", "in_activation_recompute_phase")
+answers = {n: repr(getattr(gtp, n)()) for n in names if hasattr(gtp, n)}
 stubs = sorted(n for n, v in vars(gtp).items() if isinstance(v, unittest.mock.MagicMock))
 print(json.dumps({"version": compat.tree_version(), "answers": answers, "stubs": stubs}))
 """
@@ -120,9 +122,10 @@ def _tree_root(spec: str, tmp_path: Path) -> Path | None:
     if spec == "wheel-with-main-alias":
         # The wheel with main's alias (gtp.py l.110 on main): CI has no Megatron-LM checkout.
         shutil.copytree(trees.installed_root() / "megatron", tmp_path / "megatron",
-                        ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+                        ignore=shutil.ignore_patterns("__pycache__"))
         gtp = tmp_path / "megatron/core/tensor_parallel/generalized_tensor_parallelism.py"
-        gtp.write_text(gtp.read_text() + "\nin_activation_recompute_phase = in_fp8_activation_recompute_phase\n")
+        gtp.write_text(gtp.read_text() + "\nin_activation_recompute_phase = "
+                                         "in_fp8_activation_recompute_phase\n")
         return tmp_path
 
     needs_repositories(spec)
@@ -131,7 +134,7 @@ def _tree_root(spec: str, tmp_path: Path) -> Path | None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", ["installed", "wheel-with-main-alias", MAIN_TREE],
-                         ids=["wheel", "wheel-with-main-alias", "main"])  # fmt: skip
+                         ids=["wheel", "wheel-with-main-alias", "main"])
 def test_gtp_runs_outside_te_recompute_phase_on_every_tree(spec, tmp_path):
     # main binds TE's in_fp8_activation_recompute_phase once more at import, as
     # in_activation_recompute_phase, and calls only that name: without TE it is a MagicMock whose
@@ -141,8 +144,9 @@ def test_gtp_runs_outside_te_recompute_phase_on_every_tree(spec, tmp_path):
     # may be left a stub.
     root = _tree_root(spec, tmp_path)
     path = os.pathsep.join(str(p) for p in (root, ROOT) if p is not None)
-    proc = subprocess.run([sys.executable, "-c", _PROBE], cwd=ROOT, timeout=240, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": path, "PYTHONSAFEPATH": "1"})  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", _PROBE], cwd=ROOT, timeout=240, capture_output=True,
+                          text=True,
+                          env={**os.environ, "PYTHONPATH": path, "PYTHONSAFEPATH": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     probe = json.loads(proc.stdout.strip().splitlines()[-1])
     assert probe["answers"] and set(probe["answers"].values()) == {"False"}, probe

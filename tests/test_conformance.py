@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from harness.conformance import cli, te_source
+from harness.conformance import te_source
 from harness.conformance.registry import CLAUSES
 from harness.conformance.reference import FAULTY
 from harness.conformance.kit import ConformanceResult

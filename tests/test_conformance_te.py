@@ -257,7 +257,7 @@ def _judge(dispatch, groups, case) -> dict[str, list]:
     trace = drive(
         reference, case, overlap=False, coords=coords, tp_group=tp_group, gtp_group=gtp_group,
         dispatch=dispatch,
-    )  # fmt: skip
+    )
     assert trace.dispatch == dispatch.name
     return {name: check(trace) for name, check in TRACE_CLAUSES.items()}
 
@@ -301,7 +301,7 @@ def test_a_weight_lacking_a_protocol_method_fails_the_marker_clause(which):
     trace = Observation(
         case=Case(tp=1, gtp=2), overlap=False, coords=layout.Coords(1, 2, 1, 0), seed=0,
         dispatch=dispatch.name, capability=[_capability(weight, dispatch)],
-    )  # fmt: skip
+    )
     failures = check_capability_marker(trace)
     assert [f.found for f in failures] == ["not a DistributedWeight: it lacks grad_buffer"]
     trace.capability = [_capability(te_contract._Probe("complete", []), dispatch)]
@@ -326,7 +326,7 @@ def test_the_report_names_tes_file_and_each_clauses_route():
     lines = _table("te", label)
     assert lines[1] == f"Dispatchers: {label}"
     routes = {line.split()[0]: line.split()[2] for line in lines if line.split()[:1] in (
-        [c] for c in CLAUSES)}  # fmt: skip
+        [c] for c in CLAUSES)}
     assert routes["forward.values"] == "te" and routes["finalize.in_place"] == "te"
     assert routes["layout.shard"] == routes["grad_buffer.spec"] == "direct"
     assert "TE's file was not driven" not in "\n".join(lines)

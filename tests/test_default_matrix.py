@@ -22,7 +22,8 @@ def test_no_false_alarm(default_run):
     assert not bad, bad
     # megatron-core 0.19.2's bf16 GTP wgrad reduce-scatter: known divergences tied to the code.
     known = {s["scenario"] for s in doc["scenarios"] if s["verdict"] == "known-divergence"}
-    assert known == {f"{t}-bf16-{o}" for t in ("tp1-gtp2", "tp1-gtp4", "tp2-gtp2", "tp2-gtp4") for o in ("adam", "sgd")}
+    assert known == {f"{t}-bf16-{o}" for t in ("tp1-gtp2", "tp1-gtp4", "tp2-gtp2", "tp2-gtp4")
+                     for o in ("adam", "sgd")}
     assert code == 0 and len(doc["scenarios"]) == 20
     for s in doc["scenarios"]:
         checked = s["checked"]

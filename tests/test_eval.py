@@ -72,7 +72,7 @@ def test_every_side_evaluates_the_validation_split_after_the_training_samples(ev
         assert [x["step"] for x in _eval_scalars(t, REPORTED) if x["rank"] == 0] == points, role
         for index in range(len(points)):
             read = sorted(i for x in records if x["eval"] == index and x["rank"] == min(t.coords())
-                          for i in x["sample_ids"])  # fmt: skip
+                          for i in x["sample_ids"])
             if role == "golden":
                 start = first_valid + index * side.eval_iters * d.global_batch_size
                 assert read == list(range(start, start + side.eval_iters * d.global_batch_size))
@@ -96,8 +96,9 @@ def test_frontends_report_the_same_eval_losses_without_gtp(eval_run):
         ours, theirs = (_trace(eval_run, name, role) for name in LABELS)
         assert ours.manifest["backend"] == "megatron" and theirs.manifest["backend"] == "mlm"
         for name in (SAMPLE, REPORTED):
-            a, b = ([(x["step"], x["eval"], x["rank"], x.get("sample_ids"), x["value"]) for x in _eval_scalars(t, name)]
-                    for t in (ours, theirs))  # fmt: skip
+            a, b = ([(x["step"], x["eval"], x["rank"], x.get("sample_ids"), x["value"])
+                     for x in _eval_scalars(t, name)]
+                    for t in (ours, theirs))
             assert a, (role, name)
             assert (a == b) == (role == "reference" or name == SAMPLE), (role, name)
 
@@ -112,7 +113,8 @@ def test_megatron_lm_eval_loss_on_the_wheel_averages_each_ranks_own_samples(eval
     s = summary(eval_run, "eval-mlm")
     assert s["verdict"] == "known-divergence"
     fd = s["first_divergence"]
-    assert (fd["step"], fd["kind"], fd["tensor"], fd["signature"]) == (1, "eval", "eval_loss[eval 0]", "partial-average")
+    assert (fd["step"], fd["kind"], fd["tensor"], fd["signature"]) == (1, "eval", "eval_loss[eval 0]",
+                                                                       "partial-average")
     assert fd["partial_average"] == {"averaged": {"0": [0], "1": [1]}, "data_ranks": 2}
     for role, own in (("candidate", True), ("reference", False)):
         t = _trace(eval_run, "eval-mlm", role)
@@ -131,7 +133,8 @@ def test_partial_average_names_the_subset_and_only_a_proper_one(eval_run):
     own = [x for x in _eval_scalars(t, SAMPLE) if x["eval"] == 0 and x["rank"] == 1]
     mean1 = sum(x["value"] * x["tokens"] for x in own) / sum(x["tokens"] for x in own)
     assert partial_average(t, 1, 0, {"0": full, "1": mean1}) == {"averaged": {"1": [1]}, "data_ranks": 2}
-    assert partial_average(t, 1, 0, {"0": full * (1 + 1e-3)}) is None  # no subset's mean: not a partial average
+    # no subset's mean: not a partial average
+    assert partial_average(t, 1, 0, {"0": full * (1 + 1e-3)}) is None
 
 
 @pytest.mark.multirank
@@ -168,11 +171,13 @@ MOCK = (("gtp = 1\n", 'gtp = 1\ndata = "mock"\n'), ("gtp = 2\n", 'gtp = 2\ndata 
     ((("gtp = 2\n", "gtp = 2\neval_interval = 2\n"),), "every side must evaluate alike"),
     ((("gtp = 2\n", 'gtp = 2\nbackend = "torch"\n'),), "single-process golden side only"),
     ((('backend = "megatron"\n', 'backend = "mlm"\n'), *MOCK), "synthetic validation samples"),
-    ((("gtp = 2\n", 'gtp = 2\nbackend = "mlm"\nargs = ["--eval-iters", "3"]\n'),), "--eval-iters is what the key [side].eval_iters sets: set eval_iters instead"),
+    ((("gtp = 2\n", 'gtp = 2\nbackend = "mlm"\nargs = ["--eval-iters", "3"]\n'),),
+     "--eval-iters is what the key [side].eval_iters sets: set eval_iters instead"),
     ((("gtp = 1\n", "gtp = 1\npipeline_parallel = 2\n"),), "without pipeline stages"),
-    ((("eval_interval = 1\n", "eval_interval = 0\n"), ("gtp = 2\n", 'gtp = 2\ninject = ["gtp-eval-stale-gather"]\n')),
+    ((("eval_interval = 1\n", "eval_interval = 0\n"),
+      ("gtp = 2\n", 'gtp = 2\ninject = ["gtp-eval-stale-gather"]\n')),
      "does not evaluate"),
-])  # fmt: skip
+])
 def test_bad_eval_inputs_exit_2_before_launch(tmp_path, capsys, edits, says):
     text = BASE
     for old, new in edits:
@@ -197,9 +202,11 @@ def test_mlm_command_reads_its_evaluation_flags():
         return SEED_FLAGS[:at] + SEED_FLAGS[at + 4:] + list(flags)
 
     s = scenario_of(with_eval("--eval-interval", "2", "--eval-iters", "3"), 2)
-    assert (s.reference.eval_interval, s.reference.eval_iters) == (2, 3) == (s.golden.eval_interval, s.golden.eval_iters)
+    assert (s.reference.eval_interval, s.reference.eval_iters) == (2, 3) == (s.golden.eval_interval,
+                                                                             s.golden.eval_iters)
     s = scenario_of(with_eval("--eval-iters", "2"), 2)  # no interval: Megatron-LM's final validation only
     assert eval_points(s.reference) == [s.reference.steps]
     assert scenario_of(with_eval("--eval-interval", "1", "--eval-iters", "0"), 2).reference.eval_interval == 0
     with pytest.raises(BadInput, match="--eval-global-batch-size"):
-        scenario_of(with_eval("--eval-interval", "1", "--eval-iters", "1", "--eval-global-batch-size", "4"), 2)
+        scenario_of(with_eval("--eval-interval", "1", "--eval-iters", "1", "--eval-global-batch-size", "4"),
+                    2)

@@ -16,15 +16,19 @@ from helpers import ASSETS
 def _summary(verdict, signature=None):
     from harness.compare.summary import FirstDivergence
 
-    fd = None if signature is None else FirstDivergence(step=1, phase="backward", kind="main_grad", tensor="w",
-                                                        ranks=[0], signature=signature)  # fmt: skip
+    fd = None if signature is None else FirstDivergence(step=1, phase="backward", kind="main_grad",
+                                                        tensor="w",
+                                                        ranks=[0], signature=signature)
     return ScenarioSummary.of(scenario="s", verdict=verdict, first_divergence=fd, checked={"param": 1})
 
 
 def test_a_fix_that_changed_the_divergence_expects_the_new_signature():
-    exp = KnownDivergence(reason="r", signature="pad-rows", step=1, fixed_in="abf04f46e3", diverges_after_fix="ratio-1/2")
-    assert judge_known_divergence(_summary(Verdict.FAIL, "pad-rows"), exp, fixed=False).verdict == Verdict.KNOWN_DIVERGENCE
-    assert judge_known_divergence(_summary(Verdict.FAIL, "ratio-1/2"), exp, fixed=True).verdict == Verdict.KNOWN_DIVERGENCE
+    exp = KnownDivergence(reason="r", signature="pad-rows", step=1, fixed_in="abf04f46e3",
+                          diverges_after_fix="ratio-1/2")
+    assert judge_known_divergence(_summary(Verdict.FAIL, "pad-rows"), exp,
+                                  fixed=False).verdict == Verdict.KNOWN_DIVERGENCE
+    assert judge_known_divergence(_summary(Verdict.FAIL, "ratio-1/2"), exp,
+                                  fixed=True).verdict == Verdict.KNOWN_DIVERGENCE
     assert judge_known_divergence(_summary(Verdict.FAIL, "pad-rows"), exp, fixed=True).verdict == Verdict.FAIL
     assert judge_known_divergence(_summary(Verdict.PASS), exp, fixed=True).verdict == Verdict.FAIL
 
@@ -33,14 +37,16 @@ def test_a_divergence_introduced_by_a_commit_expects_parity_before_it():
     exp = KnownDivergence(reason="r", signature="ratio-G", step=1, introduced_in="abf04f46e3")
     before = judge_known_divergence(_summary(Verdict.PASS), exp, introduced=False)
     assert before.verdict == Verdict.PASS and "does not hold" in before.expectation
-    assert judge_known_divergence(_summary(Verdict.FAIL, "ratio-G"), exp, introduced=False).verdict == Verdict.FAIL
-    assert judge_known_divergence(_summary(Verdict.FAIL, "ratio-G"), exp, introduced=True).verdict == Verdict.KNOWN_DIVERGENCE
+    assert judge_known_divergence(_summary(Verdict.FAIL, "ratio-G"), exp,
+                                  introduced=False).verdict == Verdict.FAIL
+    assert judge_known_divergence(_summary(Verdict.FAIL, "ratio-G"), exp,
+                                  introduced=True).verdict == Verdict.KNOWN_DIVERGENCE
 
 
 @pytest.mark.parametrize("expect, where", [
     ({"reason": "r", "introduced_in": "main"}, "introduced_in"),
     ({"reason": "r", "diverges_after_fix": "ratio-1/2"}, "diverges_after_fix"),
-])  # fmt: skip
+])
 def test_bad_keys_are_refused(expect, where):
     with pytest.raises(BadInput, match=where):
         validate(parse_scenario({**read_toml(ASSETS / "tiny.toml"), "expect": expect}, "x.toml"))

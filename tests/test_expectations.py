@@ -29,7 +29,8 @@ def _row(step, kind, tensor="w", bitwise=True, **kw):
 
 
 def _judged(rows, ref, cand):
-    df = ex.judge_rows(pd.DataFrame(rows), _traces(ref, cand), policy=type("P", (), {"policy": "noise-floor"})())
+    df = ex.judge_rows(pd.DataFrame(rows), _traces(ref, cand),
+                       policy=type("P", (), {"policy": "noise-floor"})())
     return {(r["step"], r["kind"], r["tensor"]): r for r in df.to_dict("records")}
 
 
@@ -42,31 +43,35 @@ def test_gtp_changes_no_kernel_but_tp_and_recipes_do():
 
 def test_a_forward_on_equal_weights_must_be_bitwise_and_fails_otherwise():
     rows = [_row(0, "param", policy="exact"), _row(1, "activation", bitwise=False),
-            _row(1, "logits", bitwise=True)]  # fmt: skip
+            _row(1, "logits", bitwise=True)]
     out = _judged(rows, _cfg(gtp=1), _cfg(gtp=2))
     act = out[(1, "activation", "w")]
     assert act["expectation"] == "bitwise" and act["policy"] == "bitwise" and not act["passed"]
     assert out[(1, "logits", "w")]["passed"]
     # Under another TP the same rows keep the scenario's policy, and say why.
     out = _judged(rows, _cfg(tp=1, world_size=2), _cfg(tp=2, world_size=2))
-    assert out[(1, "activation", "w")]["expectation"] == "noise-floor" and out[(1, "activation", "w")]["passed"]
+    assert out[(1, "activation", "w")]["expectation"] == "noise-floor" and out[(1, "activation",
+        "w")]["passed"]
     assert "TP" in out[(1, "activation", "w")]["expectation_reason"]
 
 
 def test_after_weights_differ_nothing_downstream_is_claimed():
-    rows = [_row(0, "param", policy="exact"), _row(1, "param", bitwise=False), _row(2, "activation", bitwise=False)]
+    rows = [_row(0, "param", policy="exact"), _row(1, "param", bitwise=False),
+            _row(2, "activation", bitwise=False)]
     out = _judged(rows, _cfg(gtp=1), _cfg(gtp=2))
     assert out[(2, "activation", "w")]["expectation"] == "noise-floor"
     assert "step 1" in out[(2, "activation", "w")]["expectation_reason"]
 
 
 def test_main_grad_of_two_terms_is_bitwise_of_more_bounded_by_its_terms():
-    two = _judged([_row(0, "param", policy="exact"), _row(1, "main_grad", bitwise=False)], _cfg(gtp=1), _cfg(gtp=2))
+    two = _judged([_row(0, "param", policy="exact"), _row(1, "main_grad", bitwise=False)], _cfg(gtp=1),
+                  _cfg(gtp=2))
     assert two[(1, "main_grad", "w")]["expectation"] == "bitwise" and not two[(1, "main_grad", "w")]["passed"]
     four = {**_cfg(gtp=1), "micro_batches": 2}
     rows = [_row(0, "param", policy="exact"), _row(1, "main_grad", "a", bitwise=False, terms_excess=-1e-9,
-            terms_bound_max=1e-8), _row(1, "main_grad", "b", bitwise=False, terms_excess=1e-6, terms_bound_max=1e-8),
-            _row(1, "main_grad", "c", bitwise=False)]  # fmt: skip
+            terms_bound_max=1e-8),
+                _row(1, "main_grad", "b", bitwise=False, terms_excess=1e-6, terms_bound_max=1e-8),
+            _row(1, "main_grad", "c", bitwise=False)]
     out = _judged(rows, four, {**_cfg(gtp=2), "micro_batches": 2})
     assert out[(1, "main_grad", "a")]["expectation"] == "bounded" and out[(1, "main_grad", "a")]["passed"]
     assert not out[(1, "main_grad", "b")]["passed"] and out[(1, "main_grad", "b")]["bound"] == 1e-8
@@ -75,8 +80,9 @@ def test_main_grad_of_two_terms_is_bitwise_of_more_bounded_by_its_terms():
 
 def test_the_optimizer_step_is_bitwise_only_on_equal_grads_and_clip_factor():
     base = [_row(0, "param", policy="exact"), _row(1, "main_grad")]
-    norm = {"step": 1, "kind": "scalar", "tensor": "grad_norm", "bitwise_equal": False, "policy": "consistency",
-            "passed": True, "ref_value": 2.0, "cand_value": 2.0000002}  # fmt: skip
+    norm = {"step": 1, "kind": "scalar", "tensor": "grad_norm", "bitwise_equal": False,
+            "policy": "consistency",
+            "passed": True, "ref_value": 2.0, "cand_value": 2.0000002}
     rows = [*base, norm, _row(1, "exp_avg_sq", bitwise=False)]
     clipped = _judged(rows, _cfg(gtp=1, clip_grad=1.0), _cfg(gtp=2, clip_grad=1.0))
     assert clipped[(1, "exp_avg_sq", "w")]["expectation"] == "noise-floor"
@@ -154,10 +160,12 @@ def test_a_precision_fault_breaks_its_expectation_where_the_noise_floor_passes_i
     s = summary(precision_run, f"precision-{fault}")
     fd, expect = s["first_divergence"], CATALOG[fault].expect
     assert s["verdict"] == "fail"
-    assert (fd["step"], fd["kind"], fd["signature"]) == (expect["step"], expect["kind"], expect["signature"]), fd
+    assert (fd["step"], fd["kind"], fd["signature"]) == (expect["step"], expect["kind"],
+                                                         expect["signature"]), fd
     assert fnmatch.fnmatchcase(fd["tensor"], expect["tensor"]), fd
     # the narrower dtype is named: the extra rounding's, or the buffer's that ignored its configuration
-    assert "bfloat16" in fd["explanation"] or fd.get("dtypes") == {"reference": "bfloat16", "candidate": "float32"}, fd
+    assert "bfloat16" in fd["explanation"] or fd.get("dtypes") == {"reference": "bfloat16",
+                                                                   "candidate": "float32"}, fd
     df = results(precision_run, f"precision-{fault}")
     broken = df[~df["passed"].astype(bool)]
     assert set(broken["expectation"]) <= {"bitwise", "bounded"} and len(broken)

@@ -10,7 +10,8 @@ import pytest
 
 from harness import cli
 from harness import scenario
-from harness.scenario.faults import EVAL_FAULTS, GROUP_FAULTS, MOE_FAULTS, MTP_FAULTS, MUON_FAULTS, PRECISION_FAULTS
+from harness.scenario.faults import (EVAL_FAULTS, GROUP_FAULTS, MOE_FAULTS, MTP_FAULTS, MUON_FAULTS,
+                                     PRECISION_FAULTS)
 from harness.backends.faults import CATALOG
 from tests.helpers import ASSETS, ROOT, run, summary
 
@@ -34,16 +35,17 @@ def fault_run(tmp_path_factory):
 def test_every_megatron_fault_is_planted():
     # The MoE faults need an MoE model: tests/test_moe.py plants them; the FP8 fault is planted in
     # tests/test_fp8.py, the pipeline one in tests/test_pipeline.py, the checkpoint ones in
-    # tests/test_checkpoint.py and tests/test_checkpoint_parallel.py; the precision faults (one bf16 rounding each, and the backport they
-    # are planted against) in tests/test_expectations.py, whose per-tensor expectations catch them;
+    # tests/test_checkpoint.py and tests/test_checkpoint_parallel.py; the precision faults (one bf16
+    # rounding each, and the backport they are planted against) in tests/test_expectations.py, whose
+    # per-tensor expectations catch them;
     # the Muon fault (optimizer = "muon") in tests/test_muon.py; the MTP faults need an MTP model:
     # tests/test_mtp_runs.py; the process-group ones a caller's collection: tests/test_process_groups.py;
     # the evaluation's faults an evaluating side: tests/test_eval.py.
-    assert set(PLANTED) | set(UPDATE_FAULTS) == (set(CATALOG) - {"fp8-unreduced-amax", "pp-swap-microbatch-grads",
-                                                                 "ckpt-pad-rows-as-data", "ckpt-expert-index-shifted",
-                                                                 "ckpt-stage-layers-mirrored"} - set(MOE_FAULTS)
-                                                 - set(PRECISION_FAULTS) - set(MUON_FAULTS) - set(MTP_FAULTS) - set(GROUP_FAULTS)
-                                                 - set(EVAL_FAULTS))
+    elsewhere = {"fp8-unreduced-amax", "pp-swap-microbatch-grads", "ckpt-pad-rows-as-data",
+                 "ckpt-expert-index-shifted", "ckpt-stage-layers-mirrored"}
+    for family in (MOE_FAULTS, PRECISION_FAULTS, MUON_FAULTS, MTP_FAULTS, GROUP_FAULTS, EVAL_FAULTS):
+        elsewhere |= set(family)
+    assert set(PLANTED) | set(UPDATE_FAULTS) == set(CATALOG) - elsewhere
 
 
 @pytest.mark.parametrize("fault", PLANTED)
@@ -70,7 +72,8 @@ def test_fault_specifics(fault_run):
     assert drift["tensor"].endswith("layernorm.bias") and sorted(drift["ranks"]) == [0, 1]
     leak = fd["gtp-pad-leak"]
     assert leak["ranks"] == [1] and leak["region"]["rows"][1] == 96  # last GTP rank, padded rows
-    assert fd["gtp-peers-same-sample"]["region"]["duplicated"] and fd["gtp-peers-same-sample"]["region"]["missing"]
+    assert (fd["gtp-peers-same-sample"]["region"]["duplicated"]
+            and fd["gtp-peers-same-sample"]["region"]["missing"])
     assert fd["optimizer-skips-weight"]["phase"] == "optimizer"
     assert fd["loss-report-wrong-group"]["phase"] == "loss"
     assert fd["grad-norm-double-count"]["norm_ratio"] > 1
@@ -78,11 +81,13 @@ def test_fault_specifics(fault_run):
     assert fd["gtp-prescale-under-per-token-loss"]["ranks"] == [0, 1]
     assert fd["microbatch-grad-overwrite"]["phase"] == "backward"
     # GTP's other code paths: each where the catalogue puts it, phase included.
-    for fault in ("token-count-without-gtp-peers", "gtp-prefetch-missing-wait", "gtp-wgrad-rs-finalized-twice",
-                  "distopt-offsets-ignore-gtp-pad"):  # fmt: skip
+    for fault in ("token-count-without-gtp-peers", "gtp-prefetch-missing-wait",
+                  "gtp-wgrad-rs-finalized-twice",
+                  "distopt-offsets-ignore-gtp-pad"):
         assert fd[fault]["phase"] == CATALOG[fault].expect["phase"], (fault, fd[fault])
     # A skipped wait: the GEMM of layers.1's qkv read layers.0's, the shared buffer's previous weight.
-    assert "consumed decoder.layers.0.self_attention.linear_qkv.weight's weight" in fd["gtp-prefetch-missing-wait"]["explanation"]
+    said = fd["gtp-prefetch-missing-wait"]["explanation"]
+    assert "consumed decoder.layers.0.self_attention.linear_qkv.weight's weight" in said
     # Only the last GTP rank holds pad rows, so only its shards of the optimizer's ranges move.
     assert fd["distopt-offsets-ignore-gtp-pad"]["region"]["shard"] == {"gtp": 1}
 
@@ -95,7 +100,8 @@ def test_planted_faults_leave_installed_code_untouched(fault_run):
 
 # Permuted blocks are localized by re-reading tensors after the split; pad rows come from the
 # invariant violations the workers found (the ranks' gather is the same JSON: one case).
-@pytest.mark.parametrize(("fault", "splits"), [("gtp-ag-swap-shards", ("jobs", "ranks")), ("gtp-pad-leak", ("jobs",))])
+@pytest.mark.parametrize(("fault", "splits"),
+                         [("gtp-ag-swap-shards", ("jobs", "ranks")), ("gtp-pad-leak", ("jobs",))])
 def test_compare_split_over_jobs_and_ranks_gives_one_process_summary(fault_run, fault, splits, tmp_path):
     """``--jobs 2`` (worker processes) and ``torchrun --nproc-per-node 2`` (ranks, rows
     gathered as JSON over gloo) write the same summary.json and results.csv as one process."""
@@ -106,9 +112,10 @@ def test_compare_split_over_jobs_and_ranks_gives_one_process_summary(fault_run, 
     assert cli.main([*args, "--out", str(out["jobs"]), "--jobs", "2"]) == 1
     if "ranks" in splits:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "harness"]
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+                    "harness"]
         done = subprocess.run([*torchrun, *args, "--out", str(out["ranks"])], env=env, capture_output=True,
-                              text=True, timeout=300)  # fmt: skip
+                              text=True, timeout=300)
         assert done.returncode == 1, done.stderr[-2000:]
     one = json.loads((out["one"] / "summary.json").read_text())
     assert one["first_divergence"] == summary(fault_run, f"fault-{fault}")["first_divergence"]

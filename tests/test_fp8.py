@@ -114,5 +114,6 @@ def test_unreduced_amax_hides_inside_te_tolerances_and_k_4(fp8_run, fault, tmp_p
 
     paths = {role: Path(p) for role, p in summary(fp8_run, fault)["traces"].items()}
     for i, policy in enumerate([ComparePolicy(policy="dtype"), ComparePolicy(k=4.0)]):
-        code = compare_traces(paths["reference"], paths["candidate"], paths["golden"], tmp_path / str(i), policy)
+        code = compare_traces(paths["reference"], paths["candidate"], paths["golden"], tmp_path / str(i),
+                              policy)
         assert code == 0, policy

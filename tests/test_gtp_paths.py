@@ -52,7 +52,8 @@ def test_paths_that_hold_pass_and_known_divergences_are_named(paths):
         signature, text = KNOWN[name]
         fd = s["first_divergence"]
         assert s["verdict"] == "known-divergence", (name, s.get("expectation"))
-        assert fd["step"] == s["expect"]["step"] and fd["signature"] == signature and text in fd["explanation"]
+        assert (fd["step"] == s["expect"]["step"] and fd["signature"] == signature
+                and text in fd["explanation"])
         assert "generalized_tensor_parallelism.py" in s["expect"]["reason"]
 
 
@@ -70,7 +71,8 @@ def test_grad_reduce_in_bf16_reaches_ddp(paths):
 @pytest.mark.multirank
 def test_known_divergences_are_expected_failures_in_junit_and_report(paths, tmp_path):
     _, by_name, out = paths
-    cases = {c.get("name"): c for c in ET.parse(report.write_junit(out, tmp_path / "j.xml")).getroot().iter("testcase")}
+    cases = {c.get("name"): c
+             for c in ET.parse(report.write_junit(out, tmp_path / "j.xml")).getroot().iter("testcase")}
     for name in by_name:
         skipped = cases[name].find("skipped")
         assert (skipped is not None and skipped.get("type") == "known-divergence") == (name in KNOWN)
@@ -109,7 +111,7 @@ def _doc(verdict: str, signature: str | None = None, step: int = 1) -> dict:
     (_doc("pass"), {"signature": "ratio-1/G"}, "fail"),  # fixed upstream: the record must go
     (_doc("fail", "mismatch"), {}, "known-divergence"),  # any divergence, as recorded
     (_doc("pass"), None, "pass"),
-])  # fmt: skip
+])
 def test_a_known_divergence_gates_on_change(doc, expect, verdict):
     exp = None if expect is None else scenario.KnownDivergence(reason="file:function:line", **expect)
     before = ScenarioSummary.from_json(doc)
@@ -139,7 +141,8 @@ def test_nightly_paths_hold_the_controls_of_the_param_gather_divergence():
     nightly = {s.name: s for s in scenario.load(ROOT / "scenarios" / "gtp_paths_nightly.toml")}
     known = main["overlap-param-gather-prefetch-on"].candidate
     assert known.overlap_param_gather and known.gtp_weight_prefetch and known.bucket_size
-    off, one = nightly["overlap-param-gather-prefetch-off"].candidate, nightly["overlap-param-gather-one-bucket"].candidate
+    off = nightly["overlap-param-gather-prefetch-off"].candidate
+    one = nightly["overlap-param-gather-one-bucket"].candidate
     assert off == dataclasses.replace(known, gtp_weight_prefetch=False)
     assert one == dataclasses.replace(known, bucket_size=None)
     assert all(s.expect is None for s in nightly.values())

@@ -18,7 +18,7 @@ _spec.loader.exec_module(synthetic)
 def test_one_testcase_per_scenario(tmp_path):
     specs = [{"name": "ok", "verdict": "pass", "axes": {"precision": "fp32"}},
              {"name": "bad", "verdict": "fail", "axes": {"precision": "bf16"}, "tensor": "w<&>\x01"},
-             {"name": "crash", "verdict": "error"}]  # fmt: skip
+             {"name": "crash", "verdict": "error"}]
     run = synthetic.write_run(tmp_path / "run", specs)
     path = write_junit(run, tmp_path / "out" / "junit.xml")
     root = ET.parse(path).getroot()
@@ -63,8 +63,9 @@ def test_a_fixed_divergence_is_a_passing_testcase(tmp_path):
     from harness.report.junit import junit_tree
     from harness.report.model import expectation_failures
 
-    doc = {"scenarios": [{"scenario": "s", "verdict": "fixed", "expectation": "fixed in c2fd8275d9: parity holds"},
-                         {"scenario": "k", "verdict": "known-divergence"}]}  # fmt: skip
+    doc = {"scenarios": [{"scenario": "s", "verdict": "fixed",
+                          "expectation": "fixed in c2fd8275d9: parity holds"},
+                         {"scenario": "k", "verdict": "known-divergence"}]}
     suite = junit_tree(doc).getroot().find("testsuite")
     fixed, known = suite.findall("testcase")
     assert not list(fixed) and known.find("skipped") is not None

@@ -56,5 +56,6 @@ def test_hanging_rank_ends_within_the_timeout(tmp_path):
     proc, wall = run_cli(scenario_with(tmp_path, "hang:1:1", 25), out)
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert "timed out" in proc.stdout and "rank 1 stopped at step 1" in proc.stdout, proc.stdout
-    assert wall < 25 + 120  # the hung side's own 25 s, plus start-up, the reference side and the golden launch
+    # the hung side's own 25 s, plus start-up, the reference side and the golden launch
+    assert wall < 25 + 120
     assert not leftover_ranks(out)

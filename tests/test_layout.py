@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from harness.common.layout import MESH_AXES, Layout, assemble, from_mcore_param, gtp_pad, parse_placement, placement_str, shard
+from harness.common.layout import (MESH_AXES, Layout, assemble, from_mcore_param, gtp_pad, parse_placement,
+                                   placement_str, shard)
 
 
 def random_layout(rng: random.Random) -> tuple[Layout, torch.Tensor]:

@@ -82,7 +82,8 @@ def test_a_backward_import_is_reported(tmp_path: Path):
     (pkg / "late" / "b.py").write_text("from pkg.early import a\n")
     (pkg / "early" / "a.py").write_text("def f():\n    from pkg.late import b\n")
     stages = [("pkg.early",), ("pkg.late",)]
-    assert violations(import_graph(pkg), stages) == ["pkg.early.a (pkg.early) imports pkg.late.b, a later stage (pkg.late)"]
+    assert violations(import_graph(pkg),
+                      stages) == ["pkg.early.a (pkg.early) imports pkg.late.b, a later stage (pkg.late)"]
     (pkg / "early" / "a.py").write_text("x = 1\n")
     assert violations(import_graph(pkg), stages) == []
 
@@ -90,4 +91,5 @@ def test_a_backward_import_is_reported(tmp_path: Path):
 @pytest.mark.parametrize("package", [p for row in STAGES for p in row if not p.endswith("__main__")])
 def test_each_stage_package_exists(package):
     path = ROOT / Path(*package.split("."))
-    assert path.is_dir() or path.with_suffix(".py").is_file(), f"{package}: listed in STAGES but not in harness/"
+    assert (path.is_dir()
+            or path.with_suffix(".py").is_file()), f"{package}: listed in STAGES but not in harness/"

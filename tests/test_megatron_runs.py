@@ -106,12 +106,14 @@ def test_gtp_params_present_and_classified(tiny_traces):
     gtp = cand.infos[0]["gtp_params"]
     assert set(gtp) == {"embedding.word_embeddings.weight", "output_layer.weight"} | {
         f"decoder.layers.{i}.{m}.weight" for i in (0, 1)
-        for m in ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")}
+        for m in ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
+                  "mlp.linear_fc2")}
     assert set(gtp.values()) == {"GTP_ungraphed"}
     assert ref.infos[0]["gtp_params"] == {}
     # vocab 72 and FFN 80 pad to multiples of 16 x 2 = 32: the layouts record it.
     pads = {e.name: e.layout.pads.get("gtp") for e in cand.entries if e.kind == "param" and e.step == 0}
-    assert pads["embedding.word_embeddings.weight"] == 24 and pads["decoder.layers.0.mlp.linear_fc1.weight"] == 16
+    assert (pads["embedding.word_embeddings.weight"] == 24
+            and pads["decoder.layers.0.mlp.linear_fc1.weight"] == 16)
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +168,7 @@ def test_compare_holds_one_pair_of_logical_tensors_at_a_time(tiny_traces, monkey
     monkeypatch.setattr(assemble_mod, "assemble", tracked)
     doc = compare(tiny_traces, scenario.load(ASSETS / "tiny.toml")[0].compare)
     placed = [e for t in tiny_traces.values() for e in t.entries
-              if e.rank == 0 and e.layout is not None and e.kind not in ("input", *SAMPLE_KINDS)]  # fmt: skip
+              if e.rank == 0 and e.layout is not None and e.kind not in ("input", *SAMPLE_KINDS)]
     keys = len(placed)  # every rank holds a shard of every placed key: one entry per key on rank 0
     assert built >= keys > 3 * 20 and most <= 2
     assert doc.summary.verdict == "pass"

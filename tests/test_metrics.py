@@ -53,7 +53,8 @@ def test_judgement_inputs_come_from_the_same_pass():
     assert stats.dtype_excess == excess and stats.abs_max_ref == float(r.double().abs().max())
 
 
-@pytest.mark.parametrize("largest", [15, 3000, 1 << 22, 1 << 32])  # exact buckets; 1/8 octave; float32 rounding
+# exact buckets; 1/8 octave; float32 rounding
+@pytest.mark.parametrize("largest", [15, 3000, 1 << 22, 1 << 32])
 def test_p99_from_histogram_within_its_derived_bound(largest):
     gen = torch.Generator().manual_seed(largest % 9973)
     for n in (1, 2, 101, 10_001):
@@ -68,7 +69,8 @@ def test_p99_from_histogram_within_its_derived_bound(largest):
 
 def test_ulp_distance_in_the_dtype_width_equals_the_int64_ordered_distance():
     """Same-sign chunks subtract bit patterns in int32 / int16; sign changes take int64."""
-    for dtype, scale in ((torch.float32, 1.0), (torch.float32, 0.25), (torch.bfloat16, 1.0)):  # fp32 |x| < 2: int32
+    # fp32 |x| < 2: int32
+    for dtype, scale in ((torch.float32, 1.0), (torch.float32, 0.25), (torch.bfloat16, 1.0)):
         r = (scale * torch.randn(3 * M.CHUNK, generator=torch.Generator().manual_seed(1))).to(dtype)
         c = r.clone()
         c[M.CHUNK:] = (r[M.CHUNK:].float() * (1 + 1e-2 * torch.rand(2 * M.CHUNK))).to(dtype)  # same signs
@@ -102,7 +104,7 @@ def test_compiled_loop_and_eager_pass_agree_with_nan_and_inf_everywhere(dtype):
     tols = (1.6e-2, 1e-5)
     (m, stats), (m_ref, stats_ref) = _measured_both_ways(r, c, g, tols)
     for k in ("max_abs", "worst_index", "ref_at_worst", "cand_at_worst", "max_rel", "mismatched",
-              "nonfinite_mismatch", "bitwise_equal"):  # fmt: skip
+              "nonfinite_mismatch", "bitwise_equal"):
         assert m[k] == m_ref[k], k
     assert m["nonfinite_mismatch"] == 2
     for k in ("rel_l2", "cosine"):  # fp64 sums in another order: gamma_n of the terms
@@ -110,7 +112,8 @@ def test_compiled_loop_and_eager_pass_agree_with_nan_and_inf_everywhere(dtype):
     assert stats.dtype_excess != stats.dtype_excess  # inf - inf: NaN propagates, as in a whole-tensor max
     assert stats_ref.dtype_excess != stats_ref.dtype_excess
     assert math.isnan(stats.abs_max_ref) and math.isnan(stats_ref.abs_max_ref)  # r[3] is NaN
-    assert math.isnan(stats.abs_max_golden) and math.isnan(stats.sq_ref_golden) and math.isnan(stats.sq_cand_golden)
+    assert (math.isnan(stats.abs_max_golden) and math.isnan(stats.sq_ref_golden)
+            and math.isnan(stats.sq_cand_golden))
     finite = r.double().isfinite() & c.double().isfinite()
     ulp = M.ulp_distance(r, c)[finite].double()
     assert m["max_ulp"] == float(ulp.max())

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.multirank
 SEED, FRONTEND, TINY = "mlm-seed-tp1-gtp2-bf16", "mlm-vs-megatron-tp1-gtp2-bf16", "mlm-tiny-tp1-gtp2-fp32-sgd"
 MOCK = "mlm-mock-tp1-gtp2-bf16"
 FILES = [ROOT / "scenarios" / "mlm_seed.toml", ROOT / "scenarios" / "mlm_vs_megatron.toml",
-         ASSETS / "mlm_tiny.toml", ASSETS / "mlm_faults.toml", ASSETS / "mlm_mock.toml"]  # fmt: skip
+         ASSETS / "mlm_tiny.toml", ASSETS / "mlm_faults.toml", ASSETS / "mlm_mock.toml"]
 FAULTS = sorted({f for s in scenario.load(ASSETS / "mlm_faults.toml") for f in s.candidate.inject})
 SEED_FLAGS = (
     "--tokenizer-type NullTokenizer --vocab-size 128 --num-layers 2 --hidden-size 128 --ffn-hidden-size 256 "
@@ -57,7 +57,8 @@ def test_seed_diverges_as_recorded_with_step_table(mlm_run):
     assert (s["first_divergence"]["step"], s["first_divergence"]["kind"]) == (1, "main_grad")
     df = results(mlm_run, SEED)
     step0 = df[df["step"] == 0]
-    assert len(step0) == 21 and step0["bitwise_equal"].all()  # every parameter, cut from the canonical weights
+    # every parameter, cut from the canonical weights
+    assert len(step0) == 21 and step0["bitwise_equal"].all()
     steps = (mlm_run / "scenarios" / SEED / "steps.csv").read_text()
     assert steps.count("\n") >= 4 and "grad_norm" in steps and "lr" in steps
 
@@ -77,8 +78,10 @@ def test_frontends_agree_bitwise(mlm_run):
     # Python float, fp64) through reduce_max_stat_across_model_parallel_group, a float32 tensor.
     as_logged = {"grad_norm": lambda v: float(torch.tensor(v, dtype=torch.float32))}
     ref_scalars = [(x["step"], x["name"], as_logged.get(x["name"], float)(x["value"])) for x in ref.scalars]
-    # The loss Megatron-LM's log line prints (loss_logged) has no counterpart: the harness's loop logs no line.
-    assert ref_scalars == [(x["step"], x["name"], x["value"]) for x in cand.scalars if x["name"] != "loss_logged"]
+    # The loss Megatron-LM's log line prints (loss_logged) has no counterpart: the harness's loop logs no
+    # line.
+    assert ref_scalars == [(x["step"], x["name"], x["value"]) for x in cand.scalars
+                           if x["name"] != "loss_logged"]
     assert any(x["name"] == "grad_norm" and x["value"] != float(torch.tensor(x["value"], dtype=torch.float32))
                for x in ref.scalars)  # the harness's loop keeps the fp64 norm: the difference is real
 
@@ -120,7 +123,8 @@ def test_planted_fault_localized_on_mlm(mlm_run, fault):
     s = summary(mlm_run, f"mlm-fault-{fault}")
     fd, expect = s["first_divergence"], CATALOG[fault].expect
     assert s["verdict"] == "fail"
-    assert (fd["step"], fd["kind"], fd["signature"]) == (expect["step"], expect["kind"], expect["signature"]), fd
+    assert (fd["step"], fd["kind"], fd["signature"]) == (expect["step"], expect["kind"],
+                                                         expect["signature"]), fd
     assert fnmatch.fnmatchcase(fd["tensor"], expect["tensor"]), fd
 
 
@@ -157,7 +161,8 @@ def test_mlm_command_trace_compares_with_the_seed_side(mlm_run, tmp_path, capsys
 
 
 def test_scenario_args_refused_by_megatron_lm_parser_exit_2(tmp_path, capsys):
-    text = (ASSETS / "mlm_tiny.toml").read_text().replace("[candidate]\n", '[candidate]\nargs = ["--no-such-flag"]\n')
+    text = (ASSETS / "mlm_tiny.toml").read_text().replace("[candidate]\n",
+                                                          '[candidate]\nargs = ["--no-such-flag"]\n')
     (tmp_path / "bad.toml").write_text(text)
     code = cli.main(["run", str(tmp_path / "bad.toml"), "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
@@ -170,7 +175,7 @@ def test_scenario_args_refused_by_megatron_lm_parser_exit_2(tmp_path, capsys):
     ('[reference]\ndata = "mock"\n', "[reference].data"),
     ('[reference]\ngtp_pad_alignment = 32\n', "[reference].gtp_pad_alignment"),
     ('[candidate]\ninject = ["gtp-peers-same-sample"]\n', "[candidate].inject"),
-])  # fmt: skip
+])
 def test_mlm_side_rules(tmp_path, edit, where):
     section = edit.split("\n", 1)[0] + "\n"
     text = (ASSETS / "mlm_tiny.toml").read_text().replace(section, edit, 1)

@@ -75,7 +75,8 @@ def test_expert_wgrad_over_the_dense_gtp_group_is_localized(tmp_path):
     (s,) = scenario.load(NIGHTLY_FAULTS)
     (fault,) = s.candidate.inject
     fd, expect = summary(tmp_path, s.name)["first_divergence"], MOE_FAULTS[fault].expect
-    assert (fd["step"], fd["kind"], fd["signature"]) == (expect["step"], expect["kind"], expect["signature"]), fd
+    assert (fd["step"], fd["kind"], fd["signature"]) == (expect["step"], expect["kind"],
+                                                         expect["signature"]), fd
     assert fnmatch.fnmatchcase(fd["tensor"], expect["tensor"]), fd
 
 
@@ -94,7 +95,7 @@ def test_topk_tie_breaking_does_not_depend_on_the_batch():
     _, whole = topk_routing_with_score_function(logits, 2, score_function="softmax")
     perm = torch.randperm(64, generator=gen)
     parts = [topk_routing_with_score_function(logits[perm][i:i + 8], 2, score_function="softmax")[1]
-             for i in range(0, 64, 8)]  # fmt: skip
+             for i in range(0, 64, 8)]
     assert torch.equal(torch.cat(parts), whole[perm])
 
 
@@ -103,7 +104,7 @@ def test_expert_grid_is_megatron_cores_rank_order():
 
     world, ep, eg = 8, 2, 2
     gen = RankGenerator(tp=1, ep=ep, dp=world // (ep * eg), pp=1, cp=1, order="tp-cp-ep-gtp_remat-dp-pp",
-                        gtp_remat=eg)  # fmt: skip
+                        gtp_remat=eg)
     for axis, key in (("ep", "ep"), ("gtp_remat", "egtp"), ("dp", "edp")):
         for group in gen.get_ranks(axis):
             coords = [expert_coord(r, world, 1, ep, eg) for r in group]
@@ -156,5 +157,5 @@ def test_moe_rules(tmp_path, edit, key):
 
 def test_moe_fault_on_a_dense_model_is_refused(tmp_path):
     text = _bad(tmp_path, **{"num_experts = 4": "num_experts = 0", "expert_gtp = 2\n": "",
-                             "[candidate]\n": "[candidate]\ninject = [\"moe-aux-loss-wrong-group\"]\n"})  # fmt: skip
+                             "[candidate]\n": "[candidate]\ninject = [\"moe-aux-loss-wrong-group\"]\n"})
     assert "inject" in text and "dense" in text

@@ -40,7 +40,8 @@ def test_mtp_parameters_are_megatron_cores_names_and_sizes():
         layers = {s.name.split(".")[2] for s in added}
         assert layers == ({"0"} if repeated else {str(k) for k in range(depth)})
         # megatron-core registers the MTP block after the decoder, before the output layer.
-        assert specs[-1].name == "output_layer.weight" and specs[-len(added) - 1].name.startswith("mtp.layers.")
+        assert (specs[-1].name == "output_layer.weight"
+                and specs[-len(added) - 1].name.startswith("mtp.layers."))
         assert sum(torch.Size(s.shape).numel() for s in added) == mtp_parameter_count(m)
         eh = next(s for s in added if s.name.endswith("eh_proj.weight"))
         assert eh.shape == (64, 128) and eh.tp_dim == 0 and eh.gtp  # column-parallel over [embedding, hidden]
@@ -54,8 +55,10 @@ MTP_CASES = [
      "mean loss"),
     ("mtp-torch-side", 'mtp_num_layers = 1', "candidate", 'backend = "torch"', "[candidate].backend",
      "golden only"),
-    ("mtp-mlm-side", 'mtp_num_layers = 1', "candidate", 'backend = "mlm"', "[candidate].backend", "golden only"),
-    ("mtp-tied", 'mtp_num_layers = 1\nuntie_embeddings = false', None, "", "[model].untie_embeddings", "untied"),
+    ("mtp-mlm-side", 'mtp_num_layers = 1', "candidate", 'backend = "mlm"', "[candidate].backend",
+     "golden only"),
+    ("mtp-tied", 'mtp_num_layers = 1\nuntie_embeddings = false', None, "", "[model].untie_embeddings",
+     "untied"),
     ("mtp-too-deep", 'mtp_num_layers = 8', None, "", "[model].mtp_num_layers", "seq_length"),
     ("mtp-repeated-alone", 'mtp_use_repeated_layer = true', None, "", "[model].mtp_use_repeated_layer",
      "mtp_num_layers > 0"),
@@ -64,14 +67,15 @@ MTP_CASES = [
     ("mtp-fault-on-the-wheel", 'mtp_num_layers = 1', "candidate", 'inject = ["mtp-output-wgrad-dropped"]',
      "[candidate].inject", "backport-gtp-mtp"),
     ("mtp-backport-on-a-tree", 'mtp_num_layers = 1', "candidate",
-     'inject = ["backport-gtp-mtp"]\nmegatron_core = "git:megatron-lm@main"', "[candidate].inject", "installed 0.19.2 wheel"),
+     'inject = ["backport-gtp-mtp"]\nmegatron_core = "git:megatron-lm@main"', "[candidate].inject",
+         "installed 0.19.2 wheel"),
     ("expect-raises-with-signature", 'mtp_num_layers = 1', "expect",
      'raises = "KeyError"\nsignature = "mismatch"\nreason = "x"', "[expect].raises", "no signature"),
 ]
 
 
 @pytest.mark.parametrize(("model", "section", "line", "where", "rule"), [c[1:] for c in MTP_CASES],
-                         ids=[c[0] for c in MTP_CASES])  # fmt: skip
+                         ids=[c[0] for c in MTP_CASES])
 def test_bad_mtp_scenario_exits_2_before_launching(tmp_path, capsys, model, section, line, where, rule):
     text = edit("model", model) if model else BASE
     if section is not None:
@@ -115,7 +119,7 @@ def test_mtp_rows_sit_between_the_decoder_and_the_main_head_in_causal_order():
     order = ["decoder.layers.1.mlp", "decoder.final_layernorm", names.depth_name(0, "embedding"),
              names.depth_name(0, "enorm"), names.depth_name(0, "mtp_model_layer.self_attention"),
              names.depth_name(0), names.logits_name(0), names.loss_name(0), names.depth_name(1, "embedding"),
-             "output_layer"]  # fmt: skip
+             "output_layer"]
     positions = [localize._layer_position(n) for n in order]
     assert positions == sorted(positions) and len(set(positions)) == len(positions)
     assert localize.phase_of(names.LOSS_KIND, names.loss_name(0)) == "loss"
@@ -123,24 +127,29 @@ def test_mtp_rows_sit_between_the_decoder_and_the_main_head_in_causal_order():
 
 def _cfg(**kw) -> dict:
     side = Side(**{"backend": "megatron", "world_size": 2, **kw})
-    return {**dataclasses.asdict(side), "micro_batches": 1, "mtp_num_layers": 2, "mtp_use_repeated_layer": True}
+    return {**dataclasses.asdict(side), "micro_batches": 1, "mtp_num_layers": 2,
+            "mtp_use_repeated_layer": True}
 
 
 def test_a_weight_used_per_depth_expects_the_noise_floor_under_gtp_only():
-    rows = [{"step": 0, "kind": "param", "tensor": "w", "passed": True, "policy": "exact", "bitwise_equal": True}]
+    rows = [{"step": 0, "kind": "param", "tensor": "w", "passed": True, "policy": "exact",
+             "bitwise_equal": True}]
     rows += [{"step": 1, "kind": "main_grad", "tensor": t, "passed": True, "policy": "noise-floor",
               "bitwise_equal": False, "nonfinite_mismatch": 0}
-             for t in ("output_layer.weight", "mtp.layers.0.eh_proj.weight", "decoder.layers.0.mlp.linear_fc1.weight",
-                       "embedding.position_embeddings.weight")]  # fmt: skip
+             for t in ("output_layer.weight", "mtp.layers.0.eh_proj.weight",
+                       "decoder.layers.0.mlp.linear_fc1.weight",
+                       "embedding.position_embeddings.weight")]
     policy = type("P", (), {"policy": "noise-floor"})()
 
     def judged(ref, cand):
-        traces = {r: type("T", (), {"manifest": {"config": c}})() for r, c in (("reference", ref), ("candidate", cand))}
+        traces = {r: type("T", (), {"manifest": {"config": c}})()
+                  for r, c in (("reference", ref), ("candidate", cand))}
         return ex.judge_rows(pd.DataFrame(rows), traces, policy).set_index("tensor")
 
     gtp = judged(_cfg(gtp=1), _cfg(gtp=2))
     for shared in ("output_layer.weight", "mtp.layers.0.eh_proj.weight"):
-        assert gtp.at[shared, "expectation"] == "noise-floor" and "per forward" in gtp.at[shared, "expectation_reason"]
+        assert (gtp.at[shared, "expectation"] == "noise-floor"
+                and "per forward" in gtp.at[shared, "expectation_reason"])
         assert gtp.at[shared, "passed"]
     assert "1 + 2 times" in gtp.at["output_layer.weight", "expectation_reason"]
     assert "2 times" in gtp.at["mtp.layers.0.eh_proj.weight", "expectation_reason"]
@@ -154,7 +163,7 @@ def test_a_weight_used_per_depth_expects_the_noise_floor_under_gtp_only():
 def _jobs(s: scenario.Scenario, provenance: dict) -> dict:
     return {role: Job(key=f"{s.name}-{role}", model=s.model, data=s.data, side=side, capture=s.capture,
                       trace_dir=f"/t/{s.name}-{role}", provenance=provenance)
-            for role, side in s.sides.items()}  # fmt: skip
+            for role, side in s.sides.items()}
 
 
 def test_a_known_failure_to_run_is_known_only_as_recorded_and_where_the_fix_is_absent():
@@ -176,7 +185,8 @@ def test_a_candidate_expected_to_raise_gets_a_launch_of_its_own():
     pending = {j.key: j for roles in by_scenario.values() for j in roles.values()}
     out = launches(by_scenario, loaded, pending)
     alone = [b for b in out if "-alone" in b.name]
-    assert sorted(j.key for b in alone for j in b.jobs) == sorted(by_scenario[s.name]["candidate"].key for s in loaded)
+    assert sorted(j.key for b in alone for j in b.jobs) == sorted(by_scenario[s.name]["candidate"].key
+                                                                  for s in loaded)
     assert all(len(b.jobs) == 1 for b in alone)
     shared = [b for b in out if "-alone" not in b.name and b.world == 2]
     assert {j.side.gtp for b in shared for j in b.jobs} == {1}

@@ -50,7 +50,7 @@ def _losses(path: str) -> dict[tuple[int, str, int], float]:
     """(step, depth's loss name, sample id) -> that sample's MTP loss, from one trace."""
     logical = assemble_trace(trace.read(path))
     return {(step, name, sid): float(v) for (step, kind, name), by_id in logical.samples.items()
-            if kind == names.LOSS_KIND for sid, v in by_id.items()}  # fmt: skip
+            if kind == names.LOSS_KIND for sid, v in by_id.items()}
 
 
 def test_a_known_failure_to_run_reads_as_such_in_junit_and_the_report(mtp_run, tmp_path):
@@ -59,7 +59,8 @@ def test_a_known_failure_to_run_reads_as_such_in_junit_and_the_report(mtp_run, t
     from harness import report
 
     _, _, out = mtp_run
-    cases = {c.get("name"): c for c in ET.parse(report.write_junit(out, tmp_path / "j.xml")).getroot().iter("testcase")}
+    cases = {c.get("name"): c
+             for c in ET.parse(report.write_junit(out, tmp_path / "j.xml")).getroot().iter("testcase")}
     for s in FEATURES:
         skipped = cases[s.name].find("skipped")
         assert skipped is not None and skipped.get("type") == "known-divergence"
@@ -77,7 +78,8 @@ def test_backported_gtp_matches_gtp_off_and_the_golden(mtp_run, name):
     model = next(s.model for s in FAULTS if s.name == name)
     # Every depth's activations, logits and loss were compared, besides the MTP block's weights.
     for d in range(model.mtp_num_layers):
-        for kind, tensor in (("activation", names.depth_name(d, "embedding")), ("activation", names.depth_name(d)),
+        for kind, tensor in (("activation", names.depth_name(d, "embedding")),
+                             ("activation", names.depth_name(d)),
                              ("logits", names.logits_name(d)), (names.LOSS_KIND, names.loss_name(d))):
             rows = df[(df["kind"] == kind) & (df["tensor"] == tensor)]
             assert len(rows) == 2 and rows["passed"].all(), (kind, tensor)
@@ -104,7 +106,8 @@ def test_shared_weights_expect_no_more_than_their_uses_allow(mtp_run):
     grads = df[(df["kind"] == "main_grad") & (df["step"] == 1)].set_index("tensor")
     for name in ("output_layer.weight", "embedding.word_embeddings.weight",
                  "mtp.layers.0.mtp_model_layer.self_attention.linear_qkv.weight"):
-        assert grads.at[name, "expectation"] == "noise-floor" and "per forward" in grads.at[name, "expectation_reason"]
+        assert (grads.at[name, "expectation"] == "noise-floor"
+                and "per forward" in grads.at[name, "expectation_reason"])
         assert grads.at[name, "passed"]
     assert grads.at["decoder.layers.0.mlp.linear_fc1.weight", "expectation"] == "bounded"
     assert grads.at["embedding.position_embeddings.weight", "expectation"] == "bounded"  # not GTP-sharded

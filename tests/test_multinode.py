@@ -28,7 +28,7 @@ pytestmark = pytest.mark.multirank
 
 W4 = ASSETS / "tiny_w4.toml"
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-                 "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")  # fmt: skip
+                 "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 
 
 def free_port() -> int:
@@ -42,18 +42,18 @@ def env() -> dict[str, str]:
     """The worktree's harness first, gloo on the loopback interface, no launcher variables."""
     e = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith("SLURM_")}
     return {**e, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), e.get("PYTHONPATH")])),
-            "GLOO_SOCKET_IFNAME": "lo"}  # fmt: skip
+            "GLOO_SOCKET_IFNAME": "lo"}
 
 
 def cli(cwd: Path, *args: str, timeout: float = 420) -> subprocess.CompletedProcess:
     cwd.mkdir(parents=True, exist_ok=True)
     return subprocess.run([sys.executable, "-m", "harness", *args], cwd=cwd, env=env(), capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+                          text=True, timeout=timeout)
 
 
 def spawn(cwd: Path, argv: list[str], log: str, extra: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(argv, cwd=cwd, env={**env(), **(extra or {})}, stdout=open(cwd / log, "w"),
-                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+                            stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def wait_all(procs: list[subprocess.Popen], cwd: Path, timeout: float) -> list[int]:
@@ -88,7 +88,8 @@ def logs(cwd: Path) -> str:
 def plan(cwd: Path, *flags: str) -> dict:
     proc = cli(cwd, "plan", str(W4), "--out", "run", *flags)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return {b["name"]: b for b in json.loads((cwd / "run" / "launches" / "plans.json").read_text())["launches"]}
+    return {b["name"]: b
+            for b in json.loads((cwd / "run" / "launches" / "plans.json").read_text())["launches"]}
 
 
 def outputs(run: Path) -> dict[str, bytes]:
@@ -118,7 +119,7 @@ def test_two_nodes_of_two_ranks_equal_one_node_byte_for_byte(tmp_path, one_node)
     procs = [spawn(tmp_path, [*py, launches["w1-0"]["plan"]], "golden.log")]  # world 1: one node
     for r in (0, 1):
         procs.append(spawn(tmp_path, [*py, launches["w4-0"]["plan"], "--nnodes", "2", "--node-rank", str(r),
-                                      "--rdzv-endpoint", endpoint], f"node{r}.log"))  # fmt: skip
+                                      "--rdzv-endpoint", endpoint], f"node{r}.log"))
     assert wait_all(procs, tmp_path, timeout=600) == [0, 0, 0], logs(tmp_path)
     assert set(nodes_of(tmp_path / "run", "megatron-w4-tp1-gtp2-fp32").values()) == {0, 1}  # two nodes ran it
     proc = cli(tmp_path, "collect", str(W4), "--out", "run")
@@ -135,12 +136,12 @@ def test_slurm_tasks_started_without_torchrun_equal_one_node(tmp_path, one_node)
     worker = [sys.executable, "-m", "harness.backends.worker"]
     port = str(free_port())
     procs = [spawn(tmp_path, [*worker, launches["w1-0"]["plan"]], "golden.log",
-                   {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0"})]  # fmt: skip
+                   {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0"})]
     for task in range(4):  # what srun --nodes 2 --ntasks 4 sets in each task
         procs.append(spawn(tmp_path, [*worker, launches["w4-0"]["plan"]], f"task{task}.log", {
             "SLURM_PROCID": str(task), "SLURM_NTASKS": "4", "SLURM_LOCALID": str(task % 2),
             "SLURM_NODEID": str(task // 2), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-            "OMP_NUM_THREADS": "1"}))  # fmt: skip
+            "OMP_NUM_THREADS": "1"}))
     assert wait_all(procs, tmp_path, timeout=600) == [0] * 5, logs(tmp_path)
     run = tmp_path / "run"
     assert all(trace.is_complete(s["trace_dir"]) for b in launches.values() for s in b["sides"])
@@ -161,19 +162,22 @@ def test_a_killed_node_is_named_by_node_rank_and_step(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     plan_w4 = str(tmp_path / "run" / "launches" / "plan-w4-0.json")
     endpoint = f"127.0.0.1:{free_port()}"
-    node0 = spawn(tmp_path, [sys.executable, "-m", "harness", "launch", plan_w4, "--nnodes", "2", "--node-rank", "0",
-                             "--rdzv-endpoint", endpoint], "node0.log")  # fmt: skip
+    node0 = spawn(tmp_path,
+                  [sys.executable, "-m", "harness", "launch", plan_w4, "--nnodes", "2", "--node-rank", "0",
+                             "--rdzv-endpoint", endpoint], "node0.log")
     # Node 1 under the user's own torchrun (the printed form): killed below as a machine dies.
     node1 = spawn(tmp_path, [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--node-rank=1",
                              "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
                              "--rdzv-id=gtp-parity-w4-0", "--rdzv-conf=is_host=0", "--local-addr=127.0.0.1",
                              "--max-restarts=0",
-                             "-m", "harness.backends.worker", plan_w4], "node1.log", {"PARITY_NODE_RANK": "1"})  # fmt: skip
+                             "-m", "harness.backends.worker", plan_w4], "node1.log",
+                                 {"PARITY_NODE_RANK": "1"})
     ref = tmp_path / "run" / "traces"
     try:
         deadline = time.monotonic() + 480
         while not any(b.get("node") == 1 and (b.get("step") or 0) >= 1 for b in _beats(ref)):
-            assert node0.poll() is None and node1.poll() is None and time.monotonic() < deadline, logs(tmp_path)
+            assert (node0.poll() is None and node1.poll() is None
+                    and time.monotonic() < deadline), logs(tmp_path)
             time.sleep(0.2)
         kill_tree(node1)  # node 1 and its ranks, at once
         killed = time.monotonic()
@@ -188,11 +192,14 @@ def test_a_killed_node_is_named_by_node_rank_and_step(tmp_path):
     assert took < timeout_s + 30, f"node 0 took {took:.0f} s to end"
     # A node-0 rank may be listed too: when its node-0 peer reports the lost connection first,
     # torchrun stops it (SIGTERM) while it still waits in the collective, before it can report.
-    m = re.search(r"node 1 rank\(s\) \[(\d), (\d)\](?:, node 0 rank\(s\) \[[\d, ]+\])? exited without an error "
-                  r"report \(a hard exit, or the node was lost\); side megatron-w4-tp1-gtpoff-fp32: node 1 rank (\d) "
+    m = re.search(r"node 1 rank\(s\) \[(\d), (\d)\](?:, node 0 rank\(s\) \[[\d, ]+\])? exited without an "
+                  r"error "
+                  r"report \(a hard exit, or the node was lost\); side megatron-w4-tp1-gtpoff-fp32: node 1 "
+                  r"rank (\d) "
                   r"stopped at step (\d+) ", said)
     assert m and {int(m[1]), int(m[2])} >= set(last), said
-    assert int(m[3]) in last and int(m[4]) == last[int(m[3])]["step"] == min(b["step"] for b in last.values()), said
+    assert int(m[3]) in last and int(m[4]) == last[int(m[3])]["step"] == min(b["step"]
+                                                                             for b in last.values()), said
     left = subprocess.run(["pgrep", "-af", plan_w4], capture_output=True, text=True).stdout
     assert left == "", f"processes left behind: {left}"
     (side,) = [p for p in ref.iterdir() if not trace.is_complete(p) and list(p.glob("rank*/index.json"))]
@@ -201,7 +208,8 @@ def test_a_killed_node_is_named_by_node_rank_and_step(tmp_path):
     t = trace.read(side, allow_incomplete=True)  # kept, and readable as incomplete
     assert not t.complete and any(e.step == 0 for e in t.entries)
     proc = cli(tmp_path, "collect", str(scenario), "--out", "run")
-    assert proc.returncode == 3 and "trace marked incomplete (launch w4-0" in proc.stdout, proc.stdout + proc.stderr
+    assert (proc.returncode == 3
+            and "trace marked incomplete (launch w4-0" in proc.stdout), proc.stdout + proc.stderr
 
 
 def _beats(traces: Path) -> list[dict]:

@@ -60,7 +60,7 @@ def test_the_goldens_update_is_megatron_cores_qkv_split_and_scale_bit_for_bit():
     theirs = TensorParallelMuon([qkv, fc1], split_qkv=True, is_qkv_fn=lambda p: getattr(p, "is_qkv", False),
                                 qkv_split_shapes=[16, 16, 16], pg_collection=None, tp_mode="duplicated",
                                 **{k: MUON[k] for k in ("coefficient_type", "num_ns_steps", "scale_mode",
-                                                        "extra_scale_factor")})  # fmt: skip
+                                                        "extra_scale_factor")})
     ours = GoldenMuon([qkv, fc1], lr=1.0, weight_decay=0.0, qkv={id(qkv): [16, 16, 16]})
     with _matmul_precision("highest"):
         for p in (qkv, fc1):
@@ -80,7 +80,7 @@ def test_the_goldens_blockwise_update_is_megatron_cores_on_each_tp_shard():
     qkv, fc2 = (torch.nn.Parameter(torch.randn(*shape, generator=gen)) for shape in ((192, 64), (64, 80)))
     kw = {k: MUON[k] for k in ("coefficient_type", "num_ns_steps", "scale_mode", "extra_scale_factor")}
     ours = GoldenMuon([qkv, fc2], lr=1.0, weight_decay=0.0, qkv={id(qkv): [16, 16, 16]}, blocks=2,
-                      tp_dims={id(qkv): 0, id(fc2): 1})  # fmt: skip
+                      tp_dims={id(qkv): 0, id(fc2): 1})
     for p, dim in ((qkv, 0), (fc2, 1)):
         g = torch.randn(p.shape, generator=gen)
         shards = [torch.nn.Parameter(b.clone()) for b in p.detach().chunk(2, dim=dim)]
@@ -88,9 +88,10 @@ def test_the_goldens_blockwise_update_is_megatron_cores_on_each_tp_shard():
             shard.is_qkv = p is qkv
         theirs = TensorParallelMuon(shards, split_qkv=True, is_qkv_fn=lambda q: getattr(q, "is_qkv", False),
                                     qkv_split_shapes=[16, 16, 16], pg_collection=None, tp_mode="blockwise",
-                                    **kw)  # fmt: skip
+                                    **kw)
         with _matmul_precision("highest"):
-            want = torch.cat([theirs.orthogonalize(sh, b) for sh, b in zip(shards, g.chunk(2, dim=dim))], dim=dim)
+            want = torch.cat([theirs.orthogonalize(sh, b) for sh, b in zip(shards, g.chunk(2, dim=dim))],
+                             dim=dim)
             assert torch.equal(ours.orthogonalize(p, g), want), p.shape
 
 
@@ -123,10 +124,10 @@ def _cfg(**kw) -> dict:
 
 
 @pytest.mark.parametrize(("mode", "expected"), [("duplicated", "bitwise"), ("distributed", "noise-floor"),
-                                                ("blockwise", "noise-floor")])  # fmt: skip
+                                                ("blockwise", "noise-floor")])
 def test_a_muon_update_is_bitwise_only_where_gtp_gathers_the_whole_matrix(mode, expected):
     rows = [{"step": 0, "kind": "param", "tensor": "w", "bitwise_equal": True, "policy": "exact"},
-            {"step": 1, "kind": "main_grad", "tensor": "w", "bitwise_equal": True}]  # fmt: skip
+            {"step": 1, "kind": "main_grad", "tensor": "w", "bitwise_equal": True}]
     up = ex._Upstream(pd.DataFrame(rows))
     ref, cand = _cfg(gtp=1, muon_tp_mode=mode, clip_grad=0.0), _cfg(gtp=2, muon_tp_mode=mode, clip_grad=0.0)
 
@@ -134,7 +135,8 @@ def test_a_muon_update_is_bitwise_only_where_gtp_gathers_the_whole_matrix(mode, 
         return ex.expectation({"step": 1, "kind": kind, "tensor": tensor, "shape": shape}, ref, c, up, None)
 
     assert judged("param", "decoder.layers.0.mlp.linear_fc1.weight", [80, 64])[0] == expected
-    assert judged("param", "decoder.layers.0.mlp.linear_fc1.weight", "(80, 64)")[0] == expected  # results.csv text
+    # results.csv text
+    assert judged("param", "decoder.layers.0.mlp.linear_fc1.weight", "(80, 64)")[0] == expected
     # The momentum buffer is an element-wise EMA; Adam's params step element-wise; GTP alike on both sides.
     assert judged("exp_avg", "decoder.layers.0.mlp.linear_fc1.weight", [80, 64])[0] == "bitwise"
     assert judged("param", "output_layer.weight", [72, 64])[0] == "bitwise"
@@ -145,16 +147,20 @@ def test_a_muon_update_is_bitwise_only_where_gtp_gathers_the_whole_matrix(mode, 
 
 
 REFUSED = [
-    ("muon-tp-mode-without-muon", edit("train", 'muon_tp_mode = "blockwise"'), "muon_tp_mode", "only with optimizer"),
-    ("muon-unknown-tp-mode", edit("train", 'optimizer = "muon"\nmuon_tp_mode = "sharded"'), "muon_tp_mode", "one of"),
-    ("muon-on-mlm", edit("train", 'optimizer = "muon"', text=BASE.replace('"megatron"', '"mlm"')), "optimizer",
+    ("muon-tp-mode-without-muon", edit("train", 'muon_tp_mode = "blockwise"'), "muon_tp_mode",
+     "only with optimizer"),
+    ("muon-unknown-tp-mode", edit("train", 'optimizer = "muon"\nmuon_tp_mode = "sharded"'), "muon_tp_mode",
+     "one of"),
+    ("muon-on-mlm", edit("train", 'optimizer = "muon"', text=BASE.replace('"megatron"', '"mlm"')),
+     "optimizer",
      "mlm backend"),
-    ("muon-with-experts", edit("train", 'optimizer = "muon"', text=edit("model", "num_experts = 2")), "optimizer",
+    ("muon-with-experts", edit("train", 'optimizer = "muon"', text=edit("model", "num_experts = 2")),
+     "optimizer",
      "routed experts"),
     ("muon-distributed-optimizer", edit("train", 'optimizer = "muon"\ndistributed_optimizer = true'),
      "distributed_optimizer", "Adam only"),
     ("muon-fault-without-muon", edit("candidate", f'inject = ["{FAULT}"]'), "inject", "never fires"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("text", "where", "rule"), [c[1:] for c in REFUSED], ids=[c[0] for c in REFUSED])
@@ -202,7 +208,8 @@ def test_padded_gtp_shards_scale_muons_update_as_recorded(muon_run):
         fd = s["first_divergence"]
         assert s["verdict"] == "known-divergence", (name, fd)
         assert (fd["step"], fd["kind"], fd["signature"]) == (1, "param", "update-term")
-        assert fd["tensor"].endswith("mlp.linear_fc1.weight") and "emerging_optimizers.py" in s["expect"]["reason"]
+        assert (fd["tensor"].endswith("mlp.linear_fc1.weight")
+                and "emerging_optimizers.py" in s["expect"]["reason"])
         assert fd["update"]["factor"] == pytest.approx(math.sqrt(128 / 80), rel=NS_REL)
     assert summary(out, "muon-blockwise")["verdict"] == "pass"
 
@@ -216,7 +223,8 @@ def test_the_unpadded_control_holds_bitwise_and_compares_momentum_per_parameter(
     for kind in ("param", "exp_avg"):  # exp_avg: Muon's momentum buffer, per parameter, logical
         mine_rows = matrices[(matrices["kind"] == kind) & (matrices["step"] >= 1)]
         assert len(mine_rows) == 2 * 9, kind  # 2 steps x (8 linear weights + the position embedding)
-        assert (mine_rows["expectation"] == "bitwise").all() and mine_rows["bitwise_equal"].astype(bool).all(), kind
+        assert (mine_rows["expectation"] == "bitwise").all(), kind
+        assert mine_rows["bitwise_equal"].astype(bool).all(), kind
 
 
 @pytest.mark.multirank

@@ -68,7 +68,7 @@ def test_a_checkpoint_stage_runs_the_mutant_where_it_saves_and_where_it_loads(tm
 
     (ckpt,) = [s for s in scenario.load(ROOT / "scenarios" / "mutate.toml") if s.saver is not None]
     ms = [Mutant(id=mid, module="m", file="f", function="f", operator="branch", line=1, end_line=1, start=0,
-                 end=1, original="a", replacement="b") for mid in ("x-save-crash", "x-survives")]  # fmt: skip
+                 end=1, original="a", replacement="b") for mid in ("x-save-crash", "x-survives")]
     clean = {ckpt.name: {"candidate": SimpleNamespace(provenance={"digest": "0" * 12})}}
     launched = []
 
@@ -79,9 +79,11 @@ def test_a_checkpoint_stage_runs_the_mutant_where_it_saves_and_where_it_loads(tm
     monkeypatch.setattr(campaign, "run_clean", lambda *a: clean)
     monkeypatch.setattr(campaign, "run_mutant_jobs", run_jobs)
     monkeypatch.setattr(campaign, "_verdict", lambda s, by_s, failed, out, clean: None if any(
-        j.key in failed for j in campaign.mutant_jobs(by_s[s.name])) else {"scenario": s.name, "verdict": "pass"})
+        j.key in failed for j in campaign.mutant_jobs(by_s[s.name]))
+            else {"scenario": s.name, "verdict": "pass"})
     monkeypatch.setattr(campaign, "reached", lambda trace_dir: True)
-    doc = campaign.run_campaign(ms, [ckpt], tmp_path, timeout_s=90, per_launch=12, triage={}, say=lambda *a: None)
+    doc = campaign.run_campaign(ms, [ckpt], tmp_path, timeout_s=90, per_launch=12, triage={},
+                                say=lambda *a: None)
     assert launched == [[("x-save-crash", True), ("x-survives", True)], [("x-survives", False)]]
     assert [m["status"] for m in doc["mutants"]] == ["crashed", "survived"]
 
@@ -97,7 +99,8 @@ def test_every_target_has_mutants():
 def test_a_mutant_gets_its_own_side_key():
     model, data = ModelConfig(), DataConfig()
     clean = Side(gtp=2)
-    keys = {clean.key(model, data), Side(gtp=2, mutant="a-1").key(model, data), Side(gtp=2, mutant="a-2").key(model, data)}
+    keys = {clean.key(model, data), Side(gtp=2, mutant="a-1").key(model, data),
+            Side(gtp=2, mutant="a-2").key(model, data)}
     assert len(keys) == 3
 
 
@@ -182,7 +185,7 @@ def test_a_detected_mutant_does_not_run_the_later_scenarios(tmp_path, monkeypatc
 
     def mutant(mid):
         return Mutant(id=mid, module="m", file="f", function="f", operator="branch", line=1, end_line=1,
-                      start=0, end=1, original="a", replacement="b")  # fmt: skip
+                      start=0, end=1, original="a", replacement="b")
 
     ms = [mutant("x-killed"), mutant("x-crashed"), mutant("x-survives")]
     clean = {s.name: {"candidate": SimpleNamespace(provenance={"digest": "0" * 12})} for s in scenarios}
@@ -202,7 +205,7 @@ def test_a_detected_mutant_does_not_run_the_later_scenarios(tmp_path, monkeypatc
     monkeypatch.setattr(campaign, "_verdict", verdict)
     monkeypatch.setattr(campaign, "reached", lambda trace_dir: True)
     doc = campaign.run_campaign(ms, scenarios[:2], tmp_path, timeout_s=90, per_launch=12, triage={},
-                                say=lambda *a: None)  # fmt: skip
+                                say=lambda *a: None)
     assert launched == [["x-crashed", "x-killed", "x-survives"], ["x-survives"]]
     by_id = {m["id"]: m for m in doc["mutants"]}
     statuses = [by_id[i]["status"] for i in ("x-killed", "x-crashed", "x-survives")]

@@ -95,7 +95,8 @@ def test_node_rank_zero_hosts_the_store(tmp_path):
         tmp_path / "plan.json", 4, "w4-0", join_timeout_s=180)
     head = Nodes.of(2, 0, "10.0.0.1:29500", 4).torchrun(tmp_path / "plan.json", 4, "w4-0", join_timeout_s=180)
     assert "--rdzv-conf=is_host=1,join_timeout=180" in head and not any("--local-addr" in a for a in head)
-    other = Nodes.of(2, 1, "10.0.0.1:29500", 4).torchrun(tmp_path / "plan.json", 4, "w4-0", join_timeout_s=180)
+    other = Nodes.of(2, 1, "10.0.0.1:29500", 4).torchrun(tmp_path / "plan.json", 4, "w4-0",
+                                                         join_timeout_s=180)
     assert "--rdzv-conf=is_host=0,join_timeout=180" in other
     from torch.distributed.run import get_args_parser
 
@@ -114,7 +115,8 @@ def test_printed_commands_are_what_torchrun_reads(tmp_path):
     from torch.distributed.run import get_args_parser
 
     parsed = get_args_parser().parse_args(words[i + 1:])
-    assert (parsed.nnodes, parsed.node_rank, parsed.nproc_per_node, parsed.rdzv_id) == ("2", 0, "2", "gtp-parity-w4-0")
+    assert (parsed.nnodes, parsed.node_rank, parsed.nproc_per_node, parsed.rdzv_id) == ("2", 0, "2",
+        "gtp-parity-w4-0")
     assert parsed.training_script_args == [str(tmp_path / "plan-w4-0.json")]
     assert "srun --nodes=2 --ntasks=4 --ntasks-per-node=2 " in lines[2][1]
     where, lines = node_commands("w1-0", tmp_path / "p.json", 1, 2, None, tmp_path)
@@ -129,7 +131,8 @@ def test_printed_commands_are_what_torchrun_reads(tmp_path):
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory):
     out = tmp_path_factory.mktemp("planned") / "run"
-    assert main(["plan", str(W4), "--out", str(out), "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29500"]) == 0
+    assert main(["plan", str(W4), "--out", str(out), "--nnodes", "2", "--rdzv-endpoint",
+                 "127.0.0.1:29500"]) == 0
     return out
 
 
@@ -146,7 +149,8 @@ def test_plan_writes_every_launch_and_launches_nothing(planned, capsys):
 
 def test_plan_prints_each_nodes_command(tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(["plan", str(W4), "--out", str(out), "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29500"]) == 0
+    assert main(["plan", str(W4), "--out", str(out), "--nnodes", "2", "--rdzv-endpoint",
+                 "127.0.0.1:29500"]) == 0
     said = capsys.readouterr().out
     assert f"-m harness launch {out.resolve()}/launches/plan-w4-0.json --nnodes 2 --node-rank R " \
            "--rdzv-endpoint 127.0.0.1:29500" in said
@@ -225,12 +229,14 @@ def test_a_lost_node_is_named_with_its_ranks_and_step(tmp_path, w4_jobs):
 
     job = dataclasses.replace(w4_jobs[0], trace_dir=str(tmp_path / "t"))
     lost = "RuntimeError: Connection closed by peer [127.0.0.1]:1234"
-    _fake_trace(tmp_path / "t", {0: {"step": 2, "phase": "begin", "node": 0}, 1: {"step": 2, "phase": "begin", "node": 0},
+    _fake_trace(tmp_path / "t",
+                {0: {"step": 2, "phase": "begin", "node": 0}, 1: {"step": 2, "phase": "begin", "node": 0},
                                  2: {"step": 1, "phase": "optimizer", "node": 1},
                                  3: {"step": 1, "phase": "forward_backward", "node": 1}},
-                {0: lost, 1: lost})  # fmt: skip
+                {0: lost, 1: lost})
     said = launcher.describe_failure([job], 4)
-    assert said.startswith("node 1 rank(s) [2, 3] exited without an error report (a hard exit, or the node was lost); ")
+    assert said.startswith("node 1 rank(s) [2, 3] exited without an error report (a hard exit, or the node "
+                           "was lost); ")
     assert "node 1 rank 3 stopped at step 1 (forward_backward)" in said
     launcher.mark_incomplete([job], 4, failed=said)
     assert not trace.is_complete(job.trace_dir)
@@ -243,8 +249,9 @@ def test_one_node_messages_name_ranks_as_before(tmp_path, w4_jobs):
 
     job = dataclasses.replace(w4_jobs[0], trace_dir=str(tmp_path / "t"))
     _fake_trace(tmp_path / "t", {r: {"step": 1, "phase": "begin", "node": 0} for r in range(4)},
-                {0: "ValueError: boom"})  # fmt: skip
-    assert launcher.describe_failure([job], 4) == f"side {job.side.label()}: rank 0 raised at step 1: ValueError: boom"
+                {0: "ValueError: boom"})
+    said = launcher.describe_failure([job], 4)
+    assert said == f"side {job.side.label()}: rank 0 raised at step 1: ValueError: boom"
     (tmp_path / "t" / "rank0" / "error.json").unlink()
     said = launcher.describe_failure([job], 4)
     assert said.startswith("rank(s) [0, 1, 2, 3] exited without an error report (a hard exit); ")

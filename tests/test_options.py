@@ -153,15 +153,19 @@ def test_the_trees_own_defaults_are_recorded_and_a_changed_one_is_named():
     wheel = tree_defaults(model, data, side)
     assert wheel["muon_tp_mode"] == {"target": "OptimizerConfig.muon_tp_mode", "default": "blockwise",
                                      "left_to_tree": False}
-    assert wheel["bucket_size"]["left_to_tree"] and not tree_defaults(Side(bucket_size=64))["bucket_size"]["left_to_tree"]
+    assert (wheel["bucket_size"]["left_to_tree"]
+            and not tree_defaults(Side(bucket_size=64))["bucket_size"]["left_to_tree"])
 
     def traced(defaults):
-        return Trace(path=Path("."), manifest={}, entries=[], scalars=[], infos={0: {"tree_defaults": defaults}})
+        return Trace(path=Path("."), manifest={}, entries=[], scalars=[],
+                     infos={0: {"tree_defaults": defaults}})
 
     main = {**wheel, "muon_tp_mode": {**wheel["muon_tp_mode"], "default": "duplicated"},
             "bucket_size": {**wheel["bucket_size"], "default": 40_000_000}}
     notes = tree_default_notes({"reference": traced(wheel), "candidate": traced(main), "golden": traced({})})
     assert len(notes) == 2
-    assert notes[0].startswith("bucket_size (DistributedDataParallelConfig.bucket_size)") and "values that ran" in notes[0]
-    assert notes[1].startswith("muon_tp_mode") and "'blockwise' vs 'duplicated'" in notes[1] and "no effect" in notes[1]
+    assert (notes[0].startswith("bucket_size (DistributedDataParallelConfig.bucket_size)")
+            and "values that ran" in notes[0])
+    assert (notes[1].startswith("muon_tp_mode") and "'blockwise' vs 'duplicated'" in notes[1]
+            and "no effect" in notes[1])
     assert tree_default_notes({"reference": traced(wheel), "candidate": traced(wheel)}) == []

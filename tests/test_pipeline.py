@@ -82,7 +82,7 @@ def test_each_stage_records_what_it_computes_under_global_names(pp_run):
     assert len(losses) == clean.candidate.num_microbatches(clean.data) == 4
     assert not [s for s in first["scalars"] if s["name"] == "loss"]
     reduced = [{s["step"]: s["value"] for s in ix["scalars"] if s["name"] == "reduced_loss"}
-               for ix in (first, last)]  # fmt: skip
+               for ix in (first, last)]
     assert reduced[0] == reduced[1]
 
 
@@ -106,7 +106,8 @@ def test_swapped_microbatch_grads_are_localized_to_the_first_stage(pp_run):
     s = summary(out, faulty.name)
     fd, expect = s["first_divergence"], CATALOG[FAULT].expect
     assert s["verdict"] == "fail"
-    assert (fd["step"], fd["kind"], fd["signature"]) == (expect["step"], expect["kind"], expect["signature"]), fd
+    assert (fd["step"], fd["kind"], fd["signature"]) == (expect["step"], expect["kind"],
+                                                         expect["signature"]), fd
     assert fnmatch.fnmatchcase(fd["tensor"], expect["tensor"]) and fd["ranks"] == [0], fd
     df = results(out, faulty.name)
     fwd = df[(df["step"] == 1) & df["kind"].isin(["activation", "logits", "loss"])]
@@ -123,9 +124,10 @@ def test_stages_split_layers_evenly_and_names_are_global():
     assert global_name("decoder.layers.0.mlp.fc1.weight", {0: 2, 1: 3}) == "decoder.layers.2.mlp.fc1.weight"
     assert global_name("output_layer.weight", {}) == "output_layer.weight"
     names = ["embedding.word_embeddings.weight", "decoder.layers.0.x", "decoder.layers.3.x",
-             "decoder.final_layernorm.weight", "output_layer.weight"]  # fmt: skip
+             "decoder.final_layernorm.weight", "output_layer.weight"]
     assert owned(names, 4, 2, 0) == {"embedding.word_embeddings.weight", "decoder.layers.0.x"}
-    assert owned(names, 4, 2, 1) == {"decoder.layers.3.x", "decoder.final_layernorm.weight", "output_layer.weight"}
+    assert owned(names, 4, 2, 1) == {"decoder.layers.3.x", "decoder.final_layernorm.weight",
+                                     "output_layer.weight"}
 
 
 @pytest.mark.parametrize("edit, where, rule", [
@@ -136,7 +138,7 @@ def test_stages_split_layers_evenly_and_names_are_global():
     ({"candidate": {"virtual_pipeline": 1}}, "[candidate].virtual_pipeline", "must be >= 2, got 1"),
     ({"candidate": {"virtual_pipeline": 2}}, "[candidate].pipeline_parallel", "4 model chunks must divide"),
     ({"candidate": {"backend": "torch"}}, "[candidate].pipeline_parallel", "only the megatron backend"),
-])  # fmt: skip
+])
 def test_bad_pipeline_settings_name_key_and_rule(edit, where, rule):
     raw = read_toml(TINY)
     for table, values in edit.items():

@@ -227,7 +227,7 @@ def test_under_torchrun_a_failure_on_one_rank_fails_all(project, monkeypatch):
     start = time.monotonic()
     result = project.run(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
                          "-m", "pytest", *plugin_args(), "-p", "no:cacheprovider", "--parity-report", "rep",
-                         "--parity-dist-timeout", "40", "test_dist.py", timeout=280)  # fmt: skip
+                         "--parity-dist-timeout", "40", "test_dist.py", timeout=280)
     assert result.ret != 0 and time.monotonic() - start < 250  # rank 1's 300 s hang did not hold rank 0
     for rank in ("0", "1"):
         got = outcomes(project.path, rank)

@@ -38,14 +38,15 @@ def test_the_permuted_pairing_swaps_gtp_peers_with_replicate_dp():
     for rank in range(8):  # the same samples per rank on either pairing; coordinates round-trip
         assert permuted.data_rank(rank) == usual.data_rank(rank)
         assert permuted.rank(permuted.coord(rank)) == rank
-    assert permuted.coord(2) == {"tp": 0, "gtp": 0, "dp": 1} and usual.coord(2) == {"tp": 0, "gtp": 1, "dp": 0}
+    assert permuted.coord(2) == {"tp": 0, "gtp": 0, "dp": 1} and usual.coord(2) == {"tp": 0, "gtp": 1,
+        "dp": 0}
 
 
 @pytest.mark.parametrize("change,problem", [
     ({"gtp": 1, "world_size": 2}, "needs G > 1 and DP > 1"),
     ({"world_size": 2}, "needs G > 1 and DP > 1"),
     ({"pipeline_parallel": 2, "world_size": 8}, "not with pipeline stages"),
-])  # fmt: skip
+])
 def test_a_permuted_collection_it_cannot_build_is_refused(change, problem):
     (s,) = [s for s in _pg_scenarios() if s.name == "pg-collection-permuted"]
     bad = dataclasses.replace(s, candidate=dataclasses.replace(s.candidate, **change))
@@ -78,7 +79,8 @@ def test_gtp_peers_paired_across_dp_are_the_wheels_known_divergence(pg_run):
     assert s["verdict"] == "known-divergence", fd
     assert (fd["step"], fd["kind"], fd["signature"]) == (1, "materialized", "replica-drift"), fd
     # The candidate's shards sit where the collection pairs them: rank 1 is GTP rank 0 of DP slot 1.
-    trace = next(p for p in (pg_run / "traces").iterdir() if _coords(p).get(1) == {"tp": 0, "gtp": 0, "dp": 1})
+    trace = next(p for p in (pg_run / "traces").iterdir()
+                 if _coords(p).get(1) == {"tp": 0, "gtp": 0, "dp": 1})
     assert _coords(trace)[2] == {"tp": 0, "gtp": 1, "dp": 0}
     # 0.19.2 gathers every GTP weight over parallel_state's pairing: each one is wrong.
     df = results(pg_run, "pg-collection-permuted")
@@ -115,11 +117,12 @@ def test_on_main_the_embedding_and_output_layer_remain_and_the_proposed_fix_hold
     needs_repositories(MAIN_TREE)
     (s,) = [s for s in _pg_scenarios() if s.name == "pg-collection-permuted"]
     on_main = {r: dataclasses.replace(side, megatron_core=MAIN_TREE) for r, side in
-               (("reference", s.reference), ("candidate", s.candidate))}  # fmt: skip
+               (("reference", s.reference), ("candidate", s.candidate))}
     s = dataclasses.replace(s, **on_main, expect=None)
     (mended,) = plant([dataclasses.replace(s, name="pg-permuted-mended")], ["patch-pgc-gtp-reads"])
     run_scenarios([s, mended], tmp_path, parallel=1)
     df = results(tmp_path, s.name)
-    wrong = set(df[(df["step"] == 1) & (df["kind"] == "materialized") & ~df["bitwise_equal"].astype(bool)]["tensor"])
+    differs = (df["step"] == 1) & (df["kind"] == "materialized") & ~df["bitwise_equal"].astype(bool)
+    wrong = set(df[differs]["tensor"])
     assert wrong == {"embedding.word_embeddings.weight", "output_layer.weight"}
     assert summary(tmp_path, "pg-permuted-mended")["verdict"] == "pass"

@@ -10,7 +10,8 @@ from harness.quant.hadamard import apply_rht
 from harness.quant.nvfp4 import NVFP4Quantizer
 
 # tests/pytorch/utils.py dtype_tols of Transformer Engine
-TOLS = {"E4M3": dict(rtol=0.125, atol=0.0675), "E5M2": dict(rtol=0.25, atol=0.125), "E2M1": dict(rtol=0.25, atol=0.125)}
+TOLS = {"E4M3": dict(rtol=0.125, atol=0.0675), "E5M2": dict(rtol=0.25, atol=0.125),
+        "E2M1": dict(rtol=0.25, atol=0.125)}
 
 
 def reference(x, w, dy):
@@ -37,11 +38,14 @@ def on_grid(shape, step: float, gen: torch.Generator, top: int = 7) -> torch.Ten
 EXACT = [
     pytest.param(R.DelayedScaling(), id="delayed"),
     pytest.param(R.Float8CurrentScaling(), id="current"),
-    pytest.param(R.Float8CurrentScaling(use_power_2_scales=True, fp8_format=R.Format.E4M3), id="current-e4m3-pow2"),
+    pytest.param(R.Float8CurrentScaling(use_power_2_scales=True, fp8_format=R.Format.E4M3),
+                 id="current-e4m3-pow2"),
     pytest.param(R.MXFP8BlockScaling(), id="mxfp8"),
-    pytest.param(R.MXFP8BlockScaling(fp8_format=R.Format.HYBRID, enable_2d_quantization=True), id="mxfp8-hybrid-2d"),
+    pytest.param(R.MXFP8BlockScaling(fp8_format=R.Format.HYBRID, enable_2d_quantization=True),
+                 id="mxfp8-hybrid-2d"),
     pytest.param(R.Float8BlockScaling(), id="block"),
-    pytest.param(R.Float8BlockScaling(fp8_format=R.Format.HYBRID, x_block_scaling_dim=2, w_block_scaling_dim=1), id="block-x2d"),
+    pytest.param(R.Float8BlockScaling(fp8_format=R.Format.HYBRID, x_block_scaling_dim=2,
+                                      w_block_scaling_dim=1), id="block-x2d"),
 ]
 
 
@@ -63,7 +67,8 @@ def nvfp4_exact_operand(shape, gen):
     factor 448 / 512 = 7 / 8 is exact and every element is its own E2M1 code.
     """
     grid = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6.0])
-    q = grid[torch.randint(0, 8, shape, generator=gen)] * torch.where(torch.rand(shape, generator=gen) < 0.5, -1.0, 1.0)
+    q = grid[torch.randint(0, 8, shape, generator=gen)] * torch.where(torch.rand(shape, generator=gen) < 0.5,
+                                                                      -1.0, 1.0)
     i, j = torch.arange(shape[0])[:, None], torch.arange(shape[1])[None, :]
     q = torch.where((i + j) % 16 == 0, torch.tensor(6.0), q)
     return q * 0.875

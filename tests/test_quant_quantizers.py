@@ -97,7 +97,8 @@ def test_current_scaling_zero_inf_nan_tensors():
     n = CurrentScalingQuantizer(fmt=E4M3).quantize(torch.tensor([2.0, math.nan]))  # NaN ignored by amax
     assert n.rowwise.scale_inv.item() == 2 / 448 or n.rowwise.scale_inv.item() == f32(1 / f32(448 / 2))
     assert n.rowwise.data.tolist()[0][0] == 0x7E and n.rowwise.data.tolist()[0][1] == 0x7F
-    assert CurrentScalingQuantizer(fmt=E4M3).quantize(torch.ones(2), amax=torch.tensor(math.nan)).rowwise.scale_inv.item() == 1.0
+    q = CurrentScalingQuantizer(fmt=E4M3).quantize(torch.ones(2), amax=torch.tensor(math.nan))
+    assert q.rowwise.scale_inv.item() == 1.0
 
 
 def test_current_scaling_power_of_two_scale():
@@ -249,7 +250,8 @@ def test_float8_block_fp32_scales_and_2d():
     x[200, 3] = 3.0
     q = Float8BlockQuantizer(fmt=E4M3, block_scaling_dim=2, power_2_scale=False).quantize(x)
     assert q.rowwise.scale_inv.shape == (2, 1)
-    assert q.rowwise.scale_inv[1, 0].item() == f32(1 / f32(448 / 3)) and q.rowwise.scale_inv[0, 0].item() == f32(1 / 448)
+    assert (q.rowwise.scale_inv[1, 0].item() == f32(1 / f32(448 / 3))
+            and q.rowwise.scale_inv[0, 0].item() == f32(1 / 448))
     assert torch.equal(q.columnwise.data, q.rowwise.data.t())
     torch.testing.assert_close(q.rowwise.dequantize(), x, rtol=0.0625, atol=0)
 

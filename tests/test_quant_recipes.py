@@ -34,7 +34,8 @@ def test_defaults_mirror_transformer_engine(monkeypatch):
     # values from transformer_engine/common/recipe/__init__.py
     d = field_defaults(R.DelayedScaling)
     assert d["margin"] == 0 and d["fp8_format"] is R.Format.HYBRID and d["amax_history_len"] == 1024
-    assert d["amax_compute_algo"] == "max" and d["reduce_amax"] is True and d["scaling_factor_compute_algo"] is None
+    assert (d["amax_compute_algo"] == "max" and d["reduce_amax"] is True
+            and d["scaling_factor_compute_algo"] is None)
     assert field_defaults(R.Float8CurrentScaling)["use_power_2_scales"] is False
     assert field_defaults(R.MXFP8BlockScaling)["fp8_format"] is R.Format.E4M3
     b = R.Float8BlockScaling()
@@ -104,7 +105,8 @@ def test_block_shapes_per_operand():
 def test_nvfp4_operand_table():
     specs = R.NVFP4BlockScaling().operand_specs()
     assert {op for op, s in specs.items() if s.hadamard} == {OP.WGRAD_INPUT, OP.WGRAD_GRAD_OUTPUT}
-    assert {op for op, s in specs.items() if s.stochastic_rounding} == {OP.DGRAD_GRAD_OUTPUT, OP.WGRAD_GRAD_OUTPUT}
+    assert {op for op, s in specs.items() if s.stochastic_rounding} == {OP.DGRAD_GRAD_OUTPUT,
+                                                                        OP.WGRAD_GRAD_OUTPUT}
     assert specs[OP.FPROP_WEIGHT].block == specs[OP.DGRAD_WEIGHT].block == (16, 16)
     assert specs[OP.FPROP_INPUT].block == (1, 16) and specs[OP.WGRAD_INPUT].block == (16, 1)
     assert not any(s.stochastic_rounding for s in R.NVFP4BlockScaling(rne=True).operand_specs().values())

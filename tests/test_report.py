@@ -132,7 +132,7 @@ def test_shard_picture_marks_the_worst_block_and_hatches_pads(run):
 
 def test_shard_blocks_tp_and_gtp():
     layout = {"logical_shape": [80, 8], "mesh": {"tp": 2, "gtp": 2, "dp": 1}, "pads": {"gtp": 8},
-              "placements": {"tp": "S(0)", "gtp": "S(0)"}}  # fmt: skip
+              "placements": {"tp": "S(0)", "gtp": "S(0)"}}
     coords = {r: {"tp": r // 2, "gtp": r % 2} for r in range(4)}
     pic = blocks.build("w", layout, coords, {"rank": 3, "rows": [40, 48]})
     # Each TP block of 40 rows is padded to 48 and cut in two GTP blocks of 24.
@@ -145,7 +145,7 @@ def test_shard_blocks_tp_and_gtp():
     assert [b.marked for b in pic.blocks] == [False, False, False, True]
     assert pic.region == (88, 96, 0, 8)
     pic = blocks.build("w", {**layout, "placements": {"tp": "S(1)", "gtp": "S(0)"}, "logical_shape": [40, 8]},
-                       coords, {"worst_index": [39, 7], "shard": {"tp": 1, "gtp": 1}})  # fmt: skip
+                       coords, {"worst_index": [39, 7], "shard": {"tp": 1, "gtp": 1}})
     assert [(b.col0, b.col1, b.row0, b.row1) for b in pic.blocks][-1] == (4, 8, 24, 48)
     assert [b.marked for b in pic.blocks] == [False, False, False, True] and pic.worst == (39, 7)
 
@@ -242,7 +242,7 @@ def test_grid_rows_first_axis_columns_the_others():
     topologies, precisions, optimizers = ("tp1-gtp2", "tp2-gtp2"), ("fp32", "bf16"), ("adam", "sgd")
     combos = [(t, p, o) for t in topologies for p in precisions for o in optimizers]
     cells = [IndexCell(f"{t}-{p}-{o}", "pass", "", "", {"topology": t, "precision": p, "optimizer": o}, "")
-             for t, p, o in combos]  # fmt: skip
+             for t, p, o in combos]
     corner, rows, cols, table = grid(cells)
     assert corner == "topology \\ precision \u00b7 optimizer"
     assert rows == ["tp1-gtp2", "tp2-gtp2"]
@@ -277,11 +277,12 @@ def test_index_says_which_paths_each_scenario_exercised():
 
     (plain,) = scenario.load(Path(__file__).parent / "assets" / "tiny.toml")
     assert plain.candidate.paths() == {} and _config(plain)["paths"] == {}
-    cand = dataclasses.replace(plain.candidate, distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=4000)
+    cand = dataclasses.replace(plain.candidate, distributed_optimizer=True, overlap_grad_reduce=True,
+                               bucket_size=4000)
     s = dataclasses.replace(plain, candidate=cand)
     config = _config(s)
     assert config["paths"] == {"candidate": {"overlap_grad_reduce": True, "bucket_size": 4000,
-                                             "distributed_optimizer": True}}  # fmt: skip
+                                             "distributed_optimizer": True}}
     line = paths_line({"config": config})
     assert line == "candidate: overlap_grad_reduce=True, bucket_size=4000, distributed_optimizer=True"
     html = render_index("t", [IndexCell("s", "pass", "", "", {}, "", paths="<x>")], "pass")

@@ -27,9 +27,9 @@ synthetic = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(synthetic)
 
 CHROMIUM = next((p for p in (shutil.which("chromium"), shutil.which("chromium-browser"), "/usr/bin/chromium")
-                 if p and Path(p).exists()), None)  # fmt: skip
+                 if p and Path(p).exists()), None)
 needs_browser = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium here (Debian package `chromium`, "
-                                   "/usr/bin/chromium): the pages are not checked in a browser")  # fmt: skip
+                                   "/usr/bin/chromium): the pages are not checked in a browser")
 
 
 def browse(page: Path, profile: Path, fragment: str = "") -> tuple[str, list[str]]:
@@ -39,7 +39,7 @@ def browse(page: Path, profile: Path, fragment: str = "") -> tuple[str, list[str
          "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={profile}",
          "--enable-logging=stderr", "--v=0", "--dump-dom", page.resolve().as_uri() + fragment],
         capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     console = [line for line in proc.stderr.splitlines() if ":CONSOLE" in line or "Uncaught" in line]
     return proc.stdout, console
@@ -57,7 +57,7 @@ def shown(dom: str) -> str:
 def synthetic_report(tmp_path_factory) -> Path:
     run = synthetic.write_run(tmp_path_factory.mktemp("run"), [
         {"name": "odd", "verdict": "fail", "tensor": "<script>document.title='pwned'</script>"},
-        {"name": "crash", "verdict": "error"}])  # fmt: skip
+        {"name": "crash", "verdict": "error"}])
     out = tmp_path_factory.mktemp("report")
     write_index(run, out)
     return out

@@ -21,13 +21,13 @@ FC2 = "decoder.layers.{}.mlp.linear_fc2.weight"
 
 
 def _run(script: str, sides: list[str], tmp: Path, flag: str = "--sides", returncode: int = 0,
-         extra: tuple[str, ...] = ()) -> list[dict]:  # fmt: skip
+         extra: tuple[str, ...] = ()) -> list[dict]:
     out = tmp / f"{Path(script).stem}.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "repro" / script), "--json", str(out), flag, ",".join(sides), *extra],
         env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    )
     assert proc.returncode == returncode, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -43,7 +43,7 @@ def _consumed(phase: str, param: str, instead_of: str) -> tuple[str, str, str]:
 @pytest.fixture(scope="module")
 def recompute(tmp_path_factory):
     sides = ["gtp-off", "gtp2-prefetch-off", "gtp2-prefetch-on", "gtp2-prefetch-on-sync-gathers",
-             "gtp2-prefetch-on-te-phase-iter2"]  # fmt: skip
+             "gtp2-prefetch-on-te-phase-iter2"]
     return _run("gtp_full_recompute_prefetch.py", sides, tmp_path_factory.mktemp("recompute"))
 
 
@@ -56,7 +56,7 @@ def test_full_recompute_prefetch_off_is_bitwise_gtp_off(recompute):
 
 
 @pytest.mark.parametrize("label", ["gtp2-prefetch-on", "gtp2-prefetch-on-sync-gathers",
-                                   "gtp2-prefetch-on-te-phase-iter2"])  # fmt: skip
+                                   "gtp2-prefetch-on-te-phase-iter2"])
 def test_full_recompute_prefetch_on_recomputes_layer0_with_layer1_qkv(recompute, label):
     # Forward untouched (loss bitwise); the recompute of layer 0 reads layer 1's gathered qkv
     # weight, whether gathers overlap or not and on either recompute chain (fwd chain under
@@ -71,7 +71,7 @@ def test_full_recompute_prefetch_on_recomputes_layer0_with_layer1_qkv(recompute,
 @pytest.fixture(scope="module")
 def sequence_parallel(tmp_path_factory):
     sides = ["gtp-off", "gtp2-prefetch-off", "gtp2-prefetch-on-sync-gathers",
-             "gtp2-prefetch-on-no-sp-sync-gathers"]  # fmt: skip
+             "gtp2-prefetch-on-no-sp-sync-gathers"]
     return _run("gtp_sequence_parallel_prefetch.py", sides, tmp_path_factory.mktemp("sp"))
 
 
@@ -83,7 +83,7 @@ def test_sequence_parallel_prefetch_off_reads_every_weight_right(sequence_parall
 
 
 @pytest.mark.parametrize("label", ["gtp2-prefetch-on-sync-gathers",
-                                   "gtp2-prefetch-on-no-sp-sync-gathers"])  # fmt: skip
+                                   "gtp2-prefetch-on-no-sp-sync-gathers"])
 def test_prefetch_of_same_shaped_fc2_lands_in_fc1s_buffer(sequence_parallel, label):
     # Sequence parallel or not: fc1 and fc2 are both 128 x 128 at TP2, share one gather
     # buffer, and fc1's own forward prefetch of fc2 overwrites the weight fc1 is about to read.
@@ -121,7 +121,8 @@ def test_expert_grads_are_g_times_too_large_at_ep2_without_expert_gtp(tmp_path):
     """FINDINGS G on the wheel: EP 2, expert GTP off, dense GTP 2 gives every expert main_grad
     scaled by one factor, G = 2 (closer to 2 than to 1 or 4, one factor: the residual test of
     the ratio signature); EP 1 with dense GTP only holds parity on the wheel (G' is main's)."""
-    cases = _run("moe_expert_grad_scale.py", ["ep2-egtpoff-gtp2", "ep1-egtpoff-gtp2"], tmp_path, flag="--cases")
+    cases = _run("moe_expert_grad_scale.py", ["ep2-egtpoff-gtp2", "ep1-egtpoff-gtp2"], tmp_path,
+                 flag="--cases")
     for rank in cases["ep2-egtpoff-gtp2"]:
         assert abs(rank["ratio"] - 2) < 0.5 and rank["residual"] < 0.05, rank
     for rank in cases["ep1-egtpoff-gtp2"]:
@@ -145,8 +146,9 @@ def _rounded_once_more(weight: dict) -> bool:
     """GTP's main_grad is the GTP-off one rounded to bf16 (never equal to it, at most half a bf16
     ULP off), and the reduce-scatter's inputs summed in fp32 are the GTP-off main_grad: the two
     runs computed the same per-rank wgrads and only the reduction's dtype differs."""
-    return (weight["rs_dtype"] == "bfloat16" and not weight["bitwise"] and weight["equals_off_rounded_to_bf16"]
-            and weight["rs_inputs_summed_equal_off"] and weight["max_bf16_ulps"] == 0.5)  # fmt: skip
+    return (weight["rs_dtype"] == "bfloat16" and not weight["bitwise"]
+            and weight["equals_off_rounded_to_bf16"]
+            and weight["rs_inputs_summed_equal_off"] and weight["max_bf16_ulps"] == 0.5)
 
 
 def test_gtp_wgrad_reduce_scatter_rounds_bf16_on_the_wheel(tmp_path):
@@ -172,7 +174,7 @@ def test_gtp_wgrad_reduce_scatter_on_main_fixed_for_linears_only(tmp_path):
     wgrad (GTPEmbeddingWeight.backward) still reduce-scatters in bf16: rounded once more."""
     needs_repositories(MAIN_TREE)
     ranks = _run("gtp_wgrad_rs_bf16.py", ["gtp-off", "gtp2"], tmp_path, returncode=1,
-                 extra=("--megatron", MAIN_TREE))  # fmt: skip
+                 extra=("--megatron", MAIN_TREE))
     for rank in ranks:
         assert rank["groups"]["linear"]["bitwise"], rank["groups"]["linear"]
         assert all(rank["weights"][n]["rs_dtype"] == "float32" for n in rank["groups"]["linear"]["weights"])
@@ -202,7 +204,8 @@ def test_muon_scales_a_padded_gtp_matrix_by_its_padded_shape_on_the_wheel(tmp_pa
     assert sum(r["pad_rows"] > 0 for r in report["duplicated"].values()) == 2  # both linear_fc1
     for name, r in report["duplicated"].items():
         if r["pad_rows"]:
-            assert not r["bitwise"] and r["norm_ratio"] == pytest.approx(math.sqrt(96 / 80), rel=1e-4), (name, r)
+            assert not r["bitwise"] and r["norm_ratio"] == pytest.approx(math.sqrt(96 / 80), rel=1e-4), (name,
+                r)
         else:
             assert r["bitwise"], (name, r)
 
@@ -228,11 +231,12 @@ def test_gtp_with_mtp_upstream_fixes(tmp_path, rev, embedding_finite):
         pytest.skip(f"GTP_PARITY_MAIN_TREE={MAIN_TREE} names no repository (give git:<repository>@<rev>)")
     needs_repositories(MAIN_TREE)
     ranks = _run("gtp_mtp_shared_weights.py", ["gtp-off-mtp1", "gtp2-mtp1"], tmp_path,
-                 returncode=0 if embedding_finite else 1, extra=("--megatron", at_revision(MAIN_TREE, rev)))  # fmt: skip
+                 returncode=0 if embedding_finite else 1, extra=("--megatron", at_revision(MAIN_TREE, rev)))
     for rank in ranks:
         side = rank["gtp2-mtp1"]
         assert side["shared"]["embedding.word_embeddings.weight"]["finite"] is embedding_finite
-        assert side["shared"]["output_layer.weight"]["finite"] and side["others_max_rel_diff"] == 0.0  # used once: bitwise
+        # used once: bitwise
+        assert side["shared"]["output_layer.weight"]["finite"] and side["others_max_rel_diff"] == 0.0
         if embedding_finite:
             assert side["loss"] == rank["gtp-off-mtp1"]["loss"]
 
@@ -242,12 +246,13 @@ def test_an_expert_parallel_checkpoint_loads_only_into_its_optimizer_chain(tmp_p
     (F drops their allreduce tag), so its checkpoint loads as is and at EP 1, and an EP 2 layout
     without expert GTP (experts in an optimizer of their own) raises in load_state_dict."""
     ranks = _run("ckpt_ep_optimizer_chain.py", ["ep2-egtp2-gtp2", "ep2-egtpoff-gtpoff", "ep1-egtpoff-gtpoff"],
-                 tmp_path, flag="--loads")  # fmt: skip
+                 tmp_path, flag="--loads")
     for rank in ranks:
         assert rank["saved"] == {"optimizers": 1, "expert_allreduce": "absent"}
         assert rank["ep2-egtp2-gtp2"]["load"] == rank["ep1-egtpoff-gtpoff"]["load"] == "loaded"
         assert rank["ep2-egtpoff-gtpoff"]["optimizers"] == 2
-        assert rank["ep2-egtpoff-gtpoff"]["load"] == "RuntimeError: Expected 2 entries in state dict, but got 4."
+        assert (rank["ep2-egtpoff-gtpoff"]["load"] == "RuntimeError: Expected 2 entries in state dict, but "
+                                                      "got 4.")
 
 
 @pytest.mark.slow
@@ -256,7 +261,7 @@ def test_an_expert_parallel_checkpoint_on_main_does_not_load_at_ep1(tmp_path):
     optimizers: EP 2 without expert GTP loads, EP 1 (one optimizer) raises."""
     needs_repositories(MAIN_TREE)
     ranks = _run("ckpt_ep_optimizer_chain.py", ["ep2-egtpoff-gtpoff", "ep1-egtpoff-gtpoff"], tmp_path,
-                 flag="--loads", extra=("--megatron", MAIN_TREE))  # fmt: skip
+                 flag="--loads", extra=("--megatron", MAIN_TREE))
     for rank in ranks:
         assert rank["saved"] == {"optimizers": 2, "expert_allreduce": "False"}
         assert rank["ep2-egtpoff-gtpoff"]["load"] == "loaded"

@@ -29,11 +29,11 @@ def scale_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("scale")
     clean = scenario.load(SCALE)
     planted = [dataclasses.replace(f, name=f"{s.name}-{PLANTED[s.candidate.precision]}")
-               for s in clean for f in plant([s], [PLANTED[s.candidate.precision]])]  # fmt: skip
+               for s in clean for f in plant([s], [PLANTED[s.candidate.precision]])]
     # bf16 with GTP's wgrad reduce-scattered in fp32 (the wheel's known divergence mended):
     # what the derived expectations must pass at this size.
     mended = [dataclasses.replace(f, name=f"{s.name}-{MENDED[0]}", expect=None)
-              for s in clean if s.candidate.precision == "bf16" for f in plant([s], list(MENDED))]  # fmt: skip
+              for s in clean if s.candidate.precision == "bf16" for f in plant([s], list(MENDED))]
     run_scenarios([*clean, *planted, *mended], out, parallel=1)
     yield out, clean
     shutil.rmtree(out, ignore_errors=True)  # ~8 GB of traces: not left for pytest to keep
@@ -82,5 +82,6 @@ def test_a_planted_fault_is_localized_at_scale(scale_run, precision):
     doc = summary(out, f"{s.name}-{fault}")
     fd, expect = doc["first_divergence"], CATALOG[fault].expect
     assert doc["verdict"] == "fail"
-    assert (fd["step"], fd["kind"], fd["signature"]) == (expect["step"], expect["kind"], expect["signature"]), fd
+    assert (fd["step"], fd["kind"], fd["signature"]) == (expect["step"], expect["kind"],
+                                                         expect["signature"]), fd
     assert fnmatch.fnmatchcase(fd["tensor"], expect["tensor"]), fd

@@ -66,20 +66,29 @@ def test_base_is_valid(tmp_path):
         (BASE + "bogus = 1\n", "bogus", "unknown key"),
         (with_lines(model="depth = 3"), "[model].depth", "unknown key"),
         (with_lines(candidate="gtp_size = 2"), "[candidate].gtp_size", "unknown key"),
-        (with_lines(train="tp = 3\nworld_size = 6"), "[reference].tp", "TP 3 must divide [model].num_attention_heads"),
-        (with_lines(candidate="tp = 2", model="num_attention_heads = 3"), "[model].hidden_size", "multiple of num_attention_heads"),
-        (with_lines(candidate="tp = 2\nworld_size = 4", model="ffn_hidden_size = 81"), "[candidate].tp", "[model].ffn_hidden_size"),
-        (with_lines(candidate="tp = 2\nworld_size = 4", model="vocab_size = 71"), "[candidate].tp", "[model].vocab_size"),
-        (with_lines(candidate="gtp_pad_alignment = 0", model="vocab_size = 71"), "[candidate].gtp", "must divide dim 0 of word_embeddings"),
+        (with_lines(train="tp = 3\nworld_size = 6"), "[reference].tp",
+         "TP 3 must divide [model].num_attention_heads"),
+        (with_lines(candidate="tp = 2", model="num_attention_heads = 3"), "[model].hidden_size",
+         "multiple of num_attention_heads"),
+        (with_lines(candidate="tp = 2\nworld_size = 4", model="ffn_hidden_size = 81"), "[candidate].tp",
+         "[model].ffn_hidden_size"),
+        (with_lines(candidate="tp = 2\nworld_size = 4", model="vocab_size = 71"), "[candidate].tp",
+         "[model].vocab_size"),
+        (with_lines(candidate="gtp_pad_alignment = 0", model="vocab_size = 71"), "[candidate].gtp",
+         "must divide dim 0 of word_embeddings"),
         (with_lines(candidate="world_size = 3"), "[candidate].world_size", "multiple of TP x G"),
-        (with_lines(model="untie_embeddings = false"), "[model].untie_embeddings", "tied embedding/output weights are not supported with GTP"),
+        (with_lines(model="untie_embeddings = false"), "[model].untie_embeddings",
+         "tied embedding/output weights are not supported with GTP"),
         (with_lines(train="steps = 0"), "[reference].steps", "must be >= 1"),
-        (with_lines(candidate="lr_warmup_steps = 2"), "[candidate].lr_warmup_steps", "< lr_decay_steps (or steps) = 2"),
+        (with_lines(candidate="lr_warmup_steps = 2"), "[candidate].lr_warmup_steps",
+         "< lr_decay_steps (or steps) = 2"),
         (BASE + "[golden]\nworld_size = 2\n", "[golden].world_size", "single process"),
         (with_lines(candidate="backend = \"jax\""), "[candidate].backend", "unknown backend"),
-        (with_lines(candidate="precision = \"fp64\""), "[candidate].precision", "not supported by the megatron backend"),
+        (with_lines(candidate="precision = \"fp64\""), "[candidate].precision",
+         "not supported by the megatron backend"),
         (with_lines(candidate="optimizer = \"lion\""), "[candidate].optimizer", "unknown optimizer"),
-        (with_lines(data="global_batch_size = 3"), "[data].global_batch_size", "multiple of micro_batch_size x data ranks"),
+        (with_lines(data="global_batch_size = 3"), "[data].global_batch_size",
+         "multiple of micro_batch_size x data ranks"),
         (with_lines(candidate="steps = 3"), "steps", "same number of steps"),
         (with_lines(candidate="dp = 2"), "[candidate].dp", "world_size / (TP x G)"),
         (with_lines(candidate="inject = [\"no-such-fault\"]"), "[candidate].inject", "unknown fault"),
@@ -135,7 +144,8 @@ def test_matrix_expands_product_of_axes(tmp_path):
     assert scenarios[2].candidate.tp == 2 and scenarios[2].candidate.gtp == 1
     assert all(s.reference.seed == 5 and s.candidate.seed == 5 for s in scenarios)
     assert scenarios[1].reference.precision == "bf16" and scenarios[1].golden.precision == "fp64"
-    assert scenarios[0].axes == {"topo": "g2", "train.precision": "fp32", "reference.seed,candidate.seed": "5"}
+    assert scenarios[0].axes == {"topo": "g2", "train.precision": "fp32",
+                                 "reference.seed,candidate.seed": "5"}
 
 
 def test_matrix_rule_violation_names_the_expanded_scenario(tmp_path):
@@ -152,7 +162,9 @@ def test_matrix_rule_violation_names_the_expanded_scenario(tmp_path):
 
 def test_matrix_unknown_template_axis(tmp_path):
     write(tmp_path, BASE, "base.toml")
-    path = write(tmp_path, '[matrix]\nbase = "base.toml"\nname = "{nope}"\n[matrix.axes]\n"train.seed" = [1]\n', "m.toml")
+    path = write(tmp_path,
+                 '[matrix]\nbase = "base.toml"\nname = "{nope}"\n[matrix.axes]\n"train.seed" = [1]\n',
+                     "m.toml")
     with pytest.raises(BadInput, match="unknown axis 'nope'"):
         scenario.load(path)
 
@@ -163,9 +175,12 @@ def test_shipped_scenarios_are_valid():
     root = Path(__file__).resolve().parent.parent
     seed = scenario.load(root / "scenarios/bridge_seed_bf16.toml")[0]
     m, d, c = seed.model, seed.data, seed.candidate
-    assert (m.num_layers, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads, m.seq_length, m.vocab_size) == (2, 128, 256, 4, 64, 128)
-    assert (c.tp, c.gtp, c.precision, c.optimizer, d.micro_batch_size, d.global_batch_size, d.seed) == (1, 2, "bf16", "adam", 1, 2, 1234)
-    assert (c.lr, c.min_lr, c.lr_warmup_steps, c.steps, c.lr_decay_style, c.weight_decay, c.clip_grad) == (3e-4, 3e-5, 1, 3, "cosine", 0.01, 1.0)
+    assert (m.num_layers, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads, m.seq_length,
+            m.vocab_size) == (2, 128, 256, 4, 64, 128)
+    assert (c.tp, c.gtp, c.precision, c.optimizer, d.micro_batch_size, d.global_batch_size, d.seed) == (1, 2,
+        "bf16", "adam", 1, 2, 1234)
+    assert (c.lr, c.min_lr, c.lr_warmup_steps, c.steps, c.lr_decay_style, c.weight_decay,
+            c.clip_grad) == (3e-4, 3e-5, 1, 3, "cosine", 0.01, 1.0)
     default = scenario.load(root / "scenarios/default.toml")
     topo = {(s.candidate.tp, s.candidate.gtp) for s in default}
     assert {(1, 2), (1, 4), (2, 1), (2, 2), (2, 4)} <= topo
@@ -194,8 +209,10 @@ def test_megatron_recipe_without_te_is_skipped_with_the_reason(tmp_path):
 
 
 @pytest.mark.parametrize("lines, where, rule", [
-    ({"candidate": 'backend = "torch"\nrecipe = "mxfp8"'}, "[candidate].recipe", "mxfp8 needs linear_fc1 (80) to be a multiple of 32"),
-    ({"candidate": 'inject = ["fp8-unreduced-amax"]'}, "[candidate].inject", "needs the torch backend with a recipe"),
+    ({"candidate": 'backend = "torch"\nrecipe = "mxfp8"'}, "[candidate].recipe",
+     "mxfp8 needs linear_fc1 (80) to be a multiple of 32"),
+    ({"candidate": 'inject = ["fp8-unreduced-amax"]'}, "[candidate].inject",
+     "needs the torch backend with a recipe"),
 ])
 def test_recipe_rules(tmp_path, lines, where, rule):
     with pytest.raises(BadInput) as err:
@@ -204,7 +221,8 @@ def test_recipe_rules(tmp_path, lines, where, rule):
 
 
 def test_golden_never_inherits_a_recipe(tmp_path):
-    text = with_lines(train='backend = "torch"\nrecipe = "float8_current_scaling"', model="ffn_hidden_size = 64")
+    text = with_lines(train='backend = "torch"\nrecipe = "float8_current_scaling"',
+                      model="ffn_hidden_size = 64")
     (s,) = scenario.load(write(tmp_path, text))
     assert s.candidate.recipe == "float8_current_scaling" and s.golden.recipe == "none"
 

@@ -71,7 +71,7 @@ def test_one_rank_groups_are_none_and_collectives_are_no_ops():
 
 def test_counted_once_for_replicated_params_always_for_shards():
     m = ModelConfig(num_layers=1, hidden_size=16, ffn_hidden_size=32, num_attention_heads=2,
-                    seq_length=8, vocab_size=32)  # fmt: skip
+                    seq_length=8, vocab_size=32)
     side = Side(world_size=4, tp=2, gtp=2)
     specs = {s.name: s for s in param_specs(m)}
     ln = specs["decoder.final_layernorm.weight"]
@@ -90,7 +90,7 @@ def test_counted_once_for_replicated_params_always_for_shards():
 def test_grad_stats_and_clip():
     side = Side(world_size=1)
     m = ModelConfig(num_layers=1, hidden_size=16, ffn_hidden_size=32, num_attention_heads=2,
-                    seq_length=8, vocab_size=32)  # fmt: skip
+                    seq_length=8, vocab_size=32)
     specs = {s.name: s for s in param_specs(m)}
     layouts = {n: layout_of(s, side) for n, s in specs.items()}
     named = []
@@ -120,7 +120,7 @@ def test_lr_schedule_in_samples():
 
 def test_one_process_parallel_path_reproduces_the_golden_logits():
     m = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=2,
-                    seq_length=8, vocab_size=48)  # fmt: skip
+                    seq_length=8, vocab_size=48)
     side = Side(backend="torch", world_size=1, precision="fp32")
     state = canonical_state(m, 3)
     golden = GPT(m)
@@ -129,7 +129,7 @@ def test_one_process_parallel_path_reproduces_the_golden_logits():
             p.copy_(state[name])
     model = GPT(m)
     shard_model(model, side, {s.name: s for s in param_specs(m)}, state,
-                {"tp": 0, "gtp": 0, "dp": 0, "data": 0}, torch.float32)  # fmt: skip
+                {"tp": 0, "gtp": 0, "dp": 0, "data": 0}, torch.float32)
     tokens = torch.randint(0, 48, (2, 8), generator=torch.Generator().manual_seed(1))
     # Bitwise by construction: at world 1 every layer runs the same torch ops on the same
     # shapes (the shard is the whole weight) in the same process.
@@ -204,13 +204,13 @@ def gathered_copies(recipe_name: str, full: torch.Tensor, g: int, alignment: int
 
 def same_copy(a, b) -> bool:
     return (a.shape == b.shape and torch.equal(a.data, b.data) and torch.equal(a.scale_inv, b.scale_inv)
-            and torch.equal(a.dequantize(), b.dequantize()))  # fmt: skip
+            and torch.equal(a.dequantize(), b.dequantize()))
 
 
 @pytest.mark.parametrize("recipe_name, rows, alignment", [
     ("float8_current_scaling", 72, 16), ("delayed", 72, 16), ("mxfp8", 96, 32),
     ("float8_block_scaling", 72, 16), ("nvfp4", 80, 16),
-])  # fmt: skip
+])
 def test_quantized_gather_equals_quantizing_the_full_weight(recipe_name, rows, alignment):
     full = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)) * 0.02
     full[rows - 3, 5] = 0.2  # the amax sits in the last shard, next to the pad rows
@@ -262,7 +262,7 @@ def test_layer_quantizers_reduce_amax_over_the_right_group():
 
 def test_shard_model_cuts_and_marks_gtp_shards_like_megatron_core():
     m = ModelConfig(num_layers=1, hidden_size=32, ffn_hidden_size=80, num_attention_heads=2,
-                    seq_length=8, vocab_size=72)  # fmt: skip
+                    seq_length=8, vocab_size=72)
     specs = {s.name: s for s in param_specs(m)}
     state = canonical_state(m, 1)
     side = Side(backend="torch", world_size=2, gtp=2)  # layouts only: no process group here
@@ -285,7 +285,7 @@ def run_side(tmp_path, name, side, m, d):
     """Train ``side`` in this process (the golden loop, or the distributed one if ``name`` says)."""
     job = Job(key=name, model=m, data=d, side=side, capture=CapturePolicy(), trace_dir=str(tmp_path / name))
     cap = Capture(job.trace_dir, rank=0, world_size=1, coord={"tp": 0, "gtp": 0, "dp": 0},
-                  mesh={"tp": 1, "gtp": 1, "dp": 1}, policy=job.capture)  # fmt: skip
+                  mesh={"tp": 1, "gtp": 1, "dp": 1}, policy=job.capture)
     if name == "distributed":
         run_distributed(job, cap)
     else:
@@ -296,7 +296,7 @@ def run_side(tmp_path, name, side, m, d):
 
 
 TINY = ModelConfig(num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attention_heads=2,
-                   seq_length=32, vocab_size=64)  # fmt: skip
+                   seq_length=32, vocab_size=64)
 
 
 def test_micro_batched_loop_trains_like_the_golden_loop(tmp_path):
@@ -331,6 +331,7 @@ def test_faults_the_backend_cannot_plant_are_refused():
     with pytest.raises(ValueError, match="not implemented by the torch backend"):
         check_faults(Side(backend="torch", world_size=2, gtp=2, inject=("gtp-rs-no-prescale",)))
     with pytest.raises(ValueError, match="per-tensor amax"):
-        check_faults(Side(backend="torch", world_size=2, gtp=2, recipe="mxfp8", inject=("fp8-unreduced-amax",)))
+        check_faults(Side(backend="torch", world_size=2, gtp=2, recipe="mxfp8",
+                          inject=("fp8-unreduced-amax",)))
     with pytest.raises(ValueError, match="GTP > 1"):
         check_faults(Side(backend="torch", world_size=2, recipe="delayed", inject=("fp8-unreduced-amax",)))

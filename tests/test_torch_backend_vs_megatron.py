@@ -28,7 +28,7 @@ NAMES = [f"diff-torch-vs-megatron-{t}" for t in TOPOLOGIES] + [
     pytest.param(f"diff-bf16-torch-vs-megatron-{t}", id=f"bf16-{t}",
                  marks=pytest.mark.skipif(not BF16, reason="scenario.py allows no bf16 on the torch backend"))
     for t in TOPOLOGIES
-]  # fmt: skip
+]
 
 
 @pytest.fixture(scope="module")
@@ -80,12 +80,12 @@ def test_same_capture_as_the_megatron_backend(diff_run, name):
 
     def entries(t):
         return sorted((e.rank, e.step, e.kind, e.name, e.micro_batch, e.sample_ids, e.local_shape, e.dtype,
-                       str(e.layout.to_json()) if e.layout else None) for e in t.entries)  # fmt: skip
+                       str(e.layout.to_json()) if e.layout else None) for e in t.entries)
 
     assert entries(ref) == entries(cand)
     def scalars(t):
         return sorted((s["rank"], s["step"], s["name"], s.get("micro_batch"), str(s.get("sample_ids")))
-                      for s in t.scalars)  # fmt: skip
+                      for s in t.scalars)
 
     assert scalars(ref) == scalars(cand)
     for rank, info in ref.infos.items():

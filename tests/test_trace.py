@@ -50,14 +50,16 @@ def test_capture_api_round_trip(tmp_path):
     acts = logical.samples[(2, "activation", "1")]
     assert sorted(acts) == [4, 5] and acts[4].shape == (1, 2)  # stored [b, s, ...] per sample
     assert {s["name"] for s in t.scalars} == {"reduced_loss"}
-    assert t.manifest["versions"]["torch"] == torch.__version__.split("+")[0] or t.manifest["versions"]["torch"]
+    assert (t.manifest["versions"]["torch"] == torch.__version__.split("+")[0]
+            or t.manifest["versions"]["torch"])
 
 
 def test_fingerprint_mode_stores_no_tensors(tmp_path):
     plain_loop_trace(tmp_path / "t", CapturePolicy(mode="fingerprint"))
     t = trace.read(tmp_path / "t")
     fps = [e.fingerprint for e in t.entries if e.kind == "param"]
-    assert fps and all(len(fp["xxh3_128"]) == 32 and fp["blocks"] and "xxh3_64" in fp["blocks"][0] for fp in fps)
+    assert fps and all(len(fp["xxh3_128"]) == 32 and fp["blocks"] and "xxh3_64" in fp["blocks"][0]
+                       for fp in fps)
     assert not list((tmp_path / "t" / "rank0").glob("step1.safetensors")) or all(
         e.kind == "input" for e in t.entries if e.fingerprint is None)
 
@@ -195,7 +197,8 @@ def test_tensors_swapped_inside_a_file_are_refused(tmp_path, capsys):
     code = cli.main(["compare", str(tmp_path / "t"), str(tmp_path / "t"), "--out", str(tmp_path / "cmp")])
     assert code == 2 and "content hash" in capsys.readouterr().err
     # Found by a worker process of --jobs 2: the same one-line bad input, nothing written.
-    code = cli.main(["compare", str(tmp_path / "t"), str(tmp_path / "t"), "--out", str(tmp_path / "jobs"), "--jobs", "2"])
+    code = cli.main(["compare", str(tmp_path / "t"), str(tmp_path / "t"), "--out", str(tmp_path / "jobs"),
+                     "--jobs", "2"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "|0.bias" in err and "content hash" in err
     assert not (tmp_path / "jobs" / "summary.json").exists()
@@ -231,7 +234,7 @@ def test_fingerprints_in_the_writer_thread_equal_those_on_the_step(tmp_path):
     plain_loop_trace(tmp_path / "writer", CapturePolicy(mode="fingerprint", fingerprint_async=True))
     on_step, in_writer = (
         [(e.step, e.key, e.fingerprint) for e in trace.read(tmp_path / d).entries if e.kind != "input"]
-        for d in ("step", "writer"))  # fmt: skip
+        for d in ("step", "writer"))
     assert on_step == in_writer and all(fp for _, _, fp in on_step)
 
 
@@ -256,7 +259,8 @@ def test_fingerprint_statistics_within_the_rounding_of_their_sums(dtype):
     assert [i for i, (a, b) in enumerate(zip(fast["blocks"], fast_moved["blocks"])) if a != b] == [10]
     x[3, 7], x[9, 1] = float("nan"), float("inf")
     bad = fingerprint(x)
-    assert (bad["nan"], bad["inf"]) == (1, 1) and bad["max"] == fp["max"] and bad["xxh3_128"] != fp["xxh3_128"]
+    assert (bad["nan"], bad["inf"]) == (1,
+                                        1) and bad["max"] == fp["max"] and bad["xxh3_128"] != fp["xxh3_128"]
     finite = xd.isfinite()
     finite[3, 7] = finite[9, 1] = False
     assert bad["l2"] == pytest.approx(float(xd[finite].norm()), rel=g)

@@ -19,7 +19,8 @@ NEW_SIGNATURES = {"update-term", "precision-loss"}
 
 def _weights(seed=0, n=(16, 8)):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(*n, generator=g, dtype=torch.float64), torch.randn(*n, generator=g, dtype=torch.float64)
+    return torch.randn(*n, generator=g, dtype=torch.float64), torch.randn(*n, generator=g,
+                                                                          dtype=torch.float64)
 
 
 def test_a_scaled_update_is_a_factor():
@@ -64,7 +65,7 @@ def _traces(cand_precision, ref_precision="fp32"):
     ("bf16", "bf16", "none", True),    # bf16 reductions round
     ("bf16", "fp32", "none", True),
     ("fp32", "fp32", "mxfp8", True),   # a recipe quantizes
-])  # fmt: skip
+])
 def test_precision_loss_needs_a_mechanism(cand, ref, recipe, mechanism):
     ctx = _StepContext.of(_traces(cand, ref), 1, recipe)
     assert ctx.precision_mechanism is mechanism
@@ -85,7 +86,8 @@ def update_run(tmp_path_factory):
 def test_update_faults_are_update_terms(update_run, fault):
     fd = summary(update_run, f"update-{fault}")["first_divergence"]
     expect = CATALOG[fault].expect
-    assert (fd["step"], fd["kind"], fd["signature"]) == (expect["step"], expect["kind"], expect["signature"]), fd
+    assert (fd["step"], fd["kind"], fd["signature"]) == (expect["step"], expect["kind"],
+                                                         expect["signature"]), fd
     assert fnmatch.fnmatchcase(fd["tensor"], expect["tensor"]), fd
     sc = next(s for s in scenario.load(ASSETS / "update_faults.toml") if s.name == f"update-{fault}")
     lr, wd = sc.candidate.lr, sc.candidate.weight_decay

@@ -47,7 +47,8 @@ def eval_sample_ids(index: int, iteration: int, side: Side, data: DataConfig) ->
     return list(range(start, start + data.global_batch_size))
 
 
-def rank_eval_sample_ids(index: int, iteration: int, rank: int, side: Side, data: DataConfig) -> list[list[int]]:
+def rank_eval_sample_ids(index: int, iteration: int, rank: int, side: Side,
+                         data: DataConfig) -> list[list[int]]:
     """Sample ids ``rank`` reads in that iteration, one list per micro-batch."""
     ids, mbs, d = eval_sample_ids(index, iteration, side, data), data.micro_batch_size, side.data_ranks
     data_rank = Mesh.of_side(side).data_rank(rank)
@@ -66,9 +67,10 @@ class EvalRecorder:
         self.index += 1
         return self.index
 
-    def sample(self, value: float, sample_ids: list[int], tokens: float, iteration: int, micro_batch: int) -> None:
+    def sample(self, value: float, sample_ids: list[int], tokens: float, iteration: int,
+               micro_batch: int) -> None:
         self.cap.scalar(SAMPLE, value, eval=self.index, iteration=iteration, micro_batch=micro_batch,
-                        sample_ids=[int(i) for i in sample_ids], tokens=float(tokens))  # fmt: skip
+                        sample_ids=[int(i) for i in sample_ids], tokens=float(tokens))
 
     def report(self, value: float) -> None:
         self.cap.scalar(REPORTED, value, eval=self.index)

@@ -51,7 +51,8 @@ def param_specs(m: ModelConfig) -> list[ParamSpec]:
 
 
 def _norm_specs(name: str, h: int) -> list[ParamSpec]:
-    return [ParamSpec(name + ".weight", (h,), None, False, "ones"), ParamSpec(name + ".bias", (h,), None, False, "zeros")]
+    return [ParamSpec(name + ".weight", (h,), None, False, "ones"), ParamSpec(name + ".bias", (h,), None,
+                                                                              False, "zeros")]
 
 
 def _layer_specs(m: ModelConfig, p: str) -> list[ParamSpec]:
@@ -75,7 +76,7 @@ def _mtp_specs(m: ModelConfig) -> list[ParamSpec]:
         p = f"mtp.layers.{k}."
         specs += [*_norm_specs(p + "enorm", h), *_norm_specs(p + "hnorm", h),
                   ParamSpec(p + "eh_proj.weight", (h, 2 * h), 0, True, "normal"),
-                  *_layer_specs(m, p + "mtp_model_layer."), *_norm_specs(p + "final_layernorm", h)]  # fmt: skip
+                  *_layer_specs(m, p + "mtp_model_layer."), *_norm_specs(p + "final_layernorm", h)]
     return specs
 
 
@@ -85,12 +86,12 @@ def _mlp_specs(m: ModelConfig, p: str) -> list[ParamSpec]:
     h, f = m.hidden_size, m.ffn_hidden_size
     if not m.num_experts:
         return [ParamSpec(p + "mlp.linear_fc1.weight", (f, h), 0, True, "normal"),
-                ParamSpec(p + "mlp.linear_fc2.weight", (h, f), 1, True, "scaled_normal")]  # fmt: skip
+                ParamSpec(p + "mlp.linear_fc2.weight", (h, f), 1, True, "scaled_normal")]
     specs = [ParamSpec(p + "mlp.router.weight", (m.num_experts, h), None, False, "normal")]
     for e in range(m.num_experts):
         q = f"{p}mlp.experts.local_experts.{e}."
         specs += [ParamSpec(q + "linear_fc1.weight", (f, h), 0, True, "normal", e),
-                  ParamSpec(q + "linear_fc2.weight", (h, f), 1, True, "scaled_normal", e)]  # fmt: skip
+                  ParamSpec(q + "linear_fc2.weight", (h, f), 1, True, "scaled_normal", e)]
     return specs
 
 
@@ -162,7 +163,7 @@ def captured_modules(model) -> dict[str, torch.nn.Module]:
     submodules as megatron-core does.
     """
     modules = {"embedding": model.embedding, "output_layer": model.output_layer,
-               "decoder.final_layernorm": model.decoder.final_layernorm}  # fmt: skip
+               "decoder.final_layernorm": model.decoder.final_layernorm}
     for i, layer in enumerate(model.decoder.layers):
         modules[f"decoder.layers.{i}"] = layer
         for sub in ("input_layernorm", "self_attention", "pre_mlp_layernorm", "mlp"):

@@ -45,7 +45,8 @@ class DepthCapture:
 
     def embedding_hook(self, module, args, output) -> None:
         calls = self.embedding_calls  # the decoder's input, then each depth's shifted input
-        self.cap.output("activation", "embedding" if not calls else names.depth_name(calls - 1, "embedding"), output)
+        self.cap.output("activation", "embedding" if not calls else names.depth_name(calls - 1, "embedding"),
+                        output)
         if not in_backward():
             self.embedding_calls += 1
 
@@ -61,12 +62,13 @@ class DepthCapture:
         positions the depth's rolled loss mask keeps, unscaled."""
         cap = self.cap
         name = names.loss_name(depth)
-        if in_backward() or cap.step is None or cap.micro_batch_index is None or not cap.wants(names.LOSS_KIND, name):
+        if (in_backward() or cap.step is None or cap.micro_batch_index is None
+                or not cap.wants(names.LOSS_KIND, name)):
             return
         value = per_sample.detach().reshape(-1)
         layout = Layout(tuple(value.shape), {"tp": cap.mesh.get("tp", 1)}, {"tp": Replicate()})
         cap.tensor(names.LOSS_KIND, name, value, layout=layout, micro_batch=cap.micro_batch_index,
-                   sample_ids=cap.sample_ids)  # fmt: skip
+                   sample_ids=cap.sample_ids)
 
 
 def attach(cap: Capture, model, depths: int, modules: dict) -> DepthCapture | None:

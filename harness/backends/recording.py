@@ -99,7 +99,7 @@ class Recording:
 
 
 def train(rec: Recording, steps: int, fns: StepFunctions, start: int = 0, last: int | None = None,
-          evals: Sequence[int] = ()) -> None:  # fmt: skip
+          evals: Sequence[int] = ()) -> None:
     """Run optimizer steps ``start + 1 .. last`` (default: ``steps``) of ``fns``, recording each
     in the trace's order. ``start`` > 0 resumes from a loaded checkpoint of that step, whose
     weights and optimizer state are recorded as that step's. ``evals``: the steps after which
@@ -165,7 +165,7 @@ class Materialized:
     parameters ``direct`` themselves at the start of the step. Replicated over GTP peers."""
 
     def __init__(self, cap: Capture, layouts: Mapping[str, Layout],
-                 direct: list[tuple[str, torch.Tensor]] = ()):  # fmt: skip
+                 direct: list[tuple[str, torch.Tensor]] = ()):
         self.cap, self.layouts, self.direct = cap, layouts, list(direct)
         self.seen: set[str] = set()
 
@@ -183,4 +183,4 @@ class Materialized:
 def gathered(layout: Layout) -> Layout:
     """Layout of a gathered (materialized) weight: the param's TP placement only."""
     return Layout(layout.logical_shape, layout.mesh, {"tp": layout.placement("tp")},
-                  grid=layout.grid, fixed=layout.fixed)  # fmt: skip
+                  grid=layout.grid, fixed=layout.fixed)

@@ -29,11 +29,11 @@ def _record(cap: Capture, name: str, value: torch.Tensor, sample_ids: tuple[int,
         return
     layout = Layout(tuple(value.shape), {"tp": cap.mesh.get("tp", 1)}, {"tp": Replicate()})
     cap.tensor("activation", name, value, layout=layout, micro_batch=cap.micro_batch_index,
-               sample_ids=sample_ids)  # fmt: skip
+               sample_ids=sample_ids)
 
 
 def record_routing(cap: Capture, layer: int, logits: torch.Tensor, routing_map: torch.Tensor,
-                   seq_length: int, sample_ids: tuple[int, ...]) -> None:  # fmt: skip
+                   seq_length: int, sample_ids: tuple[int, ...]) -> None:
     """``logits`` and ``routing_map`` are [tokens, experts] with tokens in megatron-core's
     [s, b] order (token = s_i * b + b_i), for the samples ``sample_ids`` (b of them)."""
     if torch._C._current_graph_task_id() != -1:

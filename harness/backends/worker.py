@@ -42,14 +42,15 @@ def run_job(job: Job, rank: int, world: int, node: int = 0) -> None:
     side = job.side
     coord = data_mod.coord(rank, side)
     mesh = Mesh.of_side(side).sizes()  # with the pipeline axis where there is one
-    cap = Capture(trace_dir, rank=rank, world_size=world, coord=coord, mesh=mesh, policy=job.capture, node=node)
+    cap = Capture(trace_dir, rank=rank, world_size=world, coord=coord, mesh=mesh, policy=job.capture,
+                  node=node)
     try:
         backends.run(job, cap)
     except BaseException as e:
         write_json(
             trace_dir / f"rank{rank}" / "error.json",
             {"rank": rank, "node": node, "step": cap.step, "error": f"{type(e).__name__}: {e}",
-             "traceback": traceback.format_exc()},  # fmt: skip
+             "traceback": traceback.format_exc()},
         )
         raise
     cap.close()
@@ -68,7 +69,7 @@ def run_job(job: Job, rank: int, world: int, node: int = 0) -> None:
                   "train": {"optimizer": side.optimizer, "lr": side.lr, "weight_decay": side.weight_decay},
                   # what the comparison derives each tensor's expectation from (harness.compare.expectations)
                   "config": {**dataclasses.asdict(side), "micro_batches": side.num_microbatches(job.data),
-                             **mtp.manifest_config(job.model)}},  # fmt: skip
+                             **mtp.manifest_config(job.model)}},
         )
 
 
@@ -93,7 +94,7 @@ def init_group(who: RankEnv, jobs: list[Job], timeout_s: float) -> None:
         # srun started the ranks: rank 0 hosts the store at MASTER_ADDR:MASTER_PORT (env://),
         # and a rank that never comes ends the wait after the plan's longest budget.
         dist.init_process_group(backend, rank=who.rank, world_size=who.world,
-                                timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
+                                timeout=datetime.timedelta(seconds=timeout_s))
     elif who.world > 1:
         dist.init_process_group(backend, rank=who.rank, world_size=who.world)  # torchrun's store
     elif any(j.side.backend in ("megatron", "mlm", "bridge") for j in jobs):
@@ -108,7 +109,8 @@ def main(argv: list[str]) -> int:
         who = rank_env(dict(os.environ), plan.get("world", jobs[0].side.world_size))
         for job in jobs:
             if job.side.world_size != who.world:
-                raise ValueError(f"job {job.key} needs world size {job.side.world_size}, launched with {who.world}")
+                raise ValueError(f"job {job.key} needs world size {job.side.world_size}, launched with "
+                                 f"{who.world}")
     except ValueError as e:
         print(f"harness.backends.worker: {e}", file=sys.stderr)
         return 2

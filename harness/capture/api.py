@@ -45,7 +45,8 @@ from torch.distributed.tensor import Replicate, Shard
 from harness.capture.fingerprint import fingerprint
 from harness.common.layout import Layout
 from harness.scenario.schema import CapturePolicy
-from harness.capture.trace import DIGEST, FORMAT, FORMAT_VERSION, Entry, content_hash, tensor_key, write_tensors
+from harness.capture.trace import (DIGEST, FORMAT, FORMAT_VERSION, Entry, content_hash, tensor_key,
+                                   write_tensors)
 from harness.common.jsonio import write_json
 
 def versions() -> dict[str, str | None]:
@@ -203,7 +204,7 @@ class Capture:
         self._mb, self._ids = index, tuple(int(i) for i in sample_ids)
         if record and self.wants("input"):
             self.tensor("input", "sample_ids", torch.tensor(self._ids, dtype=torch.int64),
-                        layout=None, micro_batch=index, sample_ids=self._ids)  # fmt: skip
+                        layout=None, micro_batch=index, sample_ids=self._ids)
 
     def tensor(
         self,
@@ -230,14 +231,14 @@ class Capture:
             rank=self.rank, step=step, kind=kind, name=name, key=key, dtype=str(value.dtype),
             local_shape=tuple(value.shape), layout=layout, micro_batch=micro_batch,
             sample_ids=sample_ids,
-        )  # fmt: skip
+        )
         if self.policy.mode == "fingerprint" and kind != "input":
             if self.policy.fingerprint_async:
                 self._to_fingerprint[key] = self._copies.copy(value)  # the step waits for the copy only
             else:
                 entry.fingerprint = fingerprint(value)
         else:
-            self._pending[key] = self._copies.copy(value)  # the step waits for this copy only: hash and write run behind
+            self._pending[key] = self._copies.copy(value)  # the step waits for this copy only
         self._entries.append(entry)
 
     def params(
@@ -287,7 +288,7 @@ class Capture:
     def progress(self, phase: str) -> None:
         """Heartbeat read by the launcher to name the last step a hung or crashed rank reached."""
         beat = {"rank": self.rank, "step": self.step, "phase": phase}
-        write_json(self.rank_dir / "progress.json", beat if self.node is None else {**beat, "node": self.node})
+        write_json(self.rank_dir / "progress.json", beat if self.node is None else beat | {"node": self.node})
 
     def end_step(self) -> None:
         """Hand the step's copies to the writer thread: it fingerprints or hashes them, writes
@@ -318,7 +319,7 @@ class Capture:
     # --- activations through forward hooks ---
 
     def attach(self, modules: Mapping[str, torch.nn.Module], *, vocab_parallel: Iterable[str] = (),
-               sequence_parallel: bool = False) -> None:  # fmt: skip
+               sequence_parallel: bool = False) -> None:
         """Capture each module's output, [s, b, ...] stored as [b, s, ...].
 
         Outputs of modules named in ``vocab_parallel`` are TP-sharded on their last dim
@@ -371,7 +372,7 @@ class Capture:
         # Copies: the training thread goes on recording while the writer serializes them.
         entries, scalars, info = self._entries[:n_entries], list(self._scalars), copy.deepcopy(self.info)
         return lambda: {"rank": self.rank, "tensors": [e.to_json() for e in entries], "scalars": scalars,
-                        "info": info}  # fmt: skip
+                        "info": info}
 
     @staticmethod
     def finalize(

@@ -47,10 +47,10 @@ def fingerprint(t: torch.Tensor, whole: str | None = None, block: str | None = N
         if b_nan + b_inf < chunk.numel():
             lo, hi = min(lo, b_lo), max(hi, b_hi)
         blocks.append({"rows": int(rows_chunk.shape[0]), "sum": b_sum,
-                       block: BLOCK_DIGESTS[block](tensor_bytes(chunk))})  # fmt: skip
+                       block: BLOCK_DIGESTS[block](tensor_bytes(chunk))})
     finite = t.numel() - nan - inf
     stats = ({"nan": nan, "inf": inf, "min": lo, "max": hi, "mean": total / finite, "l2": math.sqrt(squares)}
-             if finite else {"nan": nan, "inf": inf, "min": None, "max": None, "mean": None, "l2": None})  # fmt: skip
+             if finite else {"nan": nan, "inf": inf, "min": None, "max": None, "mean": None, "l2": None})
     return {whole: DIGESTS[whole](tensor_bytes(flat)), "numel": int(t.numel()), **stats, "blocks": blocks}
 
 
@@ -72,4 +72,4 @@ def _eager_moments(x: torch.Tensor) -> tuple:
     good = x[torch.isfinite(x)]
     lo, hi = torch.aminmax(good) if good.numel() else (math.nan, math.nan)
     return (float(x.sum()), float(good.sum()), float(good.square().sum()), float(lo), float(hi),
-            int(torch.isnan(x).sum()), int(torch.isinf(x).sum()))  # fmt: skip
+            int(torch.isnan(x).sum()), int(torch.isinf(x).sum()))

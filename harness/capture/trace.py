@@ -110,7 +110,7 @@ class Entry:
             "sample_ids": list(self.sample_ids) if self.sample_ids is not None else None,
             "fingerprint": self.fingerprint,
             "digest": self.digest, "digest_alg": self.digest_alg,
-        }  # fmt: skip
+        }
 
 
 @dataclass
@@ -195,7 +195,8 @@ def read(path: str | Path, allow_incomplete: bool = False, verify: bool = True) 
         if manifest.get("version") != FORMAT_VERSION:
             raise BadInput(
                 str(manifest_path),
-                f"unknown trace format version {manifest.get('version')!r}; this reader knows {FORMAT_VERSION}",
+                f"unknown trace format version {manifest.get('version')!r}; this reader knows "
+                f"{FORMAT_VERSION}",
             )
         if not manifest.get("complete") and not allow_incomplete:
             raise BadInput(str(manifest_path), "the trace is marked incomplete")
@@ -218,7 +219,7 @@ def read(path: str | Path, allow_incomplete: bool = False, verify: bool = True) 
                         sample_ids=tuple(e["sample_ids"]) if e.get("sample_ids") is not None else None,
                         fingerprint=e.get("fingerprint"), digest=e.get("digest", e.get("sha256")),
                         digest_alg=e.get("digest_alg", "sha256"),
-                    )  # fmt: skip
+                    )
                 )
             except (KeyError, TypeError, ValueError) as err:
                 raise BadInput(str(index_path), f"malformed tensor entry {e!r}: {err}") from None
@@ -237,7 +238,7 @@ def model_shapes(t: Trace) -> dict[str, tuple[int, ...]]:
     """Logical shape of every weight the trace recorded at its first recorded step."""
     steps = [e.step for e in t.entries if e.kind == "param"]
     return {e.name: tuple(e.layout.logical_shape) if e.layout else tuple(e.local_shape)
-            for e in t.entries if e.kind == "param" and e.step == min(steps)}  # fmt: skip
+            for e in t.entries if e.kind == "param" and e.step == min(steps)}
 
 
 def check_same_model(traces: dict[str, Trace]) -> None:

@@ -26,7 +26,8 @@ def _cmd_validate(args) -> int:
     for path in args.scenarios:  # every file is reported, not only the first bad one
         try:
             for s in scenario.load(path, limits=not args.no_limits):
-                print(f"ok  {s.name}  ({s.reference.label()} vs {s.candidate.label()}, golden {s.golden.label()})")
+                print(f"ok  {s.name}  ({s.reference.label()} vs {s.candidate.label()}, golden "
+                      f"{s.golden.label()})")
         except BadInput as e:
             print(f"gtp-parity: {e}", file=sys.stderr)
             code = EXIT_BAD_INPUT
@@ -72,9 +73,11 @@ def _cmd_plan(args) -> int:
     out = out_dir(args.out, "--out")
     if args.rdzv_endpoint:
         parse_endpoint(args.rdzv_endpoint)
-    code = plan_launches(_scenarios(args), out, nnodes=args.nnodes, endpoint=args.rdzv_endpoint, fresh=args.fresh)
-    same = [*(f"--inject {f}" for f in args.inject), *(["--inject-side", args.inject_side] if args.inject else []),
-            *(["--no-limits"] if args.no_limits else [])]  # fmt: skip
+    code = plan_launches(_scenarios(args), out, nnodes=args.nnodes, endpoint=args.rdzv_endpoint,
+                         fresh=args.fresh)
+    same = [*(f"--inject {f}" for f in args.inject),
+            *(["--inject-side", args.inject_side] if args.inject else []),
+            *(["--no-limits"] if args.no_limits else [])]
     print("\nthen, once every trace is complete (it reuses them and compares):\n  "
           + " ".join(["gtp-parity", "collect", args.scenario, *same, "--out", args.out]))
     return code
@@ -90,7 +93,7 @@ def _cmd_collect(args) -> int:
     from harness.session import run_scenarios
 
     return run_scenarios(_scenarios(args), out_dir(args.out, "--out"), verbose=True,
-                         compare_jobs=args.compare_jobs, collect=True)  # fmt: skip
+                         compare_jobs=args.compare_jobs, collect=True)
 
 
 def _with_fault(s, names: list[str], role: str):
@@ -145,7 +148,7 @@ def _cmd_compare(args) -> int:
     golden = Path(args.golden) if args.golden else None
     return compare_traces(Path(args.reference), Path(args.candidate), golden, out_dir(args.out, "--out"),
                           ComparePolicy(**chosen) if chosen else None, verify=not args.no_verify,
-                          jobs=args.jobs)  # fmt: skip
+                          jobs=args.jobs)
 
 
 def _load(args, path: str) -> list:
@@ -153,22 +156,28 @@ def _load(args, path: str) -> list:
     from harness import scenario
     from harness.scenario.tree_specs import with_code
 
-    return with_code(scenario.load(path, limits=not args.no_limits), every=getattr(args, "megatron_core", None),
+    return with_code(scenario.load(path, limits=not args.no_limits),
+                     every=getattr(args, "megatron_core", None),
                      reference=getattr(args, "reference_code", None),
-                     candidate=getattr(args, "candidate_code", None), bridge=getattr(args, "bridge", None))  # fmt: skip
+                     candidate=getattr(args, "candidate_code", None), bridge=getattr(args, "bridge", None))
 
 
 def _code_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--megatron-core", metavar="SPEC",
-                   help="the megatron-core every megatron/mlm/bridge side imports: installed, a folder holding "
-                        "megatron/, or git:REPO@REV, REPO a configured name, a git URL or a folder (default: as "
+                   help="the megatron-core every megatron/mlm/bridge side imports: installed, a folder "
+                        "holding "
+                        "megatron/, or git:REPO@REV, REPO a configured name, a git URL or a folder (default: "
+                        "as "
                         "the scenario says)")
-    p.add_argument("--bridge", metavar="SPEC", help="the Megatron-Bridge every bridge side runs: installed, a "
-                   "checkout, or git:REPO@REV (default: as the scenario says)")  # fmt: skip
-    p.add_argument("--reference-code", metavar="SPEC", help="the reference's megatron-core (see --megatron-core)")
+    p.add_argument("--bridge", metavar="SPEC",
+                   help="the Megatron-Bridge every bridge side runs: installed, a "
+                   "checkout, or git:REPO@REV (default: as the scenario says)")
+    p.add_argument("--reference-code", metavar="SPEC",
+                   help="the reference's megatron-core (see --megatron-core)")
     p.add_argument("--candidate-code", metavar="SPEC",
-                   help="the candidate's megatron-core; with a different --reference-code, a code comparison: "
-                        "the scenario's candidate on both trees, judged exact")  # fmt: skip
+                   help="the candidate's megatron-core; with a different --reference-code, a code "
+                        "comparison: "
+                        "the scenario's candidate on both trees, judged exact")
 
 
 def _run_options(p: argparse.ArgumentParser) -> None:
@@ -179,7 +188,8 @@ def _run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare-jobs", type=positive_int, default=1,
                    help="compare processes comparing each scenario's tensors (default 1)")
     p.add_argument("--fresh", action="store_true",
-                   help="run every side again, even where a complete trace of the same configuration and code exists")
+                   help="run every side again, even where a complete trace of the same configuration and "
+                        "code exists")
     limits_option(p)
 
 
@@ -193,11 +203,12 @@ def _cmd_mlm(args) -> int:
     path = run_mlm_command(flags, args.nproc, out_dir(args.out, "--out"), args.timeout)
     t = trace.read(path)
     rows = sorted((s["step"], s["name"], s["value"]) for s in t.scalars if s["rank"] == 0
-                  and s["name"] in ("reduced_loss", "grad_norm", "lr_logged"))  # fmt: skip
+                  and s["name"] in ("reduced_loss", "grad_norm", "lr_logged"))
     for step in sorted({r[0] for r in rows}):
         values = {name: value for st, name, value in rows if st == step}
         print(f"iteration {step}: lm loss {values.get('reduced_loss', float('nan')):.6f} "
-              f"grad norm {values.get('grad_norm', float('nan')):.3f} lr {values.get('lr_logged', float('nan')):.3e}")
+              f"grad norm {values.get('grad_norm', float('nan')):.3f} lr "
+              f"{values.get('lr_logged', float('nan')):.3e}")
     print(f"trace: {path}")
     return 0
 
@@ -215,16 +226,20 @@ def _cmd_mutate(args) -> int:
 
 
 def _mutate_parser(sub) -> None:
-    mu = sub.add_parser("mutate", help="mutation campaign over megatron-core's GTP code: the harness's detection power")
-    mu.add_argument("--target", action="append", metavar="MODULE", help="module of the GTP path (default: all)")
+    mu = sub.add_parser("mutate",
+                        help="mutation campaign over megatron-core's GTP code: the harness's detection power")
+    mu.add_argument("--target", action="append", metavar="MODULE",
+                    help="module of the GTP path (default: all)")
     mu.add_argument("--matrix", help="scenarios each mutant runs (default: scenarios/mutate.toml)")
     mu.add_argument("--budget", type=count, default=150,
                     help="mutants to run, spread over files and operators (default 150; 0: all)")
     mu.add_argument("--mutant", action="append", metavar="ID", help="run these mutants only (repeatable)")
     mu.add_argument("--timeout", type=non_negative, default=90.0, help="seconds per mutant side (default 90)")
-    mu.add_argument("--per-launch", type=positive_int, default=12, help="mutant sides per launch (default 12)")
+    mu.add_argument("--per-launch", type=positive_int, default=12,
+                    help="mutant sides per launch (default 12)")
     mu.add_argument("--retriage", action="store_true",
-                    help="apply the triage file (harness/mutation/triage.toml) to the campaign in --out again (no run)")
+                    help="apply the triage file (harness/mutation/triage.toml) to the campaign in --out "
+                         "again (no run)")
     mu.add_argument("--show", metavar="ID", help="print a mutant's diff and the localization it got")
     mu.add_argument("--out", required=True, help="campaign folder: mutants.json, index.html, traces")
     mu.set_defaults(fn=_cmd_mutate)
@@ -240,19 +255,24 @@ def _scenario_args(p: argparse.ArgumentParser) -> None:
 
 
 def _node_parsers(sub) -> None:
-    pl = sub.add_parser("plan", help="write the launch plans of a scenario and print what each node runs (no launch)")
+    pl = sub.add_parser("plan",
+                        help="write the launch plans of a scenario and print what each node runs (no launch)")
     _scenario_args(pl)
-    pl.add_argument("--nnodes", type=positive_int, default=1, help="nodes each launch is spread over (default 1)")
+    pl.add_argument("--nnodes", type=positive_int, default=1,
+                    help="nodes each launch is spread over (default 1)")
     pl.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="node rank 0's address and a free port")
-    pl.add_argument("--fresh", action="store_true", help="plan every side again, even those with a complete trace")
+    pl.add_argument("--fresh", action="store_true",
+                    help="plan every side again, even those with a complete trace")
     limits_option(pl)
     pl.set_defaults(fn=_cmd_plan)
 
     la = sub.add_parser("launch", help="run this node's share of a planned launch under torchrun, watched")
     la.add_argument("plan", help="a launch plan written by `gtp-parity plan` (RUN/launches/plan-*.json)")
-    la.add_argument("--nnodes", type=positive_int, default=1, help="nodes the launch is spread over (default 1)")
+    la.add_argument("--nnodes", type=positive_int, default=1,
+                    help="nodes the launch is spread over (default 1)")
     la.add_argument("--node-rank", type=count, default=0, help="this node's rank, 0 .. nnodes-1 (default 0)")
-    la.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="node rank 0's address and a free port (c10d)")
+    la.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                    help="node rank 0's address and a free port (c10d)")
     la.set_defaults(fn=_cmd_launch)
 
     co = sub.add_parser("collect", help="compare a planned scenario's complete traces; launch nothing")
@@ -278,9 +298,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("matrix", nargs="?", default="scenarios/default.toml",
                    help="scenario or matrix TOML file (default: scenarios/default.toml)")
     m.add_argument("--out", default="runs/default", help="run folder (default: runs/default)")
-    m.add_argument("--report", default="reports", help="index.html, scenarios/<name>.html, summary.json, junit.xml")
+    m.add_argument("--report", default="reports",
+                   help="index.html, scenarios/<name>.html, summary.json, junit.xml")
     m.add_argument("--junit", metavar="FILE", help="JUnit XML path (default: REPORT/junit.xml)")
-    m.add_argument("--baseline", metavar="DIR", help="fail if verdicts or step scalars differ from this baseline")
+    m.add_argument("--baseline", metavar="DIR",
+                   help="fail if verdicts or step scalars differ from this baseline")
     m.add_argument("--update-baseline", action="store_true", help="write --baseline from this run instead")
     _run_options(m)
     m.set_defaults(fn=_cmd_matrix)
@@ -301,7 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--k-first-step", type=non_negative, help="noise-floor k at step 1 (default: k)")
     c.add_argument("--floor", type=non_negative, help="noise-floor floor in eps x max|golden| (default 8)")
     c.add_argument("--jobs", type=positive_int, default=1,
-                   help="compare processes measuring the tensors (default 1); under torchrun the ranks share them")
+                   help="compare processes measuring the tensors (default 1); under torchrun the ranks share "
+                        "them")
     c.add_argument("--no-verify", action="store_true",
                    help="skip checking each tensor against the content hash recorded when it was written")
     c.set_defaults(fn=_cmd_compare)
@@ -327,7 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     _mutate_parser(sub)
     trees.add_parsers(sub)
 
-    o = sub.add_parser("options", help="the scenario keys as declared: defaults, backends, golden, what each reaches")
+    o = sub.add_parser("options",
+                       help="the scenario keys as declared: defaults, backends, golden, what each reaches")
     o.set_defaults(fn=_cmd_options)
 
     i = sub.add_parser("inject", help="list the planted faults")

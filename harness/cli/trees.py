@@ -18,7 +18,7 @@ def _cmd_gate(args) -> int:
     from harness.codecheck.gate import gate
 
     return gate(args.matrix, args.base, args.head, out_dir(args.out, "--out"), parallel=args.jobs,
-                limits=not args.no_limits)  # fmt: skip
+                limits=not args.no_limits)
 
 
 def _cmd_bisect(args) -> int:
@@ -35,16 +35,20 @@ def _cmd_bisect_step(args) -> int:
 
 def add_parsers(sub) -> None:
     """canary, gate, bisect: checks across megatron-core trees (SPEC: see --megatron-core)."""
-    c = sub.add_parser("canary", help="does the CPU layer hold on a megatron-core tree? (tiny, GTP on/off, fp32)")
-    c.add_argument("--megatron-core", metavar="SPEC", required=True, help="installed, a folder, or git:REPO@REV")
+    c = sub.add_parser("canary",
+                       help="does the CPU layer hold on a megatron-core tree? (tiny, GTP on/off, fp32)")
+    c.add_argument("--megatron-core", metavar="SPEC", required=True,
+                   help="installed, a folder, or git:REPO@REV")
     c.add_argument("--out", default="runs/canary")
     c.set_defaults(fn=_cmd_canary)
-    g = sub.add_parser("gate", help="a matrix on two megatron-core trees: fail where head changes what GTP trains")
+    g = sub.add_parser("gate",
+                       help="a matrix on two megatron-core trees: fail where head changes what GTP trains")
     g.add_argument("matrix", nargs="?", default="scenarios/default.toml")
     g.add_argument("--base", metavar="SPEC", required=True, help="the tree before the change")
     g.add_argument("--head", metavar="SPEC", required=True, help="the tree after it")
     g.add_argument("--out", default="runs/gate")
-    g.add_argument("--jobs", type=positive_int, default=min(2, os.cpu_count() or 1), help="launches run at once")
+    g.add_argument("--jobs", type=positive_int, default=min(2, os.cpu_count() or 1),
+                   help="launches run at once")
     limits_option(g)
     g.set_defaults(fn=_cmd_gate)
     b = sub.add_parser("bisect", help="the first commit between OLD and NEW whose verdict differs from OLD's")

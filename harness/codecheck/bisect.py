@@ -77,14 +77,16 @@ def bisect(repo: Path, old: str, new: str, scenario_file: str, out: Path) -> int
         try:
             _git(wt, "bisect", "start", "--term-old=same", "--term-new=changed", new_c, old_c)
             cmd = [sys.executable, "-m", "harness", "bisect-step", "--repo", str(repo), "--old-verdict",
-                   ends["old"]["verdict"], "--out", str(out.resolve()), str(Path(scenario_file).resolve())]  # fmt: skip
-            run = subprocess.run(["git", "-C", str(wt), "bisect", "run", *cmd], capture_output=True, text=True)
+                   ends["old"]["verdict"], "--out", str(out.resolve()), str(Path(scenario_file).resolve())]
+            run = subprocess.run(["git", "-C", str(wt), "bisect", "run", *cmd], capture_output=True,
+                                 text=True)
             found = re.search(r"^([0-9a-f]{40}) is the first changed commit", run.stdout, re.M)
         finally:
             subprocess.run(["git", "-C", str(wt), "bisect", "reset"], capture_output=True)
             _git(repo, "worktree", "remove", "--force", str(wt), check=False)
     if not found:
-        raise HarnessError(f"git bisect ended without a first changed commit:\n{run.stdout[-2000:]}{run.stderr[-1000:]}")
+        raise HarnessError(f"git bisect ended without a first changed "
+                           f"commit:\n{run.stdout[-2000:]}{run.stderr[-1000:]}")
     first = found.group(1)
     steps = re.findall(r"^bisect step .*$", run.stdout, re.M)
     print("\n".join(steps))
@@ -95,8 +97,9 @@ def bisect(repo: Path, old: str, new: str, scenario_file: str, out: Path) -> int
     print(f"verdict: {ends['old']['verdict']} at {old} -> {at['verdict']} at {first[:10]}")
     if failing is not None:
         fd = failing["first_divergence"]
-        print(f"first divergence of the failing side: step {fd['step']} {fd['phase']} {fd['kind']} {fd['tensor']} "
-              f"({fd['signature']})")  # fmt: skip
+        print(f"first divergence of the failing side: step {fd['step']} {fd['phase']} {fd['kind']} "
+              f"{fd['tensor']} "
+              f"({fd['signature']})")
     print(f"bisect took {time.monotonic() - start:.0f} s ({len(steps)} steps and the two ends)")
     return 0
 

@@ -32,7 +32,8 @@ def gate_scenarios(scenarios: list, base: str, head: str) -> list:
     """Each scenario three times: on base, on head, and as base-vs-head code comparison."""
     out = []
     for s in scenarios:
-        for kind, (every, ref, cand) in zip(KINDS, ((base, None, None), (head, None, None), (None, base, head))):
+        for kind, (every, ref, cand) in zip(KINDS,
+                                            ((base, None, None), (head, None, None), (None, base, head))):
             (t,) = with_code([s], every=every, reference=ref, candidate=cand)
             out.append(dataclasses.replace(t, name=f"{s.name}@{kind}"))
     return out
@@ -41,7 +42,7 @@ def gate_scenarios(scenarios: list, base: str, head: str) -> list:
 def gate_table(out: Path, names: list[str]) -> tuple[list[str], bool]:
     """The gate's lines (one per scenario) and whether it passes."""
     summaries = {d["scenario"]: ScenarioSummary.from_json(d)
-                 for d in json.loads((out / "summary.json").read_text())["scenarios"]}  # fmt: skip
+                 for d in json.loads((out / "summary.json").read_text())["scenarios"]}
     lines, ok = [f"{'scenario':40s} {'base':18s} {'head':18s} code (base vs head, exact)"], True
     for name in names:
         got = {k: summaries.get(f"{name}@{k}") for k in KINDS}
@@ -55,7 +56,7 @@ def gate_table(out: Path, names: list[str]) -> tuple[list[str], bool]:
         regressed = verdicts["base"].passes_gate and not verdicts["head"].passes_gate
         ok &= verdicts["code"] == Verdict.PASS and not regressed
         lines.append(f"{name:40s} {verdicts['base']:18s} {verdicts['head']:18s} {change}"
-                     + ("  <- regressed" if regressed else ""))  # fmt: skip
+                     + ("  <- regressed" if regressed else ""))
     return lines, ok
 
 

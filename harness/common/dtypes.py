@@ -10,4 +10,4 @@ DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
 BY_TORCH_NAME = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16)}
 # A floating dtype -> the integer dtype of its width: its bit patterns as integers.
 BITS_OF = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16,
-           torch.float16: torch.int16}  # fmt: skip
+           torch.float16: torch.int16}

@@ -72,7 +72,7 @@ def operands(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray, int, np.ndarray]:
     t = t.detach()
     mode = _MODE[t.dtype]
     return (t.view(BITS_OF[t.dtype]).numpy(), t.numpy() if mode == 0 else _NONE32, mode,
-            fp16_values() if mode == 2 else _NONE64)  # fmt: skip
+            fp16_values() if mode == 2 else _NONE64)
 
 
 @functools.cache
@@ -236,7 +236,7 @@ def _count(bucket, hist):
 
 @numba.njit(nogil=True)
 def measure_pass(r_bits, c_bits, r_vals, c_vals, mode, lut, golden, has_golden, tols, has_tols,
-                 shift, f_out, i_out, hist):  # fmt: skip
+                 shift, f_out, i_out, hist):
     """Add one pair's elements to the running results ``f_out`` (floats), ``i_out`` (ints) and
     ``hist`` (LANES x buckets, flat)."""
     n = r_bits.size
@@ -297,7 +297,7 @@ def measure_pass(r_bits, c_bits, r_vals, c_vals, mode, lut, golden, has_golden, 
 
 @numba.njit(nogil=True)
 def _nonfinite_block(rd, cd, rb, cb, bucket, start, magnitude, tols, has_tols, f_out, i_out, hist,
-                     worst, max_abs_b, max_ulp, excess, abs_max_ref, top, max_rel):  # fmt: skip
+                     worst, max_abs_b, max_ulp, excess, abs_max_ref, top, max_rel):
     """A block holding NaN or Inf, element by element: non-finite positions compared as such
     (NaN with NaN, Inf with the same Inf) and counted as ``|c - r| = 0`` elsewhere; the finite
     ones counted in the histogram from ``bucket`` (:func:`_ulps` filled it for the block)."""

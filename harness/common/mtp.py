@@ -23,8 +23,9 @@ LOSS_KIND = "mtp_loss"
 # is TP-sharded on its last dim and not captured; its consumer mtp_model_layer's input is).
 LAYER_MODULES = ("enorm", "hnorm", "mtp_model_layer.input_layernorm", "mtp_model_layer.self_attention",
                  "mtp_model_layer.pre_mlp_layernorm", "mtp_model_layer.mlp", "mtp_model_layer",
-                 "final_layernorm")  # fmt: skip
-ALWAYS_SHARED = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight", "output_layer.weight")
+                 "final_layernorm")
+ALWAYS_SHARED = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight",
+                 "output_layer.weight")
 
 
 def depth_name(depth: int, module: str = "") -> str:

@@ -45,7 +45,7 @@ def stepped_by(opt, named) -> dict[str, str]:
         kind = "muon" if hasattr(inner, "scaled_orthogonalize_fn") else type(inner).__name__.lower()
         masters = {id(p32): id(p16) for g16, g32 in zip(getattr(part, "float16_groups", []),
                                                        getattr(part, "fp32_from_float16_groups", []))
-                   for p16, p32 in zip(g16, g32)}  # fmt: skip
+                   for p16, p32 in zip(g16, g32)}
         for group in inner.param_groups:
             for p in group["params"]:
                 owner[masters.get(id(p), id(p))] = kind

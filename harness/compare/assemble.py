@@ -110,8 +110,9 @@ class LazyLogical:
             peer = self._rank_of.get((0, c["gtp"], c["dp"], 0))
             if peer is not None and tp_reads.get((step, peer, 0)) != ids:
                 axis = "tp" if c["tp"] else "pp"
-                self._input_violations.append({"step": step, "kind": "input", "tensor": "sample_ids", "axis": axis,
-                                               "ranks": [peer, rank], "max_abs": None})  # fmt: skip
+                self._input_violations.append({"step": step, "kind": "input", "tensor": "sample_ids",
+                                               "axis": axis,
+                                               "ranks": [peer, rank], "max_abs": None})
 
     def _placed(self, key) -> torch.Tensor:
         sink = None if key in self._violations else self._violations.setdefault(key, Logical())
@@ -200,7 +201,8 @@ def _assemble_placed(trace, key, entries, coords, rank_of, sink: Logical | None)
     def shard_of(c: dict) -> torch.Tensor:
         rank = rank_of.get((c.get("tp", 0), c.get("gtp", 0), c.get("dp", 0)))
         if rank is None or rank not in by_rank:
-            raise BadInput(str(trace.path), f"{key[2]} ({key[1]}, step {key[0]}): no shard for mesh coordinate {c}")
+            raise BadInput(str(trace.path),
+                           f"{key[2]} ({key[1]}, step {key[0]}): no shard for mesh coordinate {c}")
         return trace.tensor(by_rank[rank])
 
     tensor = assemble(layout, shard_of)
@@ -242,7 +244,7 @@ def _check_replicas(trace, key, by_rank, layout, coords, out: Logical) -> None:
                     out.replica_violations.append({
                         "step": key[0], "kind": key[1], "tensor": key[2], "axis": axis,
                         "ranks": [ranks[0], r], "max_abs": float(diff.max()),
-                    })  # fmt: skip
+                    })
 
 
 def _same_bytes(trace, e1, e2, t1: torch.Tensor, t2: torch.Tensor) -> bool:
@@ -251,7 +253,7 @@ def _same_bytes(trace, e1, e2, t1: torch.Tensor, t2: torch.Tensor) -> bool:
     if trace.verify and e1.digest and e2.digest and e1.digest_alg == e2.digest_alg:
         return e1.digest == e2.digest
     return torch.equal(t1.view(torch.uint8) if t1.dtype.is_floating_point else t1,
-                       t2.view(torch.uint8) if t2.dtype.is_floating_point else t2)  # fmt: skip
+                       t2.view(torch.uint8) if t2.dtype.is_floating_point else t2)
 
 
 def _check_padding(trace, key, by_rank, layout, coords, out: Logical) -> None:
@@ -273,7 +275,7 @@ def _check_padding(trace, key, by_rank, layout, coords, out: Logical) -> None:
             out.padding_violations.append({
                 "step": key[0], "kind": key[1], "tensor": key[2], "rank": rank,
                 "rows": [start + lo, start + local_rows], "max_abs": float(rows.double().abs().max()),
-            })  # fmt: skip
+            })
 
 
 def _assemble_samples(trace, key, entries, coords) -> dict[int, torch.Tensor]:

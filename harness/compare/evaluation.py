@@ -109,8 +109,9 @@ def partial_average(trace: Trace, step: int, index: int, rank_values: dict) -> d
     coords = trace.coords()
     sums: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
     seen: dict[int, int] = {}
-    for s in sorted((s for s in trace.scalars if s["name"] == SAMPLE and s["step"] == step and s["eval"] == index),
-                    key=lambda s: s["rank"]):  # fmt: skip
+    for s in sorted((s for s in trace.scalars if s["name"] == SAMPLE and s["step"] == step
+                     and s["eval"] == index),
+                    key=lambda s: s["rank"]):
         data = coords[s["rank"]]["data"]
         if seen.setdefault(data, s["rank"]) != s["rank"]:
             continue  # a TP peer's (or a pipeline stage's) reading of the same samples
@@ -142,7 +143,8 @@ def signature(first: dict, df, cand: Trace) -> tuple[str, dict]:
     step = int(first["step"])
     if not is_reported(first):
         return "mismatch", {}
-    samples = df[(df["step"] == step) & (df["kind"] == "eval") & df["tensor"].str.startswith("eval_loss[sample")]
+    at_step = (df["step"] == step) & (df["kind"] == "eval")
+    samples = df[at_step & df["tensor"].str.startswith("eval_loss[sample")]
     index = int(first["tensor"].rsplit(" ", 1)[-1].rstrip("]"))
     fitted = partial_average(cand, step, index, first.get("rank_values") or {})
     if fitted is not None:

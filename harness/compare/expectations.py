@@ -52,7 +52,8 @@ _OPTIMIZER = ("param", "master", "exp_avg", "exp_avg_sq", "step")
 
 
 def configs(traces: dict) -> tuple[dict, dict] | None:
-    ref, cand = (traces[r].manifest.get("config") if r in traces else None for r in ("reference", "candidate"))
+    ref, cand = (traces[r].manifest.get("config") if r in traces else None
+                 for r in ("reference", "candidate"))
     return (ref, cand) if ref and cand else None
 
 
@@ -94,7 +95,7 @@ def terms_check(logical: dict, key: tuple, r: torch.Tensor, c: torch.Tensor, ter
     excess = (c.double() - r.double()).abs() - bound
     excess = torch.where(torch.isnan(excess), torch.full_like(excess, math.inf), excess)
     return {"terms": terms, "terms_bound_max": float(bound.max()), "terms_excess": float(excess.max()),
-            "terms_violations": int((excess > 0).sum())}  # fmt: skip
+            "terms_violations": int((excess > 0).sum())}
 
 
 def _power_of_two(n: int) -> bool:
@@ -107,14 +108,16 @@ class _Upstream:
     def __init__(self, df: pd.DataFrame):
         self.df = df
         equal = df["bitwise_equal"].fillna(False).astype(bool)
-        self._bitwise = {(int(s), k): bool(v) for (s, k), v in equal.groupby([df["step"], df["kind"]]).all().items()}
+        self._bitwise = {(int(s), k): bool(v)
+                         for (s, k), v in equal.groupby([df["step"], df["kind"]]).all().items()}
 
     def all_bitwise(self, step: int, kind: str) -> bool:
         """Every row of ``kind`` at ``step`` bitwise equal (False where there is none)."""
         return self._bitwise.get((step, kind), False)
 
     def scalar(self, step: int, name: str) -> dict | None:
-        rows = self.df[(self.df["step"] == step) & (self.df["kind"] == "scalar") & (self.df["tensor"] == name)]
+        df = self.df
+        rows = df[(df["step"] == step) & (df["kind"] == "scalar") & (df["tensor"] == name)]
         return None if rows.empty else rows.iloc[0].to_dict()
 
 
@@ -123,12 +126,13 @@ def expectation(row: dict, ref: dict, cand: dict, up: _Upstream, why_not: str | 
     step, kind, name = int(row["step"]), row["kind"], row["tensor"]
     if row.get("policy") == "exact":
         return BITWISE, ("the initial weights: every side loads the same canonical state" if step == 0 else
-                         "a load step or an exact policy: the state is a copy")  # fmt: skip
+                         "a load step or an exact policy: the state is a copy")
     if kind == "input":
         return BITWISE, "the same global sample ids"
     if kind == "scalar" and name == "grad_norm":  # the consistency bound holds for any two gradient sets
         if row.get("policy") == "consistency" or _flag(row.get("bitwise_equal")):
-            return BOUNDED, "a norm of the compared gradients: their difference plus the norms' rounding bound"
+            return BOUNDED, ("a norm of the compared gradients: their difference plus the norms' rounding "
+                             "bound")
         return NOISE, "not every main_grad was compared: no consistency bound"
     if kind == "scalar" and name == "loss_logged":  # what a frontend's log line shows of the loss
         reduced = up.scalar(step, "reduced_loss")
@@ -142,9 +146,11 @@ def expectation(row: dict, ref: dict, cand: dict, up: _Upstream, why_not: str | 
     if kind == "eval":
         return _evaluation(row, ref, up)
     if not up.all_bitwise(step - 1, "param"):
-        return NOISE, f"the weights this step read (step {step - 1}) differ: no bound carries through the steps"
+        return NOISE, (f"the weights this step read (step {step - 1}) differ: no bound carries through "
+                       "the steps")
     if kind in _FORWARD or (kind == "scalar" and name == "reduced_loss"):
-        return BITWISE, "the same GEMMs on bitwise-equal weights (GTP's all-gather is a copy) and the same samples"
+        return BITWISE, ("the same GEMMs on bitwise-equal weights (GTP's all-gather is a copy) and the same "
+                         "samples")
     if kind == "main_grad":
         return _per_use(name, ref, cand) or _main_grad(row, ref)
     if kind in _OPTIMIZER or kind.split(":")[0] in _OPTIMIZER:
@@ -162,7 +168,7 @@ def _per_use(name: str, ref: dict, cand: dict) -> tuple[str, str] | None:
         return None
     uses = f"1 + {ref['mtp_num_layers']}" if not name.startswith("mtp.") else str(ref["mtp_num_layers"])
     return NOISE, (f"used {uses} times per forward: GTP reduce-scatters each use's wgrad on its own, GTP off "
-                   "sums the uses in autograd first; no side records the uses' magnitudes")  # fmt: skip
+                   "sums the uses in autograd first; no side records the uses' magnitudes")
 
 
 def _main_grad(row: dict, ref: dict) -> tuple[str, str]:
@@ -171,11 +177,12 @@ def _main_grad(row: dict, ref: dict) -> tuple[str, str]:
     acc = "fp32" if ref.get("grad_reduce_in_fp32", True) or ref["precision"] == "fp32" else ref["precision"]
     if n <= 2 and _power_of_two(ranks):
         return BITWISE, (f"the same wgrad GEMMs; a {acc} sum of {n} term{'s' * (n > 1)} (commutative), "
-                         "scaled by powers of two")  # fmt: skip
+                         "scaled by powers of two")
     if not _number(row.get("terms_excess")):
         return NOISE, (f"a sum of {n} terms in another order, whose magnitudes no side recorded (GTP on both "
-                       "sides, PP, MoE, sequence parallelism, an overlapped reduce, a per-token loss, mlm)")  # fmt: skip
-    return BOUNDED, f"the same {n} wgrad terms ({ref['micro_batches']} micro-batches x {ranks} data ranks) summed in {acc} in another order: 2 gamma_{2 * n} sum|x_i|"
+                       "sides, PP, MoE, sequence parallelism, an overlapped reduce, a per-token loss, mlm)")
+    return BOUNDED, (f"the same {n} wgrad terms ({ref['micro_batches']} micro-batches x {ranks} data ranks) "
+                     f"summed in {acc} in another order: 2 gamma_{2 * n} sum|x_i|")
 
 
 def _evaluation(row: dict, ref: dict, up: _Upstream) -> tuple[str, str]:
@@ -187,15 +194,18 @@ def _evaluation(row: dict, ref: dict, up: _Upstream) -> tuple[str, str]:
         return BITWISE, "the same forward-only pass (eval mode) on bitwise-equal weights and the same samples"
     ranks = _data_ranks(ref)
     if ranks <= 2:
-        return BITWISE, (f"the token mean of the same micro-batch losses: each data rank's sum in the same order, "
-                         f"then a sum over {ranks} data rank{'s' * (ranks > 1)} (commutative) and one division")  # fmt: skip
+        return BITWISE, (f"the token mean of the same micro-batch losses: each data rank's sum in the same "
+                         f"order, "
+                         f"then a sum over {ranks} data rank{'s' * (ranks > 1)} (commutative) and one "
+                         f"division")
     return NOISE, f"a sum over {ranks} data ranks' partial losses in the order the all-reduce takes"
 
 
 def _optimizer(row: dict, ref: dict, cand: dict, up: _Upstream) -> tuple[str, str]:
     step = int(row["step"])
     if not up.all_bitwise(step, "main_grad"):
-        return NOISE, "its gradients differ within their bound; the optimizer's nonlinear step carries no bound here"
+        return NOISE, ("its gradients differ within their bound; the optimizer's nonlinear step carries no "
+                       "bound here")
     clip = max(float(ref.get("clip_grad", 0.0)), float(cand.get("clip_grad", 0.0)))
     if clip > 0:
         norm = up.scalar(step, "grad_norm")
@@ -206,7 +216,8 @@ def _optimizer(row: dict, ref: dict, cand: dict, up: _Upstream) -> tuple[str, st
         # mlm and bridge record the norm their train_step returns, rounded to fp32: equal
         # roundings do not show the clip factor the optimizer computed from the unrounded norm.
         if not inactive and {ref.get("backend"), cand.get("backend")} & {"mlm", "bridge"}:
-            return NOISE, "the clip factor reads the unrounded grad norm; the frontend records it rounded to fp32"
+            return NOISE, ("the clip factor reads the unrounded grad norm; the frontend records it rounded "
+                           "to fp32")
     if (muon := _muon_update(row, ref, cand)) is not None:
         return muon
     return BITWISE, "the same element-wise optimizer step on bitwise-equal weights, gradients and clip factor"
@@ -229,16 +240,18 @@ def _muon_update(row: dict, ref: dict, cand: dict) -> tuple[str, str] | None:
       TP shard whole: another matrix, by design (its update depends on the sharding).
     The last two: the noise floor (the 0.19.2 wheel gathers the GTP shards in every mode,
     but no rule here reads which tree ran)."""
-    if row["kind"] not in ("param", "master") or ref.get("optimizer") != "muon" or ref.get("gtp") == cand.get("gtp"):
+    if row["kind"] not in ("param",
+                           "master") or ref.get("optimizer") != "muon" or ref.get("gtp") == cand.get("gtp"):
         return None
     if not is_muon_matrix(row["tensor"], _ndim(row.get("shape"))):
         return None
     mode = ref.get("muon_tp_mode", "duplicated")
     if mode == "duplicated":
-        return BITWISE, ("Muon's duplicated mode orthogonalizes the gathered momentum, the GTP-off matrix at its "
-                         "shape, with the same kernels")  # fmt: skip
+        return BITWISE, ("Muon's duplicated mode orthogonalizes the gathered momentum, the GTP-off matrix at "
+                         "its "
+                         "shape, with the same kernels")
     why = ("sums the Gram matrices over the GTP group in another order" if mode == "distributed" else
-           "orthogonalizes each GTP shard alone, another matrix by design")  # fmt: skip
+           "orthogonalizes each GTP shard alone, another matrix by design")
     return NOISE, f"Muon's {mode} mode under GTP {why}"
 
 

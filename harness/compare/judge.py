@@ -129,7 +129,7 @@ def pair_row(task: tasks.Task, logical: dict, policy: ComparePolicy, recipe: str
         g = golden.tensors[task.golden_key] if task.golden_key is not None else None
     if r.shape != c.shape:
         return {"step": step, "kind": kind, "tensor": name, "passed": False, "policy": "shape",
-                "detail": f"shape {tuple(r.shape)} vs {tuple(c.shape)}"}, None  # fmt: skip
+                "detail": f"shape {tuple(r.shape)} vs {tuple(c.shape)}"}, None
     if g is not None and step == 0:
         g = g.to(c.dtype)  # initial weights: the golden's, cast as every side casts them
     m, stats = measure(r, c, *_needs(policy, step, g, recipe, c.dtype))
@@ -142,7 +142,7 @@ def pair_row(task: tasks.Task, logical: dict, policy: ComparePolicy, recipe: str
         m.update(ref_err_golden=stats.rms("ref"), cand_err_golden=stats.rms("cand"))
     return {"step": step, "kind": kind, "tensor": name, "passed": j.passed, "policy": j.policy,
             "bound": j.bound, "dtype": str(c.dtype).replace("torch.", ""),
-            "shape": list(r.shape), "sample_ids": ids, **m, **bounded}, sq_diff  # fmt: skip
+            "shape": list(r.shape), "sample_ids": ids, **m, **bounded}, sq_diff
 
 
 def part_of(traces: dict[str, Trace], policy: ComparePolicy, part: int, parts: int) -> tasks.Part:
@@ -155,7 +155,7 @@ def part_of(traces: dict[str, Trace], policy: ComparePolicy, part: int, parts: i
 def _pair(traces: dict[str, Trace], policy: ComparePolicy):
     """The pair measurement of a compare of ``traces`` (the same in every process)."""
     return functools.partial(pair_row, policy=policy, recipe=recipe_of(traces),
-                             terms=expectations.terms_count(traces))  # fmt: skip
+                             terms=expectations.terms_count(traces))
 
 
 class Comparison(NamedTuple):
@@ -190,8 +190,9 @@ def compare(traces: dict[str, Trace], policy: ComparePolicy | None = None, jobs:
     ref, cand = logical["reference"], logical["candidate"]
     rows += compare_fingerprints(ref, cand, traces)
     scalars = _pool_loss_noise(_compare_scalars(traces, policy, recipe), policy)
-    scalars += _pool_loss_noise(evaluation.rows(traces, functools.partial(_scalar_row, policy=policy, recipe=recipe)),
-                                policy, evaluation.is_sample, evaluation.is_reported)  # fmt: skip
+    row = functools.partial(_scalar_row, policy=policy, recipe=recipe)
+    scalars += _pool_loss_noise(evaluation.rows(traces, row), policy, evaluation.is_sample,
+                                evaluation.is_reported)
     worlds = (traces["reference"].world_size, traces["candidate"].world_size)
     rows += _grad_norm_consistency(scalars, ref, cand, policy, worlds, sq_diff)
     rows += input_rows(ref, cand)
@@ -211,7 +212,7 @@ def input_rows(ref: Logical, cand: Logical) -> list[dict]:
         passed = r == c
         rows.append({"step": step, "kind": "input", "tensor": "sample_ids", "passed": passed,
                      "policy": "exact", "bitwise_equal": passed, "duplicated": dup, "missing": missing,
-                     "ranks": ranks, "numel": sum(c.values())})  # fmt: skip
+                     "ranks": ranks, "numel": sum(c.values())})
     return rows
 
 
@@ -230,9 +231,9 @@ def compare_fingerprints(ref: Logical, cand: Logical, traces: dict[str, Trace]) 
         if same_mesh:
             differing = {r: [i for i, (a, b) in enumerate(zip(rf[r]["blocks"], cf[r]["blocks"]))
                              if _block_digest(a) != _block_digest(b)]
-                         for r in sorted(set(rf) & set(cf)) if _whole_digest(rf[r]) != _whole_digest(cf[r])}  # fmt: skip
+                         for r in sorted(set(rf) & set(cf)) if _whole_digest(rf[r]) != _whole_digest(cf[r])}
             row.update(passed=not differing, bitwise_equal=not differing, ranks=sorted(differing),
-                       differing_blocks={str(r): b for r, b in differing.items()})  # fmt: skip
+                       differing_blocks={str(r): b for r, b in differing.items()})
         else:
             rn, cn = _fingerprint_norm(rf, traces["reference"]), _fingerprint_norm(cf, traces["candidate"])
             rel = abs(cn - rn) / rn if rn else float(cn != 0)
@@ -285,7 +286,8 @@ def _compare_scalars(traces: dict[str, Trace], policy: ComparePolicy, recipe: st
                 continue  # a side whose loop logs no line (the harness's, the golden's)
             # A log line that shows the step's loss shows the golden's reduced loss.
             gname = "reduced_loss" if name == "loss_logged" else name
-            g = float(gold.at[step, gname]) if gold is not None and gname in gold.columns and step in gold.index else None
+            g = (float(gold.at[step, gname]) if gold is not None and gname in gold.columns
+                 and step in gold.index else None)
             rows.append(_scalar_row(step, name, r, c, g, policy, recipe))
     # Per-sample losses, aligned by global sample id whatever rank read the sample.
     losses = per_sample_losses(traces)
@@ -298,14 +300,14 @@ def _compare_scalars(traces: dict[str, Trace], policy: ComparePolicy, recipe: st
                     continue
                 g = row.get("golden") if "golden" in piv.columns else None
                 r = _scalar_row(step, f"loss[sample {sid}]", row["reference"], row["candidate"],
-                                None if g is None or math.isnan(g) else g, policy, recipe)  # fmt: skip
+                                None if g is None or math.isnan(g) else g, policy, recipe)
                 r.update(kind="loss", sample_ids=[int(sid)])
                 rows.append(r)
     return rows
 
 
 def _pool_loss_noise(rows: list[dict], policy: ComparePolicy, is_sample=lambda r: r["kind"] == "loss",
-                     is_reduced=lambda r: r["kind"] == "scalar" and r["tensor"] == "reduced_loss") -> list[dict]:
+                     is_reduced=lambda r: r["kind"] == "scalar" and r["tensor"] == "reduced_loss"):
     """Judge losses against the reference's worst per-sample error of that step.
 
     One sample's reference loss can land by chance much closer to the golden than its
@@ -322,7 +324,8 @@ def _pool_loss_noise(rows: list[dict], policy: ComparePolicy, is_sample=lambda r
     eps = torch.finfo(torch.float32).eps
     for r in rows:
         pooled = is_sample(r) or is_reduced(r)
-        if pooled and r["policy"] != "replica" and r["step"] in worst and r.get("cand_err_golden") is not None and not r["bitwise_equal"]:
+        if (pooled and r["policy"] != "replica" and r["step"] in worst
+                and r.get("cand_err_golden") is not None and not r["bitwise_equal"]):
             floor = policy.floor * eps * abs(r["golden_value"])
             r["bound"] = policy.k_at(r["step"]) * worst[r["step"]] + floor
             r["passed"] = r["nonfinite_mismatch"] == 0 and r["cand_err_golden"] <= r["bound"]
@@ -354,16 +357,15 @@ def _grad_norm_consistency(rows: list[dict], ref: Logical, cand: Logical, policy
         return rows
     names = {name for (step, kind, name) in ref.tensors if step == 0 and kind == "param"}
     for r in rows:
-        if r["tensor"] != "grad_norm" or r["kind"] != "scalar":
-            continue
-        if r["bitwise_equal"] or r["nonfinite_mismatch"]:
+        skip = r["tensor"] != "grad_norm" or r["kind"] != "scalar"
+        if skip or r["bitwise_equal"] or r["nonfinite_mismatch"]:
             continue
         keys = [(r["step"], "main_grad", n) for n in sorted(names)]
         if not names or not all(k in ref.tensors and k in cand.tensors for k in keys):
             continue
         sq_diff = sq_diff or {}
-        diff = math.sqrt(sum(sq_diff[k] if k in sq_diff else measure(ref.tensors[k], cand.tensors[k])[1].sq_diff
-                             for k in keys))  # fmt: skip
+        diff = math.sqrt(sum(sq_diff[k] if k in sq_diff
+                             else measure(ref.tensors[k], cand.tensors[k])[1].sq_diff for k in keys))
         largest = max(_padded_numel(side, k) for side in (ref, cand) for k in keys)
         rel = bounds.norm_rel_error(largest, len(keys), max(world_sizes))
         diff_rel = bounds.gamma(sum(math.prod(ref.shape(k)) for k in keys) + 2, torch.float64)
@@ -394,4 +396,4 @@ def _scalar_row(step, name, r, c, g, policy, recipe: str = "none") -> dict:
         m.update(ref_err_golden=abs(r - g), cand_err_golden=abs(c - g))
     return {"step": step, "kind": "scalar", "tensor": name, "passed": j.passed, "policy": j.policy,
             "bound": j.bound, "dtype": "float32", "shape": [], "ref_value": r, "cand_value": c,
-            "golden_value": g, **m}  # fmt: skip
+            "golden_value": g, **m}

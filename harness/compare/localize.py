@@ -45,7 +45,7 @@ _PHASE_OF_KIND = {
     "eval": (10, "eval"),  # an evaluation on the step's updated weights
 }
 _SCALAR_PHASE = {"reduced_loss": (4, "loss"), "grad_norm": (6, "reduce"), "lr": (7, "optimizer"),
-                 "skipped": (7, "optimizer"), "loss_logged": (10, "log")}  # fmt: skip
+                 "skipped": (7, "optimizer"), "loss_logged": (10, "log")}
 _FORWARD_SUBS = ["input_layernorm", "self_attention", "pre_mlp_layernorm", "mlp", ""]
 # An MTP depth's modules in forward order (its parameters by the module holding them); between
 # the decoder's final LayerNorm and the main head's output layer, depth after depth.
@@ -64,7 +64,7 @@ def _layer_position(name: str) -> float:
     if m := re.match(r"mtp\.layers\.(\d+)\.?(.*)", name):
         rest = m.group(2)
         sub = next((i for i, s in enumerate(_MTP_SUBS) if s and (rest == s or rest.startswith(s + "."))),
-                   _MTP_SUBS.index(""))  # fmt: skip
+                   _MTP_SUBS.index(""))
         return 1e6 + (1 + int(m.group(1)) * 20 + sub) / 1000
     m = re.match(r"decoder\.layers\.(\d+)\.?([a-z_]*)", name)
     if not m:
@@ -78,7 +78,7 @@ def _layer_position(name: str) -> float:
 def causal_key(row) -> tuple:
     kind, name = row["kind"], row["tensor"]
     phase_idx, _ = _SCALAR_PHASE.get(name, _PHASE_OF_KIND.get(kind, (5, "other"))) if kind == "scalar" \
-        else _PHASE_OF_KIND.get(kind, (5, "other"))  # fmt: skip
+        else _PHASE_OF_KIND.get(kind, (5, "other"))
     pos = evaluation.position(name) if kind == "eval" else _layer_position(name)
     if kind == "main_grad":
         pos = -pos  # backward runs in reverse layer order
@@ -129,7 +129,7 @@ def region_of(row: dict, owner: dict | None) -> dict:
                 region["tp_block"] = [coord[axis] * local, (coord[axis] + 1) * local, f"dim {d}"]
     region["shard"] = coord
     region["ranks"] = sorted(r for (t, g, d), r in ranks.items()
-                             if t == coord.get("tp", t) and g == coord.get("gtp", g))  # fmt: skip
+                             if t == coord.get("tp", t) and g == coord.get("gtp", g))
     return region
 
 
@@ -145,11 +145,12 @@ def summarize(df: pd.DataFrame, logical: dict, traces: dict, policy, recipe: str
     failing = df[~df["passed"].astype(bool)] if not df.empty else df
     invariants = {"replica": cand.replica_violations, "padding": cand.padding_violations}
     expected = {k: int(n) for k, n in df.groupby("expectation").size().items()} \
-        if "expectation" in df.columns else {}  # fmt: skip
+        if "expectation" in df.columns else {}
     doc = ScenarioSummary.of(
         verdict=Verdict.PASS, first_divergence=None, checked=checked, expectations=expected,
-        policy={"name": policy.policy, "k": policy.k, "k_first_step": policy.k_first_step, "floor": policy.floor},
-        invariants=invariants, failing=int(len(failing)))  # fmt: skip
+        policy={"name": policy.policy, "k": policy.k, "k_first_step": policy.k_first_step,
+                "floor": policy.floor},
+        invariants=invariants, failing=int(len(failing)))
     # Candidate invariant violations are divergences of their own, placed in causal order.
     events = [] if failing.empty else failing.to_dict("records")
     for v in cand.padding_violations:
@@ -164,11 +165,13 @@ def summarize(df: pd.DataFrame, logical: dict, traces: dict, policy, recipe: str
     sig, extra = first.get("_sig"), {}
     key = (step, kind, name)
     # A tensor that also breaks a trace invariant is explained by that invariant.
-    for violations, label in ((cand.replica_violations, "replica-drift"), (cand.padding_violations, "pad-rows")):
+    for violations, label in ((cand.replica_violations, "replica-drift"),
+                              (cand.padding_violations, "pad-rows")):
         hit = [v for v in violations if (v["step"], v["kind"], v["tensor"]) == key]
         if sig is None and hit:
             sig = label
-            first = {**first, "ranks": hit[0].get("ranks") or [hit[0].get("rank")], "rows": hit[0].get("rows")}
+            first = {**first, "ranks": hit[0].get("ranks") or [hit[0].get("rank")],
+                     "rows": hit[0].get("rows")}
     if sig is None and kind == "eval":
         sig, extra = evaluation.signature(first, df, traces["candidate"])
     if sig is None:
@@ -181,7 +184,7 @@ def summarize(df: pd.DataFrame, logical: dict, traces: dict, policy, recipe: str
         region = {"rows": first.get("rows"), "rank": first.get("rank")}
     metrics = {k: first.get(k) for k in ("max_abs", "max_rel", "max_ulp", "p99_ulp", "rel_l2", "cosine",
                                          "ref_err_golden", "cand_err_golden", "bound", "ref_value",
-                                         "cand_value") if first.get(k) is not None}  # fmt: skip
+                                         "cand_value") if first.get(k) is not None}
     metrics = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in metrics.items()}
     ranks = first.get("ranks")
     if not isinstance(ranks, list):
@@ -201,9 +204,10 @@ def summarize(df: pd.DataFrame, logical: dict, traces: dict, policy, recipe: str
         if consumed["named"] or sig == "mismatch":
             sig, explanation, ranks = "gemm-consumed-foreign-weight", consumed["text"], consumed["ranks"]
     return doc.with_(verdict=Verdict.FAIL, first_divergence=FirstDivergence(
-        step=step, phase=phase_of(kind, name), kind=kind, tensor=name, ranks=ranks, region=Region.of(**region),
+        step=step, phase=phase_of(kind, name), kind=kind, tensor=name, ranks=ranks,
+            region=Region.of(**region),
         signature=sig, explanation=explanation, measured=metrics, extra=extra,
-    ))  # fmt: skip
+    ))
 
 
 def _explanation(sig: str, extra: dict) -> str:
@@ -211,15 +215,15 @@ def _explanation(sig: str, extra: dict) -> str:
     if sig == "extra-rounding":
         er = extra["extra_rounding"]
         how = ("the other side rounded to it" if er["pattern"] == "exact" else
-               f"off by {er['median_ulps']:.2g} {er['dtype']} ULP (median): partial sums rounded to it")  # fmt: skip
+               f"off by {er['median_ulps']:.2g} {er['dtype']} ULP (median): partial sums rounded to it")
         return (f"the {er['rounded']} was rounded once more to {er['dtype']} ({er['elements']} elements "
-                f"differ, {how}): a reduction or accumulation in {er['dtype']} where the other keeps fp32")  # fmt: skip
+                f"differ, {how}): a reduction or accumulation in {er['dtype']} where the other keeps fp32")
     if sig == "partial-average":
         pa = extra["partial_average"]
         who = "; ".join(f"rank {r}: data ranks {d}" for r, d in pa["averaged"].items())
         return (f"the reported loss is the mean over some of the {pa['data_ranks']} data ranks' samples only "
                 f"({who}): reduced over a group that leaves out ranks reading other samples (GTP peers "
-                "are data ranks)")  # fmt: skip
+                "are data ranks)")
     return SIGNATURES.get(sig, "")
 
 
@@ -252,7 +256,7 @@ def _sample_readers(first: dict, cand, trace, step: int) -> tuple[list[int] | No
     readers = {r for r, read in cand.inputs.get(step, {}).items() if sample in read}
     coords = trace.coords()
     peers = {r for r, c in coords.items() for q in readers
-             if (c["gtp"], c["dp"]) == (coords[q]["gtp"], coords[q]["dp"])}  # fmt: skip
+             if (c["gtp"], c["dp"]) == (coords[q]["gtp"], coords[q]["dp"])}
     return sorted(peers or readers) or None, sample
 
 
@@ -272,7 +276,7 @@ class _StepContext:
     def of(cls, traces: dict, step: int, recipe: str) -> "_StepContext":
         cand, ref = traces["candidate"].manifest, traces["reference"].manifest
         lr = next((float(s["value"]) for s in traces["candidate"].scalars
-                   if s.get("name") == "lr" and s.get("step") == step and s.get("rank") == 0), None)  # fmt: skip
+                   if s.get("name") == "lr" and s.get("step") == step and s.get("rank") == 0), None)
         wd = (cand.get("train") or {}).get("weight_decay")
         bits_c, bits_r = (_NARROW.get(m.get("precision"), 32) for m in (cand, ref))
         # A recipe, a sub-fp32 precision (its reductions round in bf16) or a candidate less
@@ -316,7 +320,7 @@ def _signature(first: dict, df: pd.DataFrame, logical: dict, mesh: dict, key,
             grads = df[(df["step"] == step) & (df["kind"] == "main_grad")]
             if not grads.empty and grads["passed"].all():
                 return "grad-norm-only", {"norm_ratio": float(first.get("cand_value", 0)) /
-                                          max(float(first.get("ref_value", 1)), 1e-300)}  # fmt: skip
+                                          max(float(first.get("ref_value", 1)), 1e-300)}
         return "mismatch", {}
     if kind == "param" and (step, "param_before", name) in cand.tensors:
         before, after = cand.tensors[(step, "param_before", name)], cand.tensors[key]
@@ -336,7 +340,8 @@ def _signature(first: dict, df: pd.DataFrame, logical: dict, mesh: dict, key,
     if kind in _OPTIMIZER_KINDS and (other := signatures.other_tensor(c, key, ref.tensors)):
         return "permuted-tensors", {"holds": other}
     if r.dtype != c.dtype and r.is_floating_point() and c.is_floating_point():
-        dtypes = {"reference": str(r.dtype).removeprefix("torch."), "candidate": str(c.dtype).removeprefix("torch.")}
+        dtypes = {"reference": str(r.dtype).removeprefix("torch."),
+                  "candidate": str(c.dtype).removeprefix("torch.")}
         wide = torch.promote_types(r.dtype, c.dtype)
         r, c = r.to(wide), c.to(wide)  # the patterns below, in the wider of the two
         if torch.equal(r, c):

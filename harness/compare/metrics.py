@@ -153,7 +153,7 @@ def measure(ref: torch.Tensor, cand: torch.Tensor, golden: torch.Tensor | None =
     else:
         out["bitwise_equal"] = bool(same_dtype and ref.shape == cand.shape and torch.equal(
             r_flat.view(torch.uint8) if ref.dtype.is_floating_point else r_flat,
-            c_flat.view(torch.uint8) if cand.dtype.is_floating_point else c_flat))  # fmt: skip
+            c_flat.view(torch.uint8) if cand.dtype.is_floating_point else c_flat))
         buf = _buffers(min(CHUNK, ref.numel()))
         for start in range(0, ref.numel(), CHUNK):
             r, c = r_flat[start:start + CHUNK], c_flat[start:start + CHUNK]
@@ -169,7 +169,7 @@ def measure(ref: torch.Tensor, cand: torch.Tensor, golden: torch.Tensor | None =
 
 
 def _compiled_pass(acc: _Acc, stats: PairStats, r: torch.Tensor, c: torch.Tensor,
-                   g: torch.Tensor | None) -> int:  # fmt: skip
+                   g: torch.Tensor | None) -> int:
     """The whole pair in :func:`harness.common.kernels.measure_pass`, on zero-copy views;
     returns how many elements' bit patterns differ."""
     from harness.common import kernels as K  # numba: imported only where a pair is measured
@@ -180,7 +180,8 @@ def _compiled_pass(acc: _Acc, stats: PairStats, r: torch.Tensor, c: torch.Tensor
     tols = np.array(stats.tols or (0.0, 0.0), dtype=np.float64)
     f, i = K.new_results()
     hist = np.zeros(K.LANES * HIST_BINS, dtype=np.int64)
-    K.measure_pass(r_bits, c_bits, r_vals, c_vals, mode, lut, golden, g is not None, tols, stats.tols is not None,
+    K.measure_pass(r_bits, c_bits, r_vals, c_vals, mode, lut, golden, g is not None, tols,
+                   stats.tols is not None,
                    HIST_SHIFT, f, i, hist)
     f = f.tolist()  # Python floats from here on
     acc.ss_r, acc.ss_c, acc.ss_d, acc.dot = f[K.SS_R], f[K.SS_C], f[K.SS_D], f[K.DOT]

@@ -25,7 +25,8 @@ from harness.scenario.rules import version_key
 
 def scenario_config(s: Scenario) -> dict:
     """The summary's ``config``: where the scenario came from and what each side ran."""
-    config = {"source": s.source, "description": s.description, **{r: side.label() for r, side in s.sides.items()},
+    config = {"source": s.source, "description": s.description,
+              **{r: side.label() for r, side in s.sides.items()},
               "paths": {r: side.paths() for r, side in s.sides.items() if side.paths()}}
     if code := code_axes(s):  # which megatron-core each side ran, where not the installed one
         config["code"] = code
@@ -63,27 +64,30 @@ def judge_known_divergence(summary: ScenarioSummary, expect: KnownDivergence | N
         return summary
     optional = ("fixed_in", "fixed_in_version", "diverges_after_fix", "introduced_in")
     summary = summary.with_(expect={k: v for k, v in dataclasses.asdict(expect).items()
-                                    if v is not None or k not in optional})  # fmt: skip
+                                    if v is not None or k not in optional})
     if not introduced:
         held = "parity holds" if summary.verdict == Verdict.PASS else "but it diverges"
-        return summary.with_(expectation=f"introduced in {expect.introduced_in}, which this tree does not hold: {held}")
+        return summary.with_(expectation=f"introduced in {expect.introduced_in}, which this tree does not "
+                                         f"hold: {held}")
     if fixed and expect.diverges_after_fix:
         expect, fixed = dataclasses.replace(expect, signature=expect.diverges_after_fix), False
     fd = summary.first_divergence
     if expect.raises and not fixed:
-        return summary.with_(verdict=Verdict.FAIL, expectation=f"expected the run to raise {expect.raises!r}, but it ran")
+        return summary.with_(verdict=Verdict.FAIL,
+                             expectation=f"expected the run to raise {expect.raises!r}, but it ran")
     if fixed:
         fix = expect.fixed_in or f"megatron-core {expect.fixed_in_version}"
         if summary.verdict == Verdict.PASS:
-            return summary.with_(verdict=Verdict.FIXED, expectation=f"fixed in {fix}: parity holds on this tree")
+            return summary.with_(verdict=Verdict.FIXED,
+                                 expectation=f"fixed in {fix}: parity holds on this tree")
         return summary.with_(expectation=f"this tree holds the fix ({fix}), but it still diverges")
     if summary.verdict == Verdict.PASS:
         return summary.with_(verdict=Verdict.FAIL, expectation=(
             "expected the known divergence, but parity holds: if megatron-core fixed it, "
-            "remove the scenario's [expect]"))  # fmt: skip
+            "remove the scenario's [expect]"))
     if summary.verdict == Verdict.FAIL and fd:
         wrong = [f"{k} {getattr(fd, k)!r} (expected {getattr(expect, k)!r})" for k in ("signature", "step")
-                 if getattr(expect, k) is not None and getattr(fd, k) != getattr(expect, k)]  # fmt: skip
+                 if getattr(expect, k) is not None and getattr(fd, k) != getattr(expect, k)]
         if wrong:
             return summary.with_(expectation="diverged, but not as the known divergence: " + ", ".join(wrong))
         return summary.with_(verdict=Verdict.KNOWN_DIVERGENCE)
@@ -94,15 +98,18 @@ def failure_outcome(s: Scenario, failed: dict[str, str], jobs: dict) -> Scenario
     """A scenario whose sides did not all run: ``known-divergence`` where the candidate alone
     raised as its ``[expect] raises`` records, on a tree without the fix; an error otherwise."""
     base = {"scenario": s.name, "error": failed, "axes": dict(s.axes), "config": scenario_config(s),
-            "traces": {r: j.trace_dir for r, j in jobs.items()}}  # fmt: skip
+            "traces": {r: j.trace_dir for r, j in jobs.items()}}
     e = s.expect
     if e is not None and e.raises and set(failed) == {Role.CANDIDATE} and e.raises in failed[Role.CANDIDATE]:
         prov = jobs[Role.CANDIDATE].provenance or {}
         tree, version = prov.get("megatron_core"), (prov.get("versions") or {}).get("megatron-core")
-        if not holds_fix(e, tree, version) and (e.introduced_in is None or holds_commit(e.introduced_in, tree)):
-            return ScenarioSummary.of(verdict=Verdict.KNOWN_DIVERGENCE, expectation=f"raised as known ({e.raises!r})",
-                                      expect={k: v for k, v in dataclasses.asdict(e).items() if v is not None},
-                                      **base)  # fmt: skip
+        if not holds_fix(e, tree, version) and (e.introduced_in is None
+                                                or holds_commit(e.introduced_in, tree)):
+            return ScenarioSummary.of(verdict=Verdict.KNOWN_DIVERGENCE,
+                                      expectation=f"raised as known ({e.raises!r})",
+                                      expect={k: v for k, v in dataclasses.asdict(e).items()
+                                              if v is not None},
+                                      **base)
     return ScenarioSummary.of(verdict=Verdict.ERROR, **base)
 
 
@@ -114,7 +121,7 @@ def checkpoint_outcome(summary: ScenarioSummary, s: Scenario, results) -> Scenar
     summary = summary.with_(checkpoint={
         "save_step": k, "from": topology(s.saver), "to": topology(s.candidate),
         "tensors_at_load": int(len(at_load)),
-        "bitwise_at_load": bool(len(at_load) and at_load["bitwise_equal"].astype(bool).all())})  # fmt: skip
+        "bitwise_at_load": bool(len(at_load) and at_load["bitwise_equal"].astype(bool).all())})
     fd = summary.first_divergence
     if fd and fd.step == k:
         summary = summary.with_(first_divergence=fd.with_(phase="load"))
@@ -145,7 +152,8 @@ def tree_default_notes(traces: dict[str, trace.Trace]) -> list[str]:
         if a[name]["default"] != b[name]["default"]:
             ran = a[name].get("left_to_tree") or b[name].get("left_to_tree")
             out.append(f"{name} ({a[name]['target']}): the trees' defaults differ, {a[name]['default']!r} vs "
-                       f"{b[name]['default']!r}; " + ("a side left it unset: the values that ran differ" if ran
+                       f"{b[name]['default']!r}; " + ("a side left it unset: the values that ran differ"
+                                                      if ran
                                                       else "both sides set it: no effect on this run"))
     return out
 
@@ -180,12 +188,14 @@ def compare_scenario(s: Scenario | None, paths: dict[str, Path], sdir: Path, say
     summary = summary.with_(scenario=name, traces={r: str(p) for r, p in paths.items()})
     if s is not None:
         cand = traces[Role.CANDIDATE].manifest
-        fixed = s.expect is not None and holds_fix(s.expect, (cand.get("provenance") or {}).get("megatron_core"),
-                                                   (cand.get("versions") or {}).get("megatron-core"))  # fmt: skip
+        fixed = s.expect is not None and holds_fix(s.expect,
+                                                   (cand.get("provenance") or {}).get("megatron_core"),
+                                                   (cand.get("versions") or {}).get("megatron-core"))
         introduced = s.expect is None or s.expect.introduced_in is None or holds_commit(
-            s.expect.introduced_in, (cand.get("provenance") or {}).get("megatron_core"))  # fmt: skip
-        summary = judge_known_divergence(summary.with_(axes=dict(s.axes), config=scenario_config(s)), s.expect, fixed,
-                                    introduced)  # fmt: skip
+            s.expect.introduced_in, (cand.get("provenance") or {}).get("megatron_core"))
+        summary = judge_known_divergence(summary.with_(axes=dict(s.axes), config=scenario_config(s)),
+                                         s.expect, fixed,
+                                    introduced)
         if s.saver is not None:
             summary = checkpoint_outcome(summary, s, results)
     write_json(sdir / "summary.json", summary.to_json())
@@ -194,5 +204,5 @@ def compare_scenario(s: Scenario | None, paths: dict[str, Path], sdir: Path, say
     fd = summary.first_divergence
     say(f"verdict: {summary.verdict.upper()}" + (
         f"  first divergence: step {fd.step} {fd.phase} {fd.kind} {fd.tensor} "
-        f"ranks {fd.ranks} signature {fd.signature}" if fd else ""))  # fmt: skip
+        f"ranks {fd.ranks} signature {fd.signature}" if fd else ""))
     return summary

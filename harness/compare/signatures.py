@@ -45,7 +45,8 @@ SIGNATURES = {
                    "-lr*wd*param (weight decay)",
     "extra-rounding": "one side is the other rounded once more to a narrower dtype (named): a "
                       "reduction or accumulation in bf16/fp16 where the other keeps fp32",
-    "dtype-changed": "the same values held in another dtype (named per side): a buffer or a reduction built in "
+    "dtype-changed": "the same values held in another dtype (named per side): a buffer or a reduction built "
+                     "in "
                      "another precision than the other side's",
     "not-bitwise": "the same operations on the same values (a bitwise expectation) gave other bits, with no "
                    "recognised pattern: an operation added, reordered or run in another kernel",
@@ -56,7 +57,8 @@ SIGNATURES = {
                                     "was reused before the GEMM read it",
     "pad-rows-as-data": "the candidate is the reference with zero rows inserted and the rows behind "
                         "them shifted down: pad rows were counted as data (a saved GTP shard's padding)",
-    "shared-weight-only": "only a weight used more than once per step differs, every weight used once agrees: "
+    "shared-weight-only": "only a weight used more than once per step differs, every weight used once "
+                          "agrees: "
                           "per-weight state written for one use (one use's gradient lost or counted twice)",
     "labels-misaligned": "a loss differs while the logits it is computed from agree: it read other labels or "
                          "another loss mask (labels not shifted, or shifted by another depth)",
@@ -102,7 +104,8 @@ def permuted_blocks(ref: torch.Tensor, cand: torch.Tensor, mesh: dict, tol: floa
         return None
     g, tp = mesh.get("gtp", 1), mesh.get("tp", 1)
     pad = layout.pads.get("gtp", 0) if layout is not None else 0
-    tp_dim0 = layout is not None and isinstance(layout.placement("tp"), Shard) and layout.placement("tp").dim == 0
+    tp_dim0 = layout is not None and isinstance(layout.placement("tp"),
+                                                Shard) and layout.placement("tp").dim == 0
     tp_blocks = tp if tp_dim0 and tp > 1 else 1
     for n in sorted({g, tp, g * tp} - {1}):
         if n > 4:
@@ -180,7 +183,8 @@ def extra_rounding(ref: torch.Tensor, cand: torch.Tensor) -> dict | None:
     Returns {"dtype", "rounded": "candidate" / "reference", "pattern", "elements",
     "median_ulps"} or None.
     """
-    if ref.shape != cand.shape or ref.dtype != cand.dtype or not ref.is_floating_point() or torch.equal(ref, cand):
+    if ref.shape != cand.shape or ref.dtype != cand.dtype or not ref.is_floating_point() or torch.equal(ref,
+        cand):
         return None
     both = torch.isfinite(ref) & torch.isfinite(cand)
     r, c = ref[both].double(), cand[both].double()
@@ -196,14 +200,16 @@ def extra_rounding(ref: torch.Tensor, cand: torch.Tensor) -> dict | None:
             continue  # outside its normal range a value rounded to it would be flushed or overflow
         ulps = (c - r).abs()[differ] / _ulp(magnitude, narrow)
         found = {"dtype": str(narrow).replace("torch.", ""), "elements": int(differ.sum()),
-                 "median_ulps": float(ulps.median())}  # fmt: skip
+                 "median_ulps": float(ulps.median())}
         exact = {name: _representable(x, narrow) for name, x in (("reference", ref), ("candidate", cand))}
         if exact["reference"] != exact["candidate"] and float(ulps.max()) <= EXTRA_ROUNDING_ULPS:
-            return {**found, "rounded": "candidate" if exact["candidate"] else "reference", "pattern": "exact"}
+            return {**found, "rounded": "candidate" if exact["candidate"] else "reference",
+                    "pattern": "exact"}
         scale = max(float(r.pow(2).mean().sqrt()), float(c.pow(2).mean().sqrt()))
         worst = float(((c - r).abs()[differ] / _ulp(magnitude.clamp_min(scale), narrow)).max())
         if ULP_SCALE[0] <= found["median_ulps"] <= ULP_SCALE[1] and worst <= PARTIAL_SUM_ULPS:
-            share = {name: float((x.to(narrow).double() == x).double().mean()) for name, x in (("reference", r), ("candidate", c))}
+            share = {name: float((x.to(narrow).double() == x).double().mean())
+                     for name, x in (("reference", r), ("candidate", c))}
             return {**found, "rounded": max(share, key=share.get), "pattern": "ulp-scale"}
     return None
 
@@ -226,7 +232,8 @@ def logged_window(step: int, rows) -> dict | None:
     Bridge's ``training_log`` accumulate them), print (``%.6E``) as the logged value. None
     unless both windows are found and differ (then the log lines, not the training, differ)."""
     scal = rows[rows["kind"] == "scalar"]
-    reduced = {int(r.step): (r.ref_value, r.cand_value) for r in scal[scal["tensor"] == "reduced_loss"].itertuples()}
+    reduced = {int(r.step): (r.ref_value, r.cand_value)
+               for r in scal[scal["tensor"] == "reduced_loss"].itertuples()}
     logged = scal[(scal["tensor"] == "loss_logged") & (scal["step"] == step)]
     if logged.empty:
         return None

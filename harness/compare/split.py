@@ -63,14 +63,15 @@ def over_processes(traces: dict, policy, jobs: int) -> list[Part]:
             "traces": {role: str(t.path) for role, t in traces.items()},
             "verify": all(t.verify for t in traces.values()),
             "policy": dataclasses.asdict(policy), "parts": jobs,
-        }))  # fmt: skip
+        }))
         results = [Path(tmp) / f"part{i}.json" for i in range(jobs)]
         # Each compare process in its own session, as torchrun starts its ranks: under Linux's autogroup
         # scheduling a session's processes share one session's CPU time, so on a busy machine
         # processes left in the caller's session would split one share instead of adding theirs.
-        procs = [subprocess.Popen([sys.executable, "-m", PROCESS, str(spec), str(i), str(results[i])], env=env,
+        procs = [subprocess.Popen([sys.executable, "-m", PROCESS, str(spec), str(i), str(results[i])],
+                                  env=env,
                                   stderr=subprocess.PIPE, text=True, start_new_session=True)
-                 for i in range(jobs)]  # fmt: skip
+                 for i in range(jobs)]
         try:
             errors = [p.communicate()[1] for p in procs]
         finally:
@@ -82,7 +83,7 @@ def over_processes(traces: dict, policy, jobs: int) -> list[Part]:
         for i, (p, path) in enumerate(zip(procs, results)):
             if not path.exists():
                 raise RunFailed(f"compare process {i} exited {p.returncode} without a result: "
-                                f"{(errors[i] or '').strip()[-500:]}")  # fmt: skip
+                                f"{(errors[i] or '').strip()[-500:]}")
             docs.append(json.loads(path.read_text()))
     return _decode(docs)
 

@@ -39,7 +39,7 @@ def rank_losses(traces: dict[str, Trace]) -> pd.DataFrame:
             if s["name"] == "loss":
                 rows.append({"side": role, "step": s["step"], "rank": s["rank"],
                              "micro_batch": s.get("micro_batch"), "sample_ids": s.get("sample_ids"),
-                             "loss": s["value"]})  # fmt: skip
+                             "loss": s["value"]})
     return pd.DataFrame(rows, columns=["side", "step", "rank", "micro_batch", "sample_ids", "loss"])
 
 

@@ -104,7 +104,7 @@ class Region(_Given):
 # The keys every first divergence writes, in the dataclass below; signature-specific ones
 # (permutation, norm_ratio, tolerance, consumed, ...) travel in ``extra``.
 _FIRST_DIVERGENCE_KEYS = ("step", "phase", "kind", "tensor", "ranks", "region", "signature", "explanation",
-                          "metrics")  # fmt: skip
+                          "metrics")
 
 
 @dataclass(frozen=True)
@@ -147,14 +147,16 @@ class FirstDivergence:
 
     @classmethod
     def from_json(cls, doc: dict) -> FirstDivergence:
-        known = {k: doc[k] for k in _FIRST_DIVERGENCE_KEYS if doc.get(k) is not None and k not in ("region", "metrics")}
-        return cls(**known, region=Region.from_json(doc.get("region")), measured=dict(doc.get("metrics") or {}),
-                   extra={k: v for k, v in doc.items() if k not in _FIRST_DIVERGENCE_KEYS})  # fmt: skip
+        known = {k: doc[k] for k in _FIRST_DIVERGENCE_KEYS if doc.get(k) is not None
+                 and k not in ("region", "metrics")}
+        return cls(**known, region=Region.from_json(doc.get("region")),
+                   measured=dict(doc.get("metrics") or {}),
+                   extra={k: v for k, v in doc.items() if k not in _FIRST_DIVERGENCE_KEYS})
 
     def to_json(self) -> dict:
         return {"step": self.step, "phase": self.phase, "kind": self.kind, "tensor": self.tensor,
                 "ranks": self.ranks, "region": self.region.to_json(), "signature": self.signature,
-                "explanation": self.explanation, "metrics": self.measured, **self.extra}  # fmt: skip
+                "explanation": self.explanation, "metrics": self.measured, **self.extra}
 
 
 @dataclass(frozen=True)

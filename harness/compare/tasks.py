@@ -55,7 +55,8 @@ def collect(logical: dict[str, LazyLogical]) -> list[Task]:
             if golden is not None and key in golden.samples:
                 read["golden"].add(key)
     for role, side in logical.items():
-        tasks += [Task("check", key, role) for key in side.placed_keys + side.sample_keys if key not in read[role]]
+        tasks += [Task("check", key, role) for key in side.placed_keys + side.sample_keys
+                  if key not in read[role]]
     return tasks
 
 
@@ -78,13 +79,13 @@ class Part:
     def to_json(self) -> dict:
         return {"rows": [[i, r] for i, r in self.rows],
                 "sq_diff": [[*k, v] for k, v in self.sq_diff.items()],
-                "violations": [[*k, rep, pad] for k, (rep, pad) in self.violations.items()]}  # fmt: skip
+                "violations": [[*k, rep, pad] for k, (rep, pad) in self.violations.items()]}
 
     @staticmethod
     def from_json(doc: dict) -> "Part":
         return Part(rows=[(int(i), r) for i, r in doc["rows"]],
                     sq_diff={(s, k, n): v for s, k, n, v in doc["sq_diff"]},
-                    violations={(s, k, n): (rep, pad) for s, k, n, rep, pad in doc["violations"]})  # fmt: skip
+                    violations={(s, k, n): (rep, pad) for s, k, n, rep, pad in doc["violations"]})
 
 
 PairRow = Callable[[Task, dict], "tuple[dict | None, float | None]"]

@@ -22,7 +22,7 @@ DTYPE_TOLS = {
 RECIPE_TOLS = {
     "delayed": (0.125, 0.0625), "float8_current_scaling": (0.4, 0.25), "mxfp8": (0.125, 0.0625),
     "float8_block_scaling": (0.125, 0.0625), "nvfp4": (0.125, 0.12),
-}  # fmt: skip
+}
 
 
 def tolerances(recipe: str, dtype: torch.dtype) -> tuple[float, float]:

@@ -1,9 +1,9 @@
 """The conformance clauses: plain functions from a recorded trace to a list of failure records.
 
 Each clause judges one :class:`~harness.conformance.drive.Observation` (one rank, one case, one mode)
-and returns :class:`~harness.conformance.failures.Failure` records; an empty list is a pass. ``async.equivalence`` judges a
-pair of traces, the same case driven with the prefetch chain and async reduction on and off.
-:mod:`harness.conformance.registry` names them.
+and returns :class:`~harness.conformance.failures.Failure` records; an empty list is a pass.
+``async.equivalence`` judges a pair of traces, the same case driven with the prefetch chain and async
+reduction on and off. :mod:`harness.conformance.registry` names them.
 """
 
 from __future__ import annotations

@@ -128,7 +128,7 @@ def _download(dest: Path) -> Path:
     command = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
         "--disable-pip-version-check", "--quiet", f"{PACKAGE}=={TE_VERSION}", "-d", str(dest),
-    ]  # fmt: skip
+    ]
     try:
         proc = subprocess.run(
             command, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_S

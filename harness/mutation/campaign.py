@@ -76,7 +76,7 @@ class Outcome:
         return {**self.mutant.to_json(), "status": self.status, "verdicts": self.verdicts,
                 "scenario": self.scenario, "first_divergence": self.first_divergence,
                 "expected_kinds": sorted(expected_kinds(self.mutant)), "localized": self.localized,
-                "error": self.error, "reason": self.reason, "reached": self.reached}  # fmt: skip
+                "error": self.error, "reason": self.reason, "reached": self.reached}
 
 
 def select(mutants: list[Mutant], budget: int | None) -> list[Mutant]:
@@ -111,7 +111,7 @@ def read_triage(path: Path) -> dict[str, dict]:
     out = {}
     for mid, entry in doc.get("mutant", {}).items():
         if not isinstance(entry, dict) or entry.get("status") not in (EQUIVALENT, UNREACHABLE) \
-                or not isinstance(entry.get("reason"), str):  # fmt: skip
+                or not isinstance(entry.get("reason"), str):
             raise BadInput(f"{path}: mutant.{mid}", "needs status = equivalent|unreachable and a reason")
         out[mid] = entry
     return out
@@ -125,7 +125,7 @@ def mutant_scenarios(scenarios: list, mutants: list[Mutant], timeout_s: float) -
 
     return {m.id: [dataclasses.replace(s, name=f"{s.name}@{m.id}", timeout_s=timeout_s,
                                        candidate=mutated(s.candidate, m), saver=mutated(s.saver, m))
-                   for s in scenarios] for m in mutants}  # fmt: skip
+                   for s in scenarios] for m in mutants}
 
 
 def mutant_jobs(roles: dict) -> list:
@@ -149,7 +149,7 @@ def run_mutant_jobs(jobs: list, out: Path, per_launch: int, timeout_s: float, sa
             n += 1
             try:
                 wall = launch(chunk, world=world, timeout_s={j.key: timeout_s for j in chunk},
-                              workdir=out / "launches", name=f"{prefix}{n}")  # fmt: skip
+                              workdir=out / "launches", name=f"{prefix}{n}")
                 say(f"  launch {prefix}{n}: {len(chunk)} mutant side(s) in {wall:.1f} s")
             except RunFailed as e:
                 done = [j for j in chunk if trace.is_complete(j.trace_dir)]
@@ -167,7 +167,7 @@ def score(outcomes: list[Outcome]) -> dict:
         total = len(group)
         equivalent = sum(o.status == EQUIVALENT for o in group)
         counts = {s: sum(o.status == s for o in group) for s in (KILLED, CRASHED, TIMEOUT, SURVIVED,
-                                                                  EQUIVALENT, UNREACHABLE)}  # fmt: skip
+                                                                  EQUIVALENT, UNREACHABLE)}
         detected = sum(counts[s] for s in DETECTED)
         reachable = total - equivalent - counts[UNREACHABLE]
         return {"total": total, **counts,
@@ -183,7 +183,7 @@ def score(outcomes: list[Outcome]) -> dict:
     return {"overall": one(outcomes), "operator": {k: one(v) for k, v in sorted(by_op.items())},
             "file": {k: one(v) for k, v in sorted(by_file.items())},
             "localization": {"killed": len(killed), "localized": len(localized),
-                             "accuracy": len(localized) / len(killed) if killed else None}}  # fmt: skip
+                             "accuracy": len(localized) / len(killed) if killed else None}}
 
 
 def judge(o: Outcome, summaries: list[dict], failed: dict[str, str], jobs: list) -> None:
@@ -215,7 +215,7 @@ def _compare(s, roles: dict, out: Path):
     from harness.compare.outcome import compare_scenario
 
     return compare_scenario(s, {r: Path(j.trace_dir) for r, j in roles.items()}, out / "scenarios" / s.name,
-                            say=_quiet)  # fmt: skip
+                            say=_quiet)
 
 
 def run_clean(scenarios: list, out: Path, say) -> dict:
@@ -229,7 +229,7 @@ def run_clean(scenarios: list, out: Path, say) -> dict:
     bad = [s.name for s in scenarios if not _compare(s, by_scenario[s.name], out).verdict.passes_gate]
     if bad:
         raise BadInput("--matrix", f"clean scenario(s) {', '.join(bad)} do not hold parity: kills there "
-                       "would not be the mutants'")  # fmt: skip
+                       "would not be the mutants'")
     return by_scenario
 
 
@@ -270,7 +270,7 @@ def run_campaign(mutants: list[Mutant], scenarios: list, out: Path, *, timeout_s
             failed |= run_mutant_jobs(savers, out, per_launch, timeout_s, say, prefix=prefix + "s")
         loaders = [r["candidate"] for r in roles if not (Role.SAVER in r and r[Role.SAVER].key in failed)]
         failed |= run_mutant_jobs(list({j.key: j for j in loaders}.values()), out, per_launch, timeout_s, say,
-                                  prefix=prefix)  # fmt: skip
+                                  prefix=prefix)
         t_run += clock() - t
         for m in alive:
             ran[m.id] += 1
@@ -283,7 +283,7 @@ def run_campaign(mutants: list[Mutant], scenarios: list, out: Path, *, timeout_s
     doc = {"score": score(outcomes), "scenarios": [s.name for s in scenarios],
            "timing": {"clean_s": t_clean, "mutant_runs_s": t_run, "compare_s": t_all - t_clean - t_run,
                       "total_s": t_all, "per_mutant_s": (t_all - t_clean) / max(len(mutants), 1)},
-           "mutants": [o.to_json() for o in outcomes]}  # fmt: skip
+           "mutants": [o.to_json() for o in outcomes]}
     write_json(out / "mutants.json", doc)
     return doc
 
@@ -305,14 +305,16 @@ _NOT_TRACE = ("manifest.json", "mutant.json")
 
 def reached(trace_dir: Path) -> bool | None:
     """Whether a mutant's lines ran on any rank of its side (None: not recorded)."""
-    seen = [json.loads(p.read_text()).get("reached") for p in sorted(Path(trace_dir).glob("rank*/mutant.json"))]
+    seen = [json.loads(p.read_text()).get("reached")
+            for p in sorted(Path(trace_dir).glob("rank*/mutant.json"))]
     return None if not seen or None in seen else any(seen)
 
 
 def _verdict(s, by_s: dict, failed: dict, out: Path, clean: dict) -> dict | None:
     """One mutant scenario's summary (None: its side crashed, timed out or left no trace)."""
     roles = by_s[s.name]
-    if any(j.key in failed for j in mutant_jobs(roles)) or not trace.is_complete(roles["candidate"].trace_dir):
+    if any(j.key in failed
+           for j in mutant_jobs(roles)) or not trace.is_complete(roles["candidate"].trace_dir):
         return None
     base = clean[s.name.rsplit("@", 1)[0]]
     if same_trace(Path(roles["candidate"].trace_dir), Path(base["candidate"].trace_dir)):
@@ -322,7 +324,7 @@ def _verdict(s, by_s: dict, failed: dict, out: Path, clean: dict) -> dict | None
 
 def _detected(summaries: list[dict], scenarios: list, by_s: dict, failed: dict) -> bool:
     return any(d["verdict"] == Verdict.FAIL for d in summaries) or any(
-        j.key in failed for s in scenarios for j in mutant_jobs(by_s[s.name]))  # fmt: skip
+        j.key in failed for s in scenarios for j in mutant_jobs(by_s[s.name]))
 
 
 def _judge_one(m: Mutant, scenarios: list, summaries: list[dict], by_s: dict, failed: dict,
@@ -334,7 +336,8 @@ def _judge_one(m: Mutant, scenarios: list, summaries: list[dict], by_s: dict, fa
     reach = [reached(Path(j.trace_dir)) for j in jobs]
     o.reached = None if None in reach else any(reach)
     if o.status == SURVIVED and o.reached is False:
-        o.status, o.reason = UNREACHABLE, f"the mutated line(s) never ran in {', '.join(s.name.rsplit('@', 1)[0] for s in scenarios)}"
+        ran_in = ", ".join(s.name.rsplit("@", 1)[0] for s in scenarios)
+        o.status, o.reason = UNREACHABLE, f"the mutated line(s) never ran in {ran_in}"
     if o.status == SURVIVED and m.id in triage:
         o.status, o.reason = triage[m.id]["status"], triage[m.id]["reason"]
     return o

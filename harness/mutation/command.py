@@ -17,7 +17,9 @@ def _targets(names: list[str] | None) -> list[str]:
         return list(TARGETS)
     unknown = [n for n in names if n not in TARGETS and n not in OPT_IN]
     if unknown:
-        raise BadInput("--target", f"{unknown[0]!r} is not a module of the GTP path; known: {', '.join([*TARGETS, *OPT_IN])}")
+        raise BadInput("--target",
+                       f"{unknown[0]!r} is not a module of the GTP path; known: "
+                       f"{', '.join([*TARGETS, *OPT_IN])}")
     return names
 
 
@@ -43,7 +45,7 @@ def show(out: Path, mutant_id: str) -> int:
     fd = entry.get("first_divergence")
     if fd:
         print(f"first divergence ({entry['scenario']}): step {fd['step']} {fd['phase']} {fd['kind']} "
-              f"{fd['tensor']} ranks {fd.get('ranks')} signature {fd['signature']}")  # fmt: skip
+              f"{fd['tensor']} ranks {fd.get('ranks')} signature {fd['signature']}")
         if fd.get("update"):
             print(f"  {fd['update']['text']}")
         print(f"expected kinds from {m.function}: {', '.join(entry['expected_kinds'])}; "
@@ -79,7 +81,7 @@ def _print_score(doc: dict, out: Path) -> None:
     o, loc = s["overall"], s["localization"]
     print(f"killed {o['killed']}, crashed {o['crashed']}, timeout {o['timeout']}, survived {o['survived']}, "
           f"equivalent {o['equivalent']}, unreachable {o['unreachable']} of {o['total']}: score "
-          f"{o['score']:.1%}" if o["score"] is not None else "no mutant scored")  # fmt: skip
+          f"{o['score']:.1%}" if o["score"] is not None else "no mutant scored")
     if o.get("score_reached") is not None:
         print(f"score where the matrix reaches the mutated lines: {o['score_reached']:.1%}")
     if loc["accuracy"] is not None:
@@ -109,12 +111,13 @@ def main(args) -> int:
     if args.mutant:  # these mutants only (e.g. a campaign's survivors against a wider matrix)
         known = {m.id: m for m in mutants}
         if missing := [i for i in args.mutant if i not in known]:
-            raise BadInput("--mutant", f"{missing[0]!r} is not a mutant of {', '.join(_targets(args.target))}")
+            raise BadInput("--mutant",
+                           f"{missing[0]!r} is not a mutant of {', '.join(_targets(args.target))}")
         chosen = applicable([known[i] for i in dict.fromkeys(args.mutant)])
     else:
         chosen = select(mutants, args.budget or None)
     print(f"gtp-parity mutate: {len(mutants)} mutant(s) generated, {len(chosen)} run")
     doc = run_campaign(chosen, scenarios, out, timeout_s=args.timeout, per_launch=args.per_launch,
-                       triage=lambda: read_triage(TRIAGE))  # fmt: skip
+                       triage=lambda: read_triage(TRIAGE))
     _print_score(doc, out)
     return 0

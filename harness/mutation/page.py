@@ -8,11 +8,11 @@ from html import escape
 from pathlib import Path
 
 COLOURS = {"killed": "#2e7d32", "crashed": "#6a1b9a", "timeout": "#ef6c00", "survived": "#c62828",
-           "equivalent": "#757575", "unreachable": "#9e9e9e"}  # fmt: skip
+           "equivalent": "#757575", "unreachable": "#9e9e9e"}
 CSS = ("body{font:14px sans-serif;margin:1.5em}table{border-collapse:collapse;margin:.5em 0}"
        "td,th{border:1px solid #ccc;padding:2px 6px;text-align:left}pre{margin:0}"
        ".src td{font:12px monospace;vertical-align:top}.m{color:#fff;border-radius:3px;padding:0 4px;"
-       "margin-right:3px;white-space:nowrap}")  # fmt: skip
+       "margin-right:3px;white-space:nowrap}")
 
 
 def _score_table(title: str, rows: dict) -> str:
@@ -20,7 +20,8 @@ def _score_table(title: str, rows: dict) -> str:
     body = "".join(
         f"<tr><td>{escape(str(k))}</td><td>{v['total']}</td>"
         + "".join(f"<td>{v.get(s, 0)}</td>" for s in COLOURS)
-        + "".join(f"<td>{'-' if v.get(k) is None else f'{v[k]:.1%}'}</td>" for k in ("score", "score_reached"))
+        + "".join(f"<td>{'-' if v.get(k) is None else f'{v[k]:.1%}'}</td>"
+                  for k in ("score", "score_reached"))
         + "</tr>"
         for k, v in rows.items()
     )
@@ -32,7 +33,7 @@ def _badge(m: dict) -> str:
     title = (f"{m['id']} [{m['operator']}] {m['function']}: {m['original']!r} -> {m['replacement']!r}; "
              f"{m['status']}" + (f"; first divergence {where.get('kind')} {where.get('tensor')} "
                                  f"{where.get('signature')}" if where else "")
-             + (f"; {m['reason']}" if m.get("reason") else ""))  # fmt: skip
+             + (f"; {m['reason']}" if m.get("reason") else ""))
     return (f'<span class="m" style="background:{COLOURS.get(m["status"], "#000")}" '
             f'title="{escape(title, quote=True)}">{escape(m["id"])} {escape(m["status"])}</span>')
 
@@ -61,14 +62,16 @@ def write(doc: dict, out: Path) -> Path:
     for m in doc["mutants"]:
         by_module[m["module"]].append(m)
     overall = s["overall"]
+    score = "-" if overall["score"] is None else f"{overall['score']:.1%}"
+    accuracy = "-" if loc["accuracy"] is None else f"{loc['accuracy']:.1%}"
     head = (f"<h1>Mutation campaign</h1><p>{overall['total']} mutants over {len(by_module)} file(s), "
             f"matrix: {escape(', '.join(doc['scenarios']))}. Score killed / (total - equivalent): "
-            f"<b>{'-' if overall['score'] is None else f'{overall['score']:.1%}'}</b>; localization "
-            f"accuracy of killed mutants: <b>{'-' if loc['accuracy'] is None else f'{loc['accuracy']:.1%}'}</b> "
-            f"({loc['localized']} / {loc['killed']}); per mutant {doc['timing']['per_mutant_s']:.1f} s.</p>")  # fmt: skip
+            f"<b>{score}</b>; localization "
+            f"accuracy of killed mutants: <b>{accuracy}</b> "
+            f"({loc['localized']} / {loc['killed']}); per mutant {doc['timing']['per_mutant_s']:.1f} s.</p>")
     body = (head + _score_table("Per operator", s["operator"]) + _score_table("Per file", s["file"])
             + "<h2>Source</h2>" + "".join(_source_view(k, v) for k, v in sorted(by_module.items())))
     page = out / "index.html"
     page.write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>gtp-parity mutate</title>"
-                    f"<style>{CSS}</style></head><body>{body}</body></html>", encoding="utf-8")  # fmt: skip
+                    f"<style>{CSS}</style></head><body>{body}</body></html>", encoding="utf-8")
     return page

@@ -26,4 +26,5 @@ def resolve(config, name: str) -> Setting:
         return Setting(value, "--" + name.replace("_", "-"), Path(config.invocation_params.dir))
     value = config.getini(name)
     where = f"ini option {name} in {config.inipath or 'no ini file'}"
-    return Setting(value or None, where, Path(config.inipath).parent if config.inipath else Path(config.rootpath))
+    return Setting(value or None, where, Path(config.inipath).parent if config.inipath
+                   else Path(config.rootpath))

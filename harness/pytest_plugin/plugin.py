@@ -12,8 +12,8 @@
   with the first divergence (alone when no test path is given).
 
 Under torchrun (``torchrun --nproc-per-node=N -m pytest``) every rank runs every test, and
-:class:`harness.pytest_plugin.ranks.RankAgreement` makes a failure on any rank fail the test on every rank; only rank 0
-launches scenarios and writes reports, and it sends each run summary to the other ranks.
+:class:`harness.pytest_plugin.ranks.RankAgreement` makes a failure on any rank fail the test on every rank;
+only rank 0 launches scenarios and writes reports, and it sends each run summary to the other ranks.
 
 This module registers options, markers, fixtures and hooks; :mod:`harness.pytest_plugin.runs` runs
 scenarios, :mod:`harness.pytest_plugin.matrix` collects matrix files, :mod:`harness.pytest_plugin.ranks`
@@ -35,7 +35,7 @@ OPTIONS = {
     "parity_matrix": ("FILE", "collect each scenario of this matrix TOML file as a test item"),
     "parity_dist_timeout": ("SECONDS", "under torchrun: seconds the ranks wait for each other to agree on "
                                        "a test outcome before failing it (default 300)"),
-}  # fmt: skip
+}
 MARKER_KWARGS = ("inject", "inject_side", "expect", "signature")
 _FIXTURE = pytest.StashKey[ParityFixture]()
 
@@ -52,7 +52,7 @@ def pytest_addoption(parser):
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
     config.addinivalue_line("markers", "parity(path, inject=None, inject_side='candidate', expect='pass', "
-                            "signature=None): run a gtp-parity scenario, expect its verdict")  # fmt: skip
+                            "signature=None): run a gtp-parity scenario, expect its verdict")
     config.addinivalue_line("markers", "parity_matrix: a scenario collected from --parity-matrix")
     _register_conformance(config.pluginmanager)
     state = ParityState(config)
@@ -108,7 +108,7 @@ def pytest_runtest_call(item):
     expect = marker.kwargs.get("expect", "pass")
     if not marker.args or expect not in ("pass", "fail") or set(marker.kwargs) - set(MARKER_KWARGS):
         pytest.fail("@pytest.mark.parity(path, inject=None, expect='pass'|'fail', signature=None): "
-                    f"got args {marker.args} kwargs {marker.kwargs}", pytrace=False)  # fmt: skip
+                    f"got args {marker.args} kwargs {marker.kwargs}", pytrace=False)
     from harness.report.model import expectation_failures
 
     summary = item.stash[_FIXTURE]()

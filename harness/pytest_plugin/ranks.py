@@ -47,7 +47,7 @@ class RankAgreement:
         result = yield
         if len(set(self._gather(zlib.crc32("\n".join(i.nodeid for i in items).encode())))) != 1:
             raise pytest.UsageError(f"the ranks collected different tests (rank {self.rank}: {len(items)} "
-                                    "items); run the same pytest command on every rank")  # fmt: skip
+                                    "items); run the same pytest command on every rank")
         return result
 
     @pytest.hookimpl(wrapper=True)
@@ -66,7 +66,7 @@ class RankAgreement:
             report.outcome = "failed"
             report.longrepr = (f"rank {self.rank}: the other ranks did not report the {report.when} outcome "
                                f"within {self.timeout_s:g} s (a rank hung, crashed or ran other tests): "
-                               f"{self.broken}")  # fmt: skip
+                               f"{self.broken}")
             return
         if len(set(codes)) == 1:
             return
@@ -82,7 +82,7 @@ class RankAgreement:
         report.longrepr = (f"{report.when} failed on rank(s) {failed} of {self.world} (this is rank "
                            f"{self.rank}, where it {here}); see the failing rank's output" if failed else
                            f"{report.when} skipped on rank(s) {skipped} only (this is rank {self.rank}): "
-                           "the ranks must take the same path")  # fmt: skip
+                           "the ranks must take the same path")
 
     def from_rank0(self, produce, budget_s: float) -> dict:
         """Rank 0 calls ``produce``; every rank returns its result (JSON over gloo, no pickle)."""

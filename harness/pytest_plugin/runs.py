@@ -28,7 +28,8 @@ class ParityState:
         if matrix.value:
             self.matrix = (matrix.base / matrix.value).resolve()
             if not self.matrix.is_file():
-                raise pytest.UsageError(f"{matrix.where}: {matrix.value}: no such file (looked at {self.matrix})")
+                raise pytest.UsageError(f"{matrix.where}: {matrix.value}: no such file (looked at "
+                                        f"{self.matrix})")
         timeout = resolve(config, "parity_dist_timeout")
         raw, where = timeout.value, timeout.where
         try:
@@ -108,7 +109,7 @@ class ParityFixture:
                 raise TypeError("parity() needs a scenario path, or a @pytest.mark.parity(path) on the test")
             if self.marked is None:
                 self.marked = self(*marker.args, **{k: v for k, v in marker.kwargs.items()
-                                                    if k in ("inject", "inject_side")})  # fmt: skip
+                                                    if k in ("inject", "inject_side")})
             return self.marked
         scenarios = load_scenarios(self.resolve(path), inject, inject_side)
         name = safe_name(self.node.nodeid) + (f"-{self.calls}" if self.calls else "")

@@ -90,7 +90,8 @@ def quantized_linear(
     """
     if state is None:
         if recipe.name == "delayed":
-            raise ValueError("delayed scaling keeps amax history: pass state=recipe.make_quantizers() and reuse it")
+            raise ValueError("delayed scaling keeps amax history: pass state=recipe.make_quantizers() and "
+                             "reuse it")
         state = recipe.make_quantizers(device=input.device)
     elif state.recipe is not recipe and type(state.recipe) is not type(recipe):
         raise ValueError(

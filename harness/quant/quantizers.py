@@ -41,7 +41,8 @@ __all__ = [
 
 
 def _per_tensor_copies(
-    x2: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, fmt: FloatFormat, rowwise: bool, columnwise: bool
+    x2: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, fmt: FloatFormat, rowwise: bool,
+        columnwise: bool
 ) -> Quantized:
     # One cast serves both copies: per-tensor columnwise data is the transpose of the
     # rowwise data (TE's reference_current_scaling.py _quantize).
@@ -249,7 +250,8 @@ class Float8BlockQuantizer(Quantizer):
         amax = block_abs_max(x, block)
         value_for_inf = torch.finfo(x.dtype).max  # compute_scale_from_types uses the input type
         scale = scale_from_amax(
-            amax, self.fmt.max, power_2=self.power_2_scale, epsilon=self.amax_epsilon, value_for_inf=value_for_inf
+            amax, self.fmt.max, power_2=self.power_2_scale, epsilon=self.amax_epsilon,
+                value_for_inf=value_for_inf
         )
         full = expand_blocks(scale, block, tuple(x.shape))
         data = cast_to_fp8(x.to(torch.float32) * full, self.fmt).view(torch.uint8)

@@ -220,7 +220,8 @@ class Recipe:
 
 def _check_common(recipe, fmt: Format) -> None:
     if fmt == Format.E5M2:
-        raise ValueError(f"{type(recipe).__name__}: pure E5M2 training is not supported (TE asserts the same)")
+        raise ValueError(f"{type(recipe).__name__}: pure E5M2 training is not supported "
+                         "(TE asserts the same)")
     if fmt == Format.E2M1:
         raise ValueError(f"{type(recipe).__name__}: E2M1 is the NVFP4 recipe's format")
     if getattr(recipe, "backward_override", None) is not None:
@@ -259,7 +260,8 @@ class DelayedScaling(Recipe):
     def __post_init__(self) -> None:
         _check_common(self, self.fp8_format)
         if not (callable(self.amax_compute_algo) or self.amax_compute_algo in ("max", "most_recent")):
-            raise ValueError(f"amax_compute_algo must be 'max', 'most_recent' or callable, got {self.amax_compute_algo!r}")
+            raise ValueError(f"amax_compute_algo must be 'max', 'most_recent' or callable, got "
+                             f"{self.amax_compute_algo!r}")
         if self.amax_history_len < 1:
             raise ValueError(f"amax_history_len must be >= 1, got {self.amax_history_len}")
 
@@ -267,7 +269,8 @@ class DelayedScaling(Recipe):
         fmt = self.fp8_format.bwd if tensor == "grad_output" else self.fp8_format.fwd
         return DelayedScalingQuantizer(
             fmt=fmt, margin=self.margin, amax_history_len=self.amax_history_len,
-            amax_compute_algo=self.amax_compute_algo, scaling_factor_compute_algo=self.scaling_factor_compute_algo,
+            amax_compute_algo=self.amax_compute_algo,
+                scaling_factor_compute_algo=self.scaling_factor_compute_algo,
             amax_reduction=amax_reduction if self.reduce_amax else None, recipe=self, device=device,
         )
 
@@ -307,7 +310,8 @@ class Float8CurrentScaling(Recipe):
 
     def _quantizer(self, tensor, *, device, amax_reduction, generator) -> Quantizer:
         fmt = self.fp8_format.bwd if tensor == "grad_output" else self.fp8_format.fwd
-        return CurrentScalingQuantizer(fmt=fmt, power_2_scale=self.use_power_2_scales, amax_reduction=amax_reduction)
+        return CurrentScalingQuantizer(fmt=fmt, power_2_scale=self.use_power_2_scales,
+                                       amax_reduction=amax_reduction)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -333,14 +337,16 @@ class MXFP8BlockScaling(Recipe):
 
     def _quantizer(self, tensor, *, device, amax_reduction, generator) -> Quantizer:
         fmt = self.fp8_format.bwd if tensor == "grad_output" else self.fp8_format.fwd
-        return MXFP8Quantizer(fmt=fmt, with_2d_quantization=self.enable_2d_quantization and tensor == "weight")
+        return MXFP8Quantizer(fmt=fmt, with_2d_quantization=self.enable_2d_quantization
+                              and tensor == "weight")
 
 
 def _block_qparams() -> QParams:
     # Evaluated from the environment like TE's class attributes; TE does not derive these
     # from the use_f32_scales field, so passing use_f32_scales=True alone keeps power-of-2
     # scales there, and here.
-    return QParams(power_2_scale=os.getenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "0") != "1", amax_epsilon=0.0)
+    return QParams(power_2_scale=os.getenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "0") != "1",
+                   amax_epsilon=0.0)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -378,7 +384,8 @@ class Float8BlockScaling(Recipe):
     """Only None is emulated."""
 
     def __post_init__(self) -> None:
-        dims = {"x": self.x_block_scaling_dim, "w": self.w_block_scaling_dim, "grad": self.grad_block_scaling_dim}
+        dims = {"x": self.x_block_scaling_dim, "w": self.w_block_scaling_dim,
+                "grad": self.grad_block_scaling_dim}
         for key, dim in dims.items():
             if dim not in (1, 2):
                 raise ValueError(f"{key}_block_scaling_dim must be 1 or 2, got {dim}")
@@ -409,7 +416,8 @@ class NVFP4BlockScaling(Recipe):
     name: ClassVar[str] = "nvfp4"
     disable_rht: bool = field(default_factory=_env_flag("NVTE_NVFP4_DISABLE_RHT"))
     """No Hadamard transform anywhere."""
-    disable_stochastic_rounding: bool = field(default_factory=_env_flag("NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING"))
+    disable_stochastic_rounding: bool = field(
+        default_factory=_env_flag("NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING"))
     """Round grads to nearest even (changes the recipe, as in TE)."""
     disable_2d_quantization: bool = field(default_factory=_env_flag("NVTE_NVFP4_DISABLE_2D_QUANTIZATION"))
     """1x16 blocks for weights too."""
@@ -417,9 +425,11 @@ class NVFP4BlockScaling(Recipe):
     """Per-row amax for activations; not emulated, must stay False."""
     nvfp4_4over6: str = field(default_factory=lambda: os.getenv("NVTE_NVFP4_4OVER6", "none"))
     """4over6 block selection; not emulated, must stay "none"."""
-    nvfp4_4over6_e4m3_use_256: str = field(default_factory=lambda: os.getenv("NVTE_NVFP4_4OVER6_E4M3_USE_256", "all"))
+    nvfp4_4over6_e4m3_use_256: str = field(default_factory=lambda: os.getenv("NVTE_NVFP4_4OVER6_E4M3_USE_256",
+                                                                             "all"))
     """Only meaningful with 4over6."""
-    nvfp4_4over6_err_mode: str = field(default_factory=lambda: os.getenv("NVTE_NVFP4_4OVER6_ERR_MODE", "MAE").upper())
+    nvfp4_4over6_err_mode: str = field(default_factory=lambda: os.getenv("NVTE_NVFP4_4OVER6_ERR_MODE",
+                                                                         "MAE").upper())
     """Only meaningful with 4over6."""
     fp4_format: Format = Format.E2M1
     """Element format; E2M1 only."""
@@ -461,7 +471,8 @@ class NVFP4BlockScaling(Recipe):
         )
 
     def _quantizer(self, tensor, *, device, amax_reduction, generator) -> Quantizer:
-        qp = {"input": self.fp4_quant_fwd_inp, "weight": self.fp4_quant_fwd_weight}.get(tensor, self.fp4_quant_bwd_grad)
+        qp = {"input": self.fp4_quant_fwd_inp, "weight": self.fp4_quant_fwd_weight}.get(tensor,
+            self.fp4_quant_bwd_grad)
         return NVFP4Quantizer(
             with_rht=qp.random_hadamard_transform,
             with_2d_quantization=qp.fp4_2d_quantization,
@@ -473,6 +484,7 @@ class NVFP4BlockScaling(Recipe):
 
 RECIPES: dict[str, type[Recipe]] = {
     cls.name: cls
-    for cls in (DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, Float8BlockScaling, NVFP4BlockScaling)
+    for cls in (DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, Float8BlockScaling,
+                NVFP4BlockScaling)
 }
 """Recipe classes by name (the names of TE's ``Recipe`` predicates)."""

@@ -78,7 +78,7 @@ def find_layout(trace_dir: Path, step: int, kind: str, name: str) -> dict | None
 
 def _sharded(layout: dict) -> bool:
     return any(str(p).startswith("S(") and layout.get("mesh", {}).get(a, 1) > 1
-               for a, p in layout.get("placements", {}).items())  # fmt: skip
+               for a, p in layout.get("placements", {}).items())
 
 
 def _shard_dim(layout: dict, axis: str) -> int | None:
@@ -123,14 +123,14 @@ def build(
     named = set(region.ranks or ([region.rank] if region.rank is not None else []))
     pic = Picture(tensor=tensor, logical_shape=shape, rows=row_split * (L + pad), cols=C,
                   placements=dict(layout.get("placements", {})),
-                  pads=dict(layout.get("pads", {})))  # fmt: skip
+                  pads=dict(layout.get("pads", {})))
     for i in range(tp):
         for j in range(g):
             top = (i * (L + pad) if tp_dim == 0 else 0) + j * chunk
             left = i * col_w if tp_dim not in (None, 0) else 0
             ranks = tuple(sorted(r for r, c in coords.items()
                                  if (tp == 1 or c.get("tp") == i)
-                                 and (g == 1 or c.get("gtp") == j)))  # fmt: skip
+                                 and (g == 1 or c.get("gtp") == j)))
             pad_rows = max(0, min((j + 1) * chunk, L + pad) - max(j * chunk, L))
             hit = (
                 (shard.get("tp", i) == i and shard.get("gtp", j) == j)

@@ -104,7 +104,8 @@ def render_index(title: str, cells: list[IndexCell], verdict: str) -> str:
     listing = "".join(
         f'<tr class="{esc(c.verdict)}"><td class="t"><a href="{esc(c.href)}">{esc(c.label)}</a></td>'
         f'<td class="t">{esc(c.verdict)}</td><td class="t mono">{esc(c.paths)}</td>'
-        f'<td class="t">{esc(expectation_share(c.expectations))}</td><td class="t mono">{esc(c.line)}</td></tr>'
+        f'<td class="t">{esc(expectation_share(c.expectations))}</td><td class="t '
+        f'mono">{esc(c.line)}</td></tr>'
         for c in cells
     )
     total: dict[str, int] = {}
@@ -119,16 +120,17 @@ def render_index(title: str, cells: list[IndexCell], verdict: str) -> str:
         f'<h2>Matrix</h2><table class="grid" id="matrix"><thead><tr>{head}</tr></thead>',
         f'<tbody>{"".join(body)}</tbody></table>',
         '<h2>Scenarios</h2><table class="grid" id="scenarios"><thead><tr><th class="t">scenario</th>',
-        '<th class="t">verdict</th><th class="t">paths exercised</th><th class="t">judged by expectation</th>',
+        '<th class="t">verdict</th><th class="t">paths exercised</th>',
+        '<th class="t">judged by expectation</th>',
         '<th class="t">first divergence</th></tr></thead>',
         f"<tbody>{listing}</tbody></table>",
-    ])  # fmt: skip
+    ])
     return document(f"{verdict.upper()} {title} - gtp-parity", html)
 
 
 def _link(c: IndexCell) -> str:
     return (f'<a href="{esc(c.href)}" title="{esc(c.line)}"><span class="cell-verdict">{esc(c.verdict)}'
-            f'</span><br><span class="small">{esc(c.worst)}</span></a>')  # fmt: skip
+            f'</span><br><span class="small">{esc(c.worst)}</span></a>')
 
 
 def _worst(cells: list[IndexCell]) -> str:
@@ -164,13 +166,13 @@ def write_index(run_dir: Path, report_dir: Path) -> Path:
         cells.append(IndexCell(name=name, verdict=data.verdict, worst=worst_metric(data),
                                href=f"scenarios/{quote(name)}.html", axes=dict(s.get("axes") or {}),
                                line=divergence_line(data.summary), paths=paths_line(data.summary),
-                               expectations=dict(data.summary.expectations)))  # fmt: skip
+                               expectations=dict(data.summary.expectations)))
     if (report_dir / "summary.json").resolve() != (run_dir / "summary.json").resolve():
         shutil.copyfile(run_dir / "summary.json", report_dir / "summary.json")
     (report_dir / CELLS_FILE).write_text(json.dumps([asdict(c) for c in cells], indent=1))
     index = report_dir / "index.html"
     index.write_text(render_index(f"gtp-parity run {run_dir.name}", cells, str(doc.get("verdict", "error"))),
-                     encoding="utf-8")  # fmt: skip
+                     encoding="utf-8")
     return index
 
 
@@ -189,7 +191,7 @@ def paths_line(summary: ScenarioSummary | dict) -> str:
     if not isinstance(paths, dict):
         return ""
     return "; ".join(f"{role}: " + ", ".join(f"{k}={v}" for k, v in opts.items())
-                     for role, opts in paths.items() if isinstance(opts, dict))  # fmt: skip
+                     for role, opts in paths.items() if isinstance(opts, dict))
 
 
 def _read_run_summary(path: Path) -> dict:

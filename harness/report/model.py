@@ -92,7 +92,7 @@ def load_scenario(folder: Path) -> ScenarioData:
     run_dir = folder.parent.parent
     data = ScenarioData(name=str(summary.scenario), folder=folder, summary=summary, doc=doc,
                         steps=read_csv(folder / "steps.csv"),
-                        results=read_csv(folder / "results.csv"))  # fmt: skip
+                        results=read_csv(folder / "results.csv"))
     for role, path in summary.traces.items():
         trace = resolve_trace(path, run_dir)
         if trace is not None:
@@ -145,7 +145,8 @@ def divergence_line(summary: ScenarioSummary | dict) -> str:
     if s.verdict == Verdict.SKIP:
         return f"{s.scenario}: skipped: {s.reason or 'no reason recorded'}"
     if fd is None and s.verdict == Verdict.KNOWN_DIVERGENCE and s.error:  # [expect] raises
-        return f"{s.scenario}: {s.expectation}: " + "; ".join(" ".join(str(m).split()) for m in s.error.values())
+        return f"{s.scenario}: {s.expectation}: " + "; ".join(" ".join(str(m).split())
+                                                              for m in s.error.values())
     if fd is None:
         return f"{s.scenario}: parity holds" + (f" ({s.expectation})" if s.expectation else "")
     if s.expectation:
@@ -157,13 +158,14 @@ def divergence_line(summary: ScenarioSummary | dict) -> str:
 
 def _first_divergence_text(s: ScenarioSummary, fd: FirstDivergence, prefix: str = "") -> str:
     where = region_text(fd)
-    detail = ", ".join(f"{k} {fmt(fd.metrics[k])}" for k in ("max_abs", "max_rel", "bound") if k in fd.metrics)
+    detail = ", ".join(f"{k} {fmt(fd.metrics[k])}" for k in ("max_abs", "max_rel", "bound")
+                       if k in fd.metrics)
     return (
         f"{prefix}first divergence at step {fd.step} {fd.phase} {fd.kind} {fd.tensor}"
         + (f" on ranks {fd.ranks}" if fd.ranks else "") + (f" [{where}]" if where else "")
         + f": {fd.signature} ({fd.explanation or 'no explanation'})"
         + (f"; {detail}" if detail else "")
-    )  # fmt: skip
+    )
 
 
 def expectation_failures(summary: dict, expect: str = "pass", signature: str | None = None) -> list[str]:
@@ -201,13 +203,13 @@ def verdict_line(data: ScenarioData) -> str:
         fd = s.first_divergence or FirstDivergence()
         failing = "?" if s.failing is None else s.failing
         return (f"FAIL: {failing} of {total} comparisons fail; the first is step "
-                f"{fd.step} {fd.phase} {fd.tensor} ({fd.signature})")  # fmt: skip
+                f"{fd.step} {fd.phase} {fd.tensor} ({fd.signature})")
     if data.verdict == Verdict.KNOWN_DIVERGENCE and s.first_divergence is None and s.error:
         return f"KNOWN FAILURE TO RUN: {s.expectation}, as recorded: {(s.expect or {}).get('reason', '')}"
     if data.verdict == Verdict.KNOWN_DIVERGENCE:
         fd = s.first_divergence or FirstDivergence()
         return (f"KNOWN DIVERGENCE: step {fd.step} {fd.phase} {fd.tensor} ({fd.signature}), as recorded: "
-                f"{(s.expect or {}).get('reason', '')}")  # fmt: skip
+                f"{(s.expect or {}).get('reason', '')}")
     if data.verdict == Verdict.SKIP:
         return f"SKIP: {s.reason or 'not run'}"
     if data.verdict == Verdict.FIXED:
@@ -272,7 +274,7 @@ def _layer_rank(label: str) -> tuple:
 
 
 EPS = {"float64": 2.220446049250313e-16, "float32": 1.1920928955078125e-07, "bfloat16": 0.0078125,
-       "float16": 0.0009765625}  # fmt: skip
+       "float16": 0.0009765625}
 """Machine epsilon per dtype name (heatmap errors without a golden are counted in these units)."""
 
 
@@ -367,6 +369,6 @@ def worst_metric(data: ScenarioData) -> str:
     text = f"worst rel L2 {fmt(row.rel_l2, 2)}"
     # What the per-tensor noise floor judged: how much further from the golden the candidate got.
     ratios = [_error(r, "golden") for r in map(ResultRow.from_json, data.results)
-              if r.policy == "noise-floor" and _finite(r.ref_err_golden)]  # fmt: skip
+              if r.policy == "noise-floor" and _finite(r.ref_err_golden)]
     ratios = [v for v in ratios if math.isfinite(v)]
     return f"{text}; err vs golden <= {fmt(max(ratios), 3)}x ref" if ratios else text

@@ -21,7 +21,7 @@ from harness.report.model import (
     fmt,
     heatmap,
     region_text,
-    step_series,  # fmt: skip
+    step_series,
     verdict_line,
 )
 from harness.compare.summary import FirstDivergence
@@ -29,22 +29,23 @@ from harness.report.svg import blocks_svg, esc, heatmap_svg, line_chart
 
 TABLE_COLUMNS = [
     ("step", "step"), ("phase", "phase"), ("kind", "kind"), ("tensor", "tensor"), ("passed", "ok"),
-    ("expectation", "expectation"), ("expectation_reason", "why"), ("policy", "policy"), ("dtype", "dtype"), ("shape", "shape"), ("max_abs", "max abs"),
+    ("expectation", "expectation"), ("expectation_reason", "why"), ("policy", "policy"), ("dtype", "dtype"),
+        ("shape", "shape"), ("max_abs", "max abs"),
     ("max_rel", "max rel"), ("max_ulp", "max ULP"), ("p99_ulp", "p99 ULP"), ("rel_l2", "rel L2"),
     ("cosine", "cosine"), ("mismatched", "mismatched"), ("ref_err_golden", "ref err vs golden"),
     ("cand_err_golden", "cand err vs golden"), ("bound", "bound"), ("worst_index", "worst index"),
-]  # fmt: skip
+]
 TEXT_COLUMNS = {"phase", "kind", "tensor", "expectation", "expectation_reason", "policy", "dtype", "shape",
-                "worst_index"}  # fmt: skip
+                "worst_index"}
 HEAT_NOTES = {
     "golden": "the largest ratio, among the cell's tensors, of the candidate's error against the golden to "
               "the reference's (1: the candidate is as close to the truth as the reference), log scale from "
               "1 (pale) to 1e6 (dark)",
     "eps": "the largest relative L2 difference of candidate vs reference among the cell's tensors, in units "
            "of the dtype's epsilon, log scale from 0.01 (pale) to 1e6 (dark)",
-}  # fmt: skip
+}
 METRIC_KEYS = ("max_abs", "max_rel", "max_ulp", "p99_ulp", "rel_l2", "cosine", "ref_err_golden",
-               "cand_err_golden", "bound", "ref_value", "cand_value")  # fmt: skip
+               "cand_err_golden", "bound", "ref_value", "cand_value")
 
 
 def document(title: str, body: str) -> str:
@@ -73,14 +74,14 @@ def _divergence(data: ScenarioData) -> str:
     pairs = [("step", esc(fd.step)), ("phase", esc(fd.phase)), ("kind", esc(fd.kind)),
              ("tensor", f"<code>{esc(fd.tensor)}</code>"), ("ranks", esc(fd.ranks)),
              ("region", esc(region_text(fd) or "\u2013")),
-             ("signature", f"<b>{esc(fd.signature)}</b>: {esc(_explain(fd))}")]  # fmt: skip
+             ("signature", f"<b>{esc(fd.signature)}</b>: {esc(_explain(fd))}")]
     if fd.permutation is not None:
         pairs.append(("permutation", esc(json.dumps(fd.permutation))))
     if fd.norm_ratio is not None:
         pairs.append(("norm_ratio", esc(fmt(fd.norm_ratio))))
     metrics = [(k, esc(fmt(fd.metrics[k], 6))) for k in METRIC_KEYS if k in fd.metrics]
     return (f'<h2>First divergence</h2><p class="mono" id="divergence">{esc(divergence_line(s))}</p>'
-            + _kv(pairs) + ("<h3>Metrics</h3>" + _kv(metrics) if metrics else ""))  # fmt: skip
+            + _kv(pairs) + ("<h3>Metrics</h3>" + _kv(metrics) if metrics else ""))
 
 
 def _explain(fd: FirstDivergence) -> str:
@@ -95,12 +96,12 @@ NO_PICTURE = {"input": "sample ids have no shards", "scalar": "a scalar", "loss"
               "eval": "an evaluation's loss"}
 PICTURE_NOTE = ('<p class="small">The logical tensor cut into its (TP, GTP) shard blocks as the candidate '
                 "holds them; red: the block holding the worst element or the faulty region; hatched: GTP pad "
-                "rows; dot: the worst element.</p>")  # fmt: skip
+                "rows; dot: the worst element.</p>")
 DRIFT_NOTE = ('<p class="small">Per step, the largest RMS error of any compared tensor against the '
-              "golden run, for each side.</p>")  # fmt: skip
+              "golden run, for each side.</p>")
 HEAT_NOTE = ('<p class="small">One column per step within each kind; colour: {unit}; grey: bitwise equal '
              "to the reference; outlined: a comparison in the cell fails. Hover a cell for its worst "
-             "tensor.</p>")  # fmt: skip
+             "tensor.</p>")
 NONE = "\u2013"
 
 
@@ -125,7 +126,7 @@ def _curves(data: ScenarioData) -> str:
     ]
     drift_chart = line_chart("max RMS error vs golden (log)", drift(data.results), log_y=True, width=420)
     return (f'<h2>Per-step scalars</h2><div class="charts">{"".join(charts)}</div>'
-            f"<h2>Drift against the golden</h2>{DRIFT_NOTE}{drift_chart}")  # fmt: skip
+            f"<h2>Drift against the golden</h2>{DRIFT_NOTE}{drift_chart}")
 
 
 def _heatmap(data: ScenarioData) -> str:
@@ -142,7 +143,7 @@ def _invariants(data: ScenarioData) -> str:
     for name, v in items[:50]:
         rest = {k: x for k, x in v.items() if k not in ("step", "kind", "tensor")}
         lis.append(f"<li>{esc(name)}: step {esc(v.get('step'))} {esc(v.get('kind'))} "
-                   f"<code>{esc(v.get('tensor'))}</code> {esc(rest)}</li>")  # fmt: skip
+                   f"<code>{esc(v.get('tensor'))}</code> {esc(rest)}</li>")
     more = f"<p>... and {len(items) - 50} more</p>" if len(items) > 50 else ""
     title = f"<h2>Invariant violations in the candidate ({len(items)})</h2>"
     return f'{title}<ul class="mono">{"".join(lis)}</ul>{more}'
@@ -160,7 +161,7 @@ def results_table(results: list[dict]) -> str:
     """Every comparison, one row each; the page's script sorts and filters it."""
     kinds = sorted({str(r.get("kind")) for r in results})
     head = "".join(f'<th class="t">{esc(t)}</th>' if k in TEXT_COLUMNS else f"<th>{esc(t)}</th>"
-                   for k, t in TABLE_COLUMNS)  # fmt: skip
+                   for k, t in TABLE_COLUMNS)
     rows = []
     for r in results:
         ok = r.get("passed") is not False
@@ -175,7 +176,7 @@ def results_table(results: list[dict]) -> str:
         '<label><input id="failing" type="checkbox"> failing only</label>',
         '<span id="count" class="small"></span></div>',
         f'<table id="results"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>',
-    ])  # fmt: skip
+    ])
 
 
 def _listing(items) -> str:
@@ -195,7 +196,7 @@ def _provenance(data: ScenarioData) -> str:
         ("judged by expectation", _listing(sorted(s.expectations.items()))),
     ]
     columns = ("side", "label", "mesh (tp, gtp, dp)", "world", "python", "torch", "megatron-core",
-               "transformer-engine", "trace")  # fmt: skip
+               "transformer-engine", "trace")
     head = "".join(f'<th class="t">{h}</th>' for h in columns)
     rows = []
     for role in COMPARED_ROLES:

@@ -13,7 +13,7 @@ from harness.report.blocks import Picture
 from harness.report.model import Heatmap, fmt
 
 COLORS = {"reference": "#1f5fbf", "candidate": "#d9480f", "golden": "#444",
-          "candidate vs golden": "#d9480f", "reference vs golden": "#1f5fbf"}  # fmt: skip
+          "candidate vs golden": "#d9480f", "reference vs golden": "#1f5fbf"}
 DASHES = {"golden": "2 3", "reference vs golden": "5 3"}
 
 
@@ -44,7 +44,7 @@ def line_chart(
     pts = {k: [(x, y) for x, y in v if math.isfinite(y) and (y > 0 or not log_y)] for k, v in series.items()}
     pts = {k: v for k, v in pts.items() if v}
     out = [f'<svg class="chart" role="img" width="{width}" height="{height}" viewBox="0 0 {width} {height}">',
-           f'<title>{esc(title)}</title><text x="{left}" y="14" class="ct">{esc(title)}</text>']  # fmt: skip
+           f'<title>{esc(title)}</title><text x="{left}" y="14" class="ct">{esc(title)}</text>']
     if not pts:
         out.append(f'<text x="{left}" y="{height // 2}" class="muted">no data</text></svg>')
         return "".join(out)
@@ -84,13 +84,13 @@ def line_chart(
         color, dash = COLORS.get(label, "#777"), DASHES.get(label, "")
         path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in v)
         out.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="1.6"'
-                   + (f' stroke-dasharray="{dash}"' if dash else "") + "/>")  # fmt: skip
+                   + (f' stroke-dasharray="{dash}"' if dash else "") + "/>")
         for x, y in v:
             out.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="{3.2 - k * 0.6:.1f}" fill="{color}">'
-                       f"<title>{esc(label)} step {fmt(int(x))}: {y!r}</title></circle>")  # fmt: skip
+                       f"<title>{esc(label)} step {fmt(int(x))}: {y!r}</title></circle>")
         lx = left + k * (w // max(1, len(pts)))
         out.append(f'<rect x="{lx}" y="{height - 11}" width="10" height="3" fill="{color}"/>'
-                   f'<text x="{lx + 13}" y="{height - 6}" class="tick">{esc(label)}</text>')  # fmt: skip
+                   f'<text x="{lx + 13}" y="{height - 6}" class="tick">{esc(label)}</text>')
     out.append("</svg>")
     return "".join(out)
 
@@ -112,7 +112,7 @@ def heatmap_svg(hm: Heatmap) -> str:
     width = left + ncols * cw + gap * max(0, len(hm.groups) - 1) + 10
     height = top + len(hm.layers) * ch + 8
     out = [f'<svg class="heat" role="img" width="{width}" height="{height}" viewBox="0 0 {width} {height}">'
-           "<title>error by layer, kind and step</title>"]  # fmt: skip
+           "<title>error by layer, kind and step</title>"]
     for gi, group in enumerate(hm.groups):
         gx = left + gi * (len(hm.steps) * cw + gap)
         out.append(f'<text x="{gx}" y="14" class="tick">{esc(group)}</text>')
@@ -153,7 +153,7 @@ def blocks_svg(pic: Picture, max_side: int = 260) -> str:
            f'viewBox="0 0 {width} {height}"><title>shard blocks of {esc(pic.tensor)}</title>',
            '<defs><pattern id="hatch" width="6" height="6" patternUnits="userSpaceOnUse" '
            'patternTransform="rotate(45)"><rect width="6" height="6" fill="#fff"/>'
-           '<line x1="0" y1="0" x2="0" y2="6" stroke="#999" stroke-width="2"/></pattern></defs>']  # fmt: skip
+           '<line x1="0" y1="0" x2="0" y2="6" stroke="#999" stroke-width="2"/></pattern></defs>']
     for b in pic.blocks:
         x, y = left + b.col0 * sx_, top + b.row0 * sy_
         bw, bh = (b.col1 - b.col0) * sx_, (b.row1 - b.row0) * sy_
@@ -161,12 +161,12 @@ def blocks_svg(pic: Picture, max_side: int = 260) -> str:
         pads = f", {b.pad_rows} pad rows" if b.pad_rows else ""
         out.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{bw:.1f}" height="{bh:.1f}" fill="{fill}" '
                    f'stroke="#333" class="{cls}"><title>TP {b.tp}, GTP {b.gtp}: ranks {list(b.ranks)}, '
-                   f"rows {b.row0}-{b.row1}{pads}</title></rect>")  # fmt: skip
+                   f"rows {b.row0}-{b.row1}{pads}</title></rect>")
         if b.pad_rows:
             py = y + bh - b.pad_rows * sy_
             out.append(f'<rect x="{x:.1f}" y="{py:.1f}" width="{bw:.1f}" height="{b.pad_rows * sy_:.1f}" '
                        'fill="url(#hatch)" stroke="#333" class="pad">'
-                       "<title>GTP pad rows</title></rect>")  # fmt: skip
+                       "<title>GTP pad rows</title></rect>")
         label = f"tp{b.tp} gtp{b.gtp}: r{','.join(map(str, b.ranks))}"
         out.append(text(x + 3, y + 12, label))
     if pic.region is not None:
@@ -174,16 +174,16 @@ def blocks_svg(pic: Picture, max_side: int = 260) -> str:
         out.append(f'<rect x="{left + c0 * sx_:.1f}" y="{top + r0 * sy_:.1f}" '
                    f'width="{(c1 - c0) * sx_:.1f}" height="{(r1 - r0) * sy_:.1f}" fill="none" '
                    'stroke="#c00" stroke-width="2.5" class="region">'
-                   f"<title>faulty rows {r0}-{r1}</title></rect>")  # fmt: skip
+                   f"<title>faulty rows {r0}-{r1}</title></rect>")
     if pic.worst is not None:
         cx, cy = left + (pic.worst[1] + 0.5) * sx_, top + (pic.worst[0] + 0.5) * sy_
         where = f"drawn row {pic.worst[0]}, column {pic.worst[1]}"
         out.append(f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="4" fill="#c00" stroke="#fff" class="worst">'
-                   f"<title>worst element ({where})</title></circle>")  # fmt: skip
+                   f"<title>worst element ({where})</title></circle>")
     tx = left + w + 12
     legend = [f"logical {list(pic.logical_shape)}",
               "placements " + ", ".join(f"{a} {p}" for a, p in sorted(pic.placements.items())),
-              "GTP pad rows " + str(pic.pads.get("gtp", 0))]  # fmt: skip
+              "GTP pad rows " + str(pic.pads.get("gtp", 0))]
     for k, line in enumerate(legend):
         out.append(text(tx, top + 12 + 16 * k, line))
     out.append("</svg>")

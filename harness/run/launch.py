@@ -44,7 +44,7 @@ def worker_env(megatron_root: str = "") -> dict[str, str]:
     # PYTHONSAFEPATH: the current folder is not put first on the ranks' path, so a run started
     # inside a Megatron-LM checkout imports the side's megatron-core, not the checkout's.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "PYTHONSAFEPATH": "1"}  # fmt: skip
+           "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "PYTHONSAFEPATH": "1"}
     root = Path(__file__).resolve().parents[2]
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), megatron_root, env.get("PYTHONPATH")]))
     return env
@@ -58,18 +58,20 @@ def command(plan_path: Path, world: int) -> list[str]:
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
         "--max-restarts=0", "-m", "harness.backends.worker", str(plan_path),
-    ]  # fmt: skip
+    ]
 
 
 def write_plan(path: Path, jobs: list[Job], *, world: int, name: str, timeout_s: dict[str, float]) -> Path:
     """The launch plan every rank reads (``python -m harness.backends.worker PLAN``)."""
-    write_json(path, {"name": name, "world": world, "timeout_s": {j.key: timeout_s.get(j.key, 600.0) for j in jobs},
-                      "jobs": [j.to_json() for j in jobs]})  # fmt: skip
+    write_json(path,
+               {"name": name, "world": world, "timeout_s": {j.key: timeout_s.get(j.key, 600.0) for j in jobs},
+                      "jobs": [j.to_json() for j in jobs]})
     return path
 
 
 def launch(jobs: list[Job], *, world: int, timeout_s: dict[str, float], workdir: Path, name: str,
-           stop: threading.Event | None = None, nodes: Nodes | None = None, plan: Path | None = None) -> float:
+           stop: threading.Event | None = None, nodes: Nodes | None = None,
+               plan: Path | None = None) -> float:
     """Run ``jobs`` (all of world size ``world``); return wall seconds. Raise RunFailed.
 
     ``timeout_s`` maps a job key to its budget, counted from when that job starts (the
@@ -100,15 +102,16 @@ def launch(jobs: list[Job], *, world: int, timeout_s: dict[str, float], workdir:
     start = time.monotonic()
     try:
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)
             try:
                 rc = _watch(proc, jobs, world, timeout_s, f"launch {name} (world {world}{_on(nodes)})",
-                            stop, log_path)  # fmt: skip
+                            stop, log_path)
             finally:
                 _kill(proc)
         if rc != 0:
             raise RunFailed(f"launch {name} (world {world}{_on(nodes)}) failed (exit {rc}); "
-                            + describe_failure(jobs, world) + f"; log: {log_path}")  # fmt: skip
+                            + describe_failure(jobs, world) + f"; log: {log_path}")
     except RunFailed as e:
         if nodes is not None and not isinstance(e, Interrupted):  # the other nodes' supervisors too
             mark_incomplete(jobs, world, failed=str(e))
@@ -121,7 +124,7 @@ def _on(nodes: Nodes | None) -> str:
 
 
 def _watch(proc: subprocess.Popen, jobs: list[Job], world: int, timeout_s: dict[str, float], what: str,
-           stop: threading.Event | None, log_path: Path) -> int:  # fmt: skip
+           stop: threading.Event | None, log_path: Path) -> int:
     """Wait for the launch to end; its exit code. Raise on a timeout or an interruption."""
     current, became, since = None, time.monotonic(), None
     while (rc := proc.poll()) is None:
@@ -140,7 +143,7 @@ def _watch(proc: subprocess.Popen, jobs: list[Job], world: int, timeout_s: dict[
         waited = time.monotonic() - (since if since is not None else became)
         if waited > budget + (0 if since is not None else STARTUP_S):
             raise RunFailed(f"{what} timed out after {waited:.0f} s; " + describe_progress(jobs, world)
-                            + f"; log: {log_path}")  # fmt: skip
+                            + f"; log: {log_path}")
         time.sleep(0.25)
     return rc
 
@@ -164,7 +167,7 @@ def mark_incomplete(jobs: list[Job], world: int, **why) -> None:
             write_json(path / "manifest.json", {
                 "format": FORMAT, "version": FORMAT_VERSION, "complete": False, **why,
                 "world_size": world, "coords": {}, "key": job.key, "side": job.side.label(),
-            })  # fmt: skip
+            })
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -196,13 +199,15 @@ def _current_job(jobs: list[Job]) -> Job | None:
 
 
 def _beats(job: Job, world: int, name: str = "progress.json") -> dict[int, dict]:
-    return {r: b for r in range(world) if isinstance(b := _read(Path(job.trace_dir) / f"rank{r}" / name), dict)}
+    return {r: b for r in range(world)
+            if isinstance(b := _read(Path(job.trace_dir) / f"rank{r}" / name), dict)}
 
 
 def _namer(*records: dict[int, dict]):
     """How a message names rank r: "rank r", or "node n rank r" once the ranks' records show
     more than one node (a launch over several machines)."""
-    node_of = {r: rec["node"] for recs in records for r, rec in recs.items() if isinstance(rec.get("node"), int)}
+    node_of = {r: rec["node"] for recs in records for r, rec in recs.items()
+               if isinstance(rec.get("node"), int)}
     if len(set(node_of.values())) < 2:
         return lambda r: f"rank {r}"
     return lambda r: f"node {node_of[r]} rank {r}" if r in node_of else f"rank {r} (node unknown)"
@@ -261,7 +266,8 @@ def describe_failure(jobs: list[Job], world: int) -> str:
         else:
             ranks = ", ".join(f"{node or 'node unknown'} rank(s) {rs}" for node, rs in by_node.items())
             how = "a hard exit, or the node was lost"
-        return f"{ranks} exited without an error report ({how}); " + describe_progress(jobs, world, among=silent)
+        return f"{ranks} exited without an error report ({how}); " + describe_progress(jobs, world,
+            among=silent)
     return f"side {job.side.label()}: every rank lost its peers; " + describe_progress(jobs, world)
 
 
@@ -274,5 +280,6 @@ def describe_pending(job: Job, world: int) -> str:
     if manifest.get("failed") or manifest.get("interrupted"):
         why = manifest.get("failed") or "interrupted"
         return f"side {job.side.label()}: trace marked incomplete ({why}); {path}"
-    state = describe_failure([job], world) if _beats(job, world, "error.json") else describe_progress([job], world)
+    state = describe_failure([job], world) if _beats(job, world, "error.json") else describe_progress([job],
+        world)
     return f"incomplete trace (still running, or its launch was lost): {state}; {path}"

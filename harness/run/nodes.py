@@ -90,7 +90,7 @@ class Nodes:
         return world // self.nnodes
 
     def torchrun(self, plan_path: Path, world: int, name: str, join_timeout_s: float,
-                 python: str = sys.executable) -> list[str]:  # fmt: skip
+                 python: str = sys.executable) -> list[str]:
         """This node's torchrun command line: c10d rendezvous, node rank 0 hosting the store.
         (With a loopback endpoint every node is on this machine and would take itself for the
         host: there the first node to bind the port hosts it, the others join it.)"""
@@ -101,10 +101,11 @@ class Nodes:
         local = [f"--local-addr={host}"] if local else []
         return [
             python, "-m", "torch.distributed.run", f"--nnodes={self.nnodes}", f"--node-rank={self.node_rank}",
-            f"--nproc-per-node={self.per_node(world)}", "--rdzv-backend=c10d", f"--rdzv-endpoint={self.endpoint}",
+            f"--nproc-per-node={self.per_node(world)}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={self.endpoint}",
             f"--rdzv-id={rdzv_id(name)}", f"--rdzv-conf={conf}", *local, "--max-restarts=0",
             "-m", "harness.backends.worker", str(plan_path),
-        ]  # fmt: skip
+        ]
 
 
 @dataclass(frozen=True)
@@ -134,10 +135,11 @@ def rank_env(env: dict, plan_world: int) -> RankEnv:
     group's store is at ``MASTER_ADDR:MASTER_PORT``, which must be set; a plan of world 1 runs
     as task 0 alone (a batch script's own step sees the allocation's SLURM_NTASKS)."""
     if "RANK" in env or "WORLD_SIZE" in env:
-        node = _int(env, NODE_ENV) if NODE_ENV in env else _int(env, "GROUP_RANK") if "GROUP_RANK" in env else 0
+        node = _int(env, NODE_ENV) if NODE_ENV in env else _int(env,
+                                                                "GROUP_RANK") if "GROUP_RANK" in env else 0
         return RankEnv(_int(env, "RANK") if "RANK" in env else 0,
                        _int(env, "WORLD_SIZE") if "WORLD_SIZE" in env else 1,
-                       _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0, node, "torchrun")  # fmt: skip
+                       _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0, node, "torchrun")
     if "SLURM_PROCID" in env:
         rank, world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS") if "SLURM_NTASKS" in env else 1
         if not rank < world:
@@ -171,7 +173,7 @@ def read_plan(path: str) -> dict:
 
 
 def node_commands(name: str, plan_path: Path, world: int, nnodes: int, endpoint: str | None, root: Path,
-                  python: str = sys.executable) -> tuple[str, list[tuple[str, str]]]:  # fmt: skip
+                  python: str = sys.executable) -> tuple[str, list[tuple[str, str]]]:
     """What runs one launch (``gtp-parity plan`` prints it): where, and (how, command line)
     pairs, any one of which does. A launch whose world does not split over ``nnodes`` runs on
     one node."""
@@ -186,16 +188,18 @@ def node_commands(name: str, plan_path: Path, world: int, nnodes: int, endpoint:
             ("supervised (timeouts, failures named by node and rank)",
              f"{env} {py} -m harness launch {plan} --nnodes {nnodes} --node-rank R --rdzv-endpoint {ep}"),
             ("your torchrun", f"{env} {py} -m torch.distributed.run --nnodes={nnodes} --node-rank=R "
-                              f"--nproc-per-node={per} --rdzv-backend=c10d --rdzv-endpoint={ep} --rdzv-id={rdzv_id(name)} "
+                              f"--nproc-per-node={per} --rdzv-backend=c10d --rdzv-endpoint={ep} "
+                              f"--rdzv-id={rdzv_id(name)} "
                               "--max-restarts=0 "
                               f"-m harness.backends.worker {plan}"),
             ("SLURM, MASTER_ADDR and MASTER_PORT exported",
              f"srun --nodes={nnodes} --ntasks={world} --ntasks-per-node={per} env {worker}"),
-        ]  # fmt: skip
+        ]
     split = f" (world {world} does not split over {nnodes} nodes)" if nnodes > 1 and world > 1 else ""
     lines = [("supervised (timeouts, failures named by rank)", f"{env} {py} -m harness launch {plan}")]
     if world > 1:
-        lines.append(("SLURM, MASTER_ADDR and MASTER_PORT exported", f"srun --nodes=1 --ntasks={world} env {worker}"))
+        lines.append(("SLURM, MASTER_ADDR and MASTER_PORT exported",
+                      f"srun --nodes=1 --ntasks={world} env {worker}"))
     else:
         lines.append(("plain", worker))
     return f"on one node{split}", lines

@@ -4,8 +4,9 @@ Every side becomes a :class:`~harness.run.job.Job` whose trace folder is named b
 side computes: its configuration (:meth:`Side.key`), its capture policy and the code that runs
 it (:func:`harness.run.provenance.code_identity`). A side shared by several scenarios of a matrix
 (the GTP-off reference, the golden) runs once, and a complete trace is reused by a later run
-only when all three are equal: editing megatron-core makes every side run again. Jobs of one world size share one launch; launches
-of different world sizes run concurrently, up to ``parallel`` at a time, to keep the cores busy.
+only when all three are equal: editing megatron-core makes every side run again. Jobs of one world size share
+one launch; launches of different world sizes run concurrently, up to ``parallel`` at a time, to keep the
+cores busy.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def job_for(s: Scenario, role: str, traces: Path, provenance: dict, checkpoint_d
             megatron_root: str = "") -> Job:
     side = s.sides[role] if role in s.sides else saver_side(s)  # Role.SAVER
     key = side.key(s.model, s.data)
-    policy = hashlib.sha256(json.dumps(dataclasses.asdict(s.capture), sort_keys=True).encode()).hexdigest()[:6]
+    policy = hashlib.sha256(json.dumps(dataclasses.asdict(s.capture),
+                                       sort_keys=True).encode()).hexdigest()[:6]
     code = provenance["digest"][:6]
     return Job(
         key=f"{key}-{policy}-{code}",
@@ -106,7 +108,8 @@ class Launch:
     timeout_s: dict[str, float]
 
 
-def pending_jobs(by_scenario: dict[str, dict[str, Job]], fresh: bool = False, progress=print) -> dict[str, Job]:
+def pending_jobs(by_scenario: dict[str, dict[str, Job]], fresh: bool = False,
+                 progress=print) -> dict[str, Job]:
     """Key -> job of every job whose trace is not complete (every job if ``fresh``)."""
     pending = {}
     for roles in by_scenario.values():
@@ -121,7 +124,7 @@ def pending_jobs(by_scenario: dict[str, dict[str, Job]], fresh: bool = False, pr
 
 
 def launches(by_scenario: dict[str, dict[str, Job]], scenarios: list[Scenario],
-             pending: dict[str, Job]) -> list[Launch]:  # fmt: skip
+             pending: dict[str, Job]) -> list[Launch]:
     """The pending jobs grouped into launches, in the order they must run (savers first). A
     candidate its scenario expects to raise (``[expect] raises``) runs in a launch of its own:
     a failing job ends its launch, and no other side goes with it."""
@@ -129,7 +132,8 @@ def launches(by_scenario: dict[str, dict[str, Job]], scenarios: list[Scenario],
     for s in scenarios:
         for job in by_scenario[s.name].values():
             timeout[job.key] = max(timeout.get(job.key, 0.0), s.timeout_s)
-    alone = sorted({by_scenario[s.name][Role.CANDIDATE].key for s in scenarios if s.expect and s.expect.raises})
+    alone = sorted({by_scenario[s.name][Role.CANDIDATE].key for s in scenarios if s.expect
+                    and s.expect.raises})
     groups = defaultdict(list)
     for job in pending.values():  # checkpoints are saved (phase 0) before sides load them
         own = alone.index(job.key) + 1 if job.key in alone else 0
@@ -156,11 +160,11 @@ def write_plans(batches: list[Launch], out: Path) -> list[Path]:
     """Write every launch's plan under ``out/launches`` (read by every rank of every node), and
     ``out/launches/plans.json`` listing them in the order they run; return the plans' paths."""
     paths = [write_plan(out / "launches" / f"plan-{b.name}.json", b.jobs, world=b.world, name=b.name,
-                        timeout_s=b.timeout_s) for b in batches]  # fmt: skip
+                        timeout_s=b.timeout_s) for b in batches]
     write_json(out / "launches" / "plans.json", {"launches": [
         {"name": b.name, "world": b.world, "phase": b.phase, "plan": str(p),
          "sides": [{"side": j.side.label(), "key": j.key, "trace_dir": j.trace_dir} for j in b.jobs]}
-        for b, p in zip(batches, paths)]})  # fmt: skip
+        for b, p in zip(batches, paths)]})
     return paths
 
 
@@ -192,7 +196,7 @@ def execute(
             return
         try:
             wall = launch(b.jobs, world=b.world, timeout_s=b.timeout_s, workdir=out / "launches", name=b.name,
-                          stop=stop)  # fmt: skip
+                          stop=stop)
             progress(f"  launch {b.name}: {len(b.jobs)} side(s) on {b.world} rank(s) in {wall:.1f} s")
         except Interrupted:
             pass

@@ -152,7 +152,7 @@ def code_identity(env: dict[str, str] | None = None, tree=None) -> dict:
     user = _user_path(env)
     env["PYTHONPATH"] = os.pathsep.join(user)
     roots = {n: _package_roots(n, path)
-             for n in ("megatron", "transformer_engine", "sitecustomize", "usercustomize")}  # fmt: skip
+             for n in ("megatron", "transformer_engine", "sitecustomize", "usercustomize")}
     code = {
         "megatron": tree_hash(roots["megatron"], hashes),
         "transformer_engine": tree_hash(roots["transformer_engine"], hashes),

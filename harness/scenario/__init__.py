@@ -8,11 +8,13 @@ scenarios (:mod:`.planting`). Nothing here imports torch.
 
 from harness.scenario.parse import load, parse_scenario
 from harness.scenario.schema import (
-    COMPARED_ROLES, POLICIES, CapturePolicy, ComparePolicy, DataConfig, KnownDivergence, ModelConfig, Role, Scenario, Side,
+    COMPARED_ROLES, POLICIES, CapturePolicy, ComparePolicy, DataConfig, KnownDivergence, ModelConfig, Role,
+        Scenario, Side,
     check_scenario_name,
-)  # fmt: skip
+)
 
 __all__ = [
-    "COMPARED_ROLES", "POLICIES", "CapturePolicy", "ComparePolicy", "DataConfig", "KnownDivergence", "ModelConfig", "Role",
+    "COMPARED_ROLES", "POLICIES", "CapturePolicy", "ComparePolicy", "DataConfig", "KnownDivergence",
+        "ModelConfig", "Role",
     "Scenario", "Side", "check_scenario_name", "load", "parse_scenario",
-]  # fmt: skip
+]

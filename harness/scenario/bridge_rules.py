@@ -25,11 +25,14 @@ def validate_bridge(s: Scenario, side: Side, where: str) -> None:
     other = s.candidate if side is s.reference else s.reference
     if side.data == "mock" and (other.backend not in ("mlm", "bridge") or other.data != "mock"):
         # Bridge's mock samples are not the synthetic ones: the sides would read different data.
-        raise BadInput(f"{where}.data", "a mock-data side is compared with another mlm or bridge side on mock data only")
+        raise BadInput(f"{where}.data",
+                       "a mock-data side is compared with another mlm or bridge side on mock data only")
     if side.eval_interval:
-        raise BadInput(f"{where}.eval_interval", "the bridge backend records no evaluation yet (eval_interval = 0)")
+        raise BadInput(f"{where}.eval_interval",
+                       "the bridge backend records no evaluation yet (eval_interval = 0)")
     if side.optimizer not in ("adam", "sgd"):
-        raise BadInput(f"{where}.optimizer", f"{side.optimizer!r}: the bridge backend runs Bridge's adam or sgd")
+        raise BadInput(f"{where}.optimizer",
+                       f"{side.optimizer!r}: the bridge backend runs Bridge's adam or sgd")
     if side.inject:
         raise BadInput(f"{where}.inject", "planted faults are not implemented by the bridge backend")
     if side.recipe != "none":

@@ -5,8 +5,8 @@ source side (the reference's configuration with ``save_step``) trains to step k 
 ``torch_dist`` checkpoint; each entry of ``load_into`` is a candidate: the reference's
 configuration with the entry's keys (another TP, G, world size, pipeline or expert layout,
 distributed optimizer; a ``[candidate]`` table, where a matrix's base has one, gives keys every
-loader starts from), which loads the checkpoint, is recorded right after loading as step k, and trains on to the last
-step. Its step-k weights and optimizer state are judged bitwise (``exact_steps``), the steps
+loader starts from), which loads the checkpoint, is recorded right after loading as step k, and trains on to
+the last step. Its step-k weights and optimizer state are judged bitwise (``exact_steps``), the steps
 after it under the scenario's policy against the same golden::
 
     [checkpoint]
@@ -45,7 +45,7 @@ def topology(side: Side) -> str:
 
 
 def expand(raw: dict, source: str, parse: Callable[[dict, str], Scenario],
-           validate: Callable[[Scenario], None]) -> list[Scenario]:  # fmt: skip
+           validate: Callable[[Scenario], None]) -> list[Scenario]:
     """The scenarios of a document with a ``[checkpoint]`` table: ``parse`` builds one from a
     document, ``validate`` checks it once it resumes (the scenario rules, which call :func:`check`)."""
 
@@ -60,11 +60,13 @@ def expand(raw: dict, source: str, parse: Callable[[dict, str], Scenario],
         raise BadInput(f"{where}.save_step", f"must be an integer >= 1, got {shown(k)}")
     targets = spec.get("load_into")
     if not isinstance(targets, list) or not targets or not all(isinstance(t, dict) for t in targets):
-        raise BadInput(f"{where}.load_into", "must be a non-empty list of tables of side keys (the topologies loaded into)")
+        raise BadInput(f"{where}.load_into",
+                       "must be a non-empty list of tables of side keys (the topologies loaded into)")
     # A [candidate] table (a matrix's base may have one) gives keys every loader starts from.
     loader_base = raw.get("candidate", {}) if isinstance(raw.get("candidate", {}), dict) else {}
     base = {key: v for key, v in raw.items() if key != "checkpoint"}
-    compare = {**raw.get("compare", {}), "exact_steps": [k]} if isinstance(raw.get("compare", {}), dict) else {}
+    compare = {**raw.get("compare", {}), "exact_steps": [k]} if isinstance(raw.get("compare", {}),
+                                                                           dict) else {}
     out, labels = [], set()
     for i, target in enumerate(targets):
         at = f"{where}.load_into[{i}]"
@@ -73,17 +75,21 @@ def expand(raw: dict, source: str, parse: Callable[[dict, str], Scenario],
             raise BadInput(f"{at}.label", problem or f"{label!r} is used twice")
         labels.add(label)
         if unknown := sorted(set(target) - _SIDE_KEYS - {"label"}):
-            raise BadInput(f"{at}.{unknown[0]}", f"not a side key a topology may change; one of {sorted(_SIDE_KEYS)}")
+            raise BadInput(f"{at}.{unknown[0]}",
+                           f"not a side key a topology may change; one of {sorted(_SIDE_KEYS)}")
         reference = raw.get("reference", {}) if isinstance(raw.get("reference", {}), dict) else {}
-        candidate = {**reference, **loader_base, **{key: v for key, v in target.items() if key not in ("label", "inject")}}
-        s = parse({**base, "name": f"{raw.get('name')}-{label}", "candidate": candidate, "compare": compare}, source)
+        candidate = {**reference, **loader_base,
+                     **{key: v for key, v in target.items() if key not in ("label", "inject")}}
+        s = parse({**base, "name": f"{raw.get('name')}-{label}", "candidate": candidate, "compare": compare},
+                  source)
         saver = dataclasses.replace(s.reference, save_step=k)
         # Faults are planted once the candidate resumes (a save fault fires only there).
         inject = _coerce_inject(target.get("inject", list(s.candidate.inject)), f"{at}.inject")
-        resumed = dataclasses.replace(s.candidate, load_step=k, resume_from=saver.key(s.model, s.data), inject=inject)
+        resumed = dataclasses.replace(s.candidate, load_step=k, resume_from=saver.key(s.model, s.data),
+                                      inject=inject)
         row = f"checkpoint: {topology(saver)} -> {topology(resumed)} load at step {k}"
         s = dataclasses.replace(s, candidate=resumed, saver=saver,
-                                description=f"{row}. {s.description}" if s.description else row)  # fmt: skip
+                                description=f"{row}. {s.description}" if s.description else row)
         validate(s)
         out.append(s)
     return out
@@ -110,33 +116,40 @@ def check(s: Scenario) -> None:
                 if getattr(side, key):
                     raise BadInput(f"{s.source}: [{role}].{key}", "set by a [checkpoint] table, not by hand")
         for fault in SAVE_FAULTS & set(s.candidate.inject):
-            raise BadInput(f"{s.source}: [candidate].inject", f"{fault} acts where a [checkpoint] scenario saves")
+            raise BadInput(f"{s.source}: [candidate].inject",
+                           f"{fault} acts where a [checkpoint] scenario saves")
         return
     where = f"{s.source}: [checkpoint]"
     cand, k = s.candidate, src.save_step
     for role, side in (("reference", s.reference), ("candidate", cand)):
         if side.backend != "megatron":
-            raise BadInput(f"{s.source}: [{role}].backend", "checkpoints are megatron-core's (backend = \"megatron\")")
+            raise BadInput(f"{s.source}: [{role}].backend",
+                           "checkpoints are megatron-core's (backend = \"megatron\")")
     for role, side in (("saved run", src), ("reference", s.reference), ("candidate", cand)):
         if side.virtual_pipeline:
             raise BadInput(where, f"the {role} is interleaved (virtual_pipeline): checkpoints of one model "
-                                  "chunk per rank only (not covered yet)")  # fmt: skip
+                                  "chunk per rank only (not covered yet)")
     if src.optimizer == "sgd":
         # get_megatron_optimizer gives SGD no init_state_fn (optimizer/__init__.py l.624 on 0.19.2,
         # l.628 on main), which a load calls (FP32Optimizer.sharded_state_dict, optimizer.py l.1362;
         # l.1394 on main): "TypeError: 'NoneType' object is not callable".
         raise BadInput(f"{s.source}: [reference].optimizer", "megatron-core cannot load an SGD optimizer's "
-                       "checkpoint (it calls the init_state_fn get_megatron_optimizer leaves None for SGD): use adam")  # fmt: skip
+                       "checkpoint (it calls the init_state_fn get_megatron_optimizer leaves None for SGD): "
+                       "use adam")
     if not 1 <= k < src.steps:
-        raise BadInput(f"{where}.save_step", f"must be in 1..{src.steps - 1} (steps continue after loading), got {k}")
+        raise BadInput(f"{where}.save_step",
+                       f"must be in 1..{src.steps - 1} (steps continue after loading), got {k}")
     for key in CONTINUED:
         if getattr(cand, key) != getattr(src, key):
             raise BadInput(f"{where}.load_into", f"{key} {getattr(cand, key)!r} differs from the saved run's "
-                                                 f"{getattr(src, key)!r}: a topology change continues the same training")  # fmt: skip
+                                                 f"{getattr(src, key)!r}: a topology change continues the "
+                                                 f"same training")
     if s.capture.steps is not None and k not in s.capture.steps:
-        raise BadInput(f"{s.source}: [capture].steps", f"must include the load step {k}: it is judged bitwise")
+        raise BadInput(f"{s.source}: [capture].steps",
+                       f"must include the load step {k}: it is judged bitwise")
     if "param" not in s.capture.kinds:
-        raise BadInput(f"{s.source}: [capture].kinds", "must include param: the loaded weights are judged bitwise")
+        raise BadInput(f"{s.source}: [capture].kinds",
+                       "must include param: the loaded weights are judged bitwise")
     for fault in sorted(SAVE_FAULTS & set(cand.inject)):
         if problem := _save_fault_reach(fault, src):
             raise BadInput(f"{s.source}: [candidate].inject", f"{fault} never fires: {problem}")
@@ -184,7 +197,9 @@ def check_expert_optimizers(s: Scenario, fixed: Callable[[Side], bool]) -> None:
         which = {True: "an optimizer of their own", False: "the dense optimizer"}
         tree = "megatron-core " + ("with" if fixed(s.candidate) else "without") + f" {EXPERT_TOPOLOGY_FIX[0]}"
         raise BadInput(f"{s.source}: [checkpoint].load_into ({s.name})",
-                       f"the saved run ({topology(s.saver)}) keeps its routed experts in {which[saved]}, the loader "
-                       f"({topology(s.candidate)}) in {which[loaded]} ({tree}): megatron-core's non-distributed "
+                       f"the saved run ({topology(s.saver)}) keeps its routed experts in {which[saved]}, the "
+                       f"loader "
+                       f"({topology(s.candidate)}) in {which[loaded]} ({tree}): megatron-core's "
+                       f"non-distributed "
                        "optimizer cannot load param groups saved by another optimizer chain "
-                       "(ChainedOptimizer.load_state_dict)")  # fmt: skip
+                       "(ChainedOptimizer.load_state_dict)")

@@ -16,7 +16,7 @@ def validate_eval(s: Scenario) -> None:
     alike = {name: (side.eval_interval, side.eval_iters) for name, side in sides.items()}
     if len(set(alike.values())) != 1:
         raise BadInput(f"{s.source}: eval_interval", f"every side must evaluate alike (eval_interval, "
-                                                     f"eval_iters), got {alike}: set them in [train]")  # fmt: skip
+                                                     f"eval_iters), got {alike}: set them in [train]")
     for name, side in sides.items():
         if side.eval_interval:
             _validate_evaluating(s, name, side, f"{s.source}: [{name}]")
@@ -24,18 +24,24 @@ def validate_eval(s: Scenario) -> None:
 
 def _validate_evaluating(s: Scenario, name: str, side: Side, where: str) -> None:
     if side.backend == "torch" and name != "golden":
-        raise BadInput(f"{where}.eval_interval", "the torch backend evaluates on its single-process golden side only")
+        raise BadInput(f"{where}.eval_interval",
+                       "the torch backend evaluates on its single-process golden side only")
     if side.backend == "mlm" and side.data == "mock":
-        raise BadInput(f"{where}.eval_interval", "evaluation reads the synthetic validation samples (data = \"synthetic\")")
+        raise BadInput(f"{where}.eval_interval",
+                       "evaluation reads the synthetic validation samples (data = \"synthetic\")")
     if getattr(s.model, "mtp_num_layers", 0):
-        raise BadInput(f"{where}.eval_interval", "the harness evaluates models without multi-token prediction "
-                                                 "(mtp_num_layers = 0)")  # fmt: skip
+        raise BadInput(f"{where}.eval_interval",
+                       "the harness evaluates models without multi-token prediction "
+                                                 "(mtp_num_layers = 0)")
     if side.pipeline_parallel > 1:
-        raise BadInput(f"{where}.eval_interval", "the harness evaluates without pipeline stages (pipeline_parallel = 1)")
+        raise BadInput(f"{where}.eval_interval",
+                       "the harness evaluates without pipeline stages (pipeline_parallel = 1)")
     if side.save_step or side.load_step:
-        raise BadInput(f"{where}.eval_interval", "the harness evaluates in plain runs, not around a checkpoint")
+        raise BadInput(f"{where}.eval_interval",
+                       "the harness evaluates in plain runs, not around a checkpoint")
     if side.overlap_param_gather:
         # Megatron-LM's train() disables the param-gather pre-hooks around an evaluation (a
         # forced param sync); the harness's loop does not.
-        raise BadInput(f"{where}.eval_interval", "not with overlap_param_gather (the harness's loop does not "
-                                                 "sync the params before an evaluation as Megatron-LM's does)")  # fmt: skip
+        raise BadInput(f"{where}.eval_interval", "not with overlap_param_gather (the harness's loop does "
+                                                 "not sync the params before an evaluation as Megatron-LM's "
+                                                 "does)")

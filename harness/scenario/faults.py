@@ -9,7 +9,7 @@ from __future__ import annotations
 from harness.scenario.fault import Fault
 from harness.scenario.feature_faults import (
     EVAL_FAULTS, GROUP_FAULTS, MTP_FAULTS, MUON_FAULTS, PRECISION_FAULTS, feature_reach,
-)  # fmt: skip
+)
 
 
 CATALOG: dict[str, Fault] = {
@@ -110,7 +110,8 @@ CATALOG: dict[str, Fault] = {
             "rows: after a padded shard every parameter's update is written pad rows early",
             # The optimizer's view of the gradient is misplaced first: the captured main_grad is
             # put together from the ranges the optimizer owns.
-            {"step": 1, "phase": "backward", "kind": "main_grad", "tensor": "decoder.layers.0.mlp.linear_fc1.weight",
+            {"step": 1, "phase": "backward", "kind": "main_grad",
+             "tensor": "decoder.layers.0.mlp.linear_fc1.weight",
              "signature": "beyond-sum-bound"},
         ),
         Fault(
@@ -134,7 +135,8 @@ CATALOG: dict[str, Fault] = {
             "a pipelined run's checkpoint saves each stage's layers under the mirrored stage's layer "
             "numbers (stage p of P at offset (P - 1 - p) x L/P), weights and Adam moments alike; planted "
             "on a [checkpoint] scenario's candidate, it acts where the checkpoint is saved",
-            {"step": None, "kind": "exp_avg", "tensor": "decoder.layers.0.*", "signature": "permuted-tensors"},
+            {"step": None, "kind": "exp_avg", "tensor": "decoder.layers.0.*",
+             "signature": "permuted-tensors"},
         ),
         Fault(
             "fp8-unreduced-amax", "precision loss",
@@ -173,11 +175,13 @@ def check_name(name: str) -> str | None:
 _NEEDS_GTP = frozenset({"gtp-rs-no-prescale", "gtp-ag-swap-shards", "gtp-ln-grad-not-reduced",
                         "gtp-peers-same-sample", "gtp-pad-leak", "loss-report-wrong-group",
                         "grad-norm-double-count", "fp8-unreduced-amax", "gtp-update-no-weight-decay",
-                        "gtp-update-lr-mult", "gtp-prescale-under-per-token-loss", "token-count-without-gtp-peers",
+                        "gtp-update-lr-mult", "gtp-prescale-under-per-token-loss",
+                            "token-count-without-gtp-peers",
                         "gtp-prefetch-missing-wait", "gtp-wgrad-rs-finalized-twice",
-                        "distopt-offsets-ignore-gtp-pad"})  # fmt: skip
+                        "distopt-offsets-ignore-gtp-pad"})
 # What the torch backend can plant (the others patch megatron-core's own functions).
-TORCH_FAULTS = frozenset({"fp8-unreduced-amax", "gtp-peers-same-sample", "gtp-pad-leak", "optimizer-skips-weight"})
+TORCH_FAULTS = frozenset({"fp8-unreduced-amax", "gtp-peers-same-sample", "gtp-pad-leak",
+                          "optimizer-skips-weight"})
 # What Megatron-LM's loop (the mlm backend) can plant: its sampler hands out the samples and
 # its schedule the micro-batches (no routing or micro-batch hook), per-token loss is a megatron
 # side option, and FP8 needs Transformer Engine.
@@ -186,7 +190,7 @@ MLM_FAULTS = frozenset(CATALOG) - {"gtp-peers-same-sample", "fp8-unreduced-amax"
                                     "gtp-prefetch-missing-wait", "gtp-wgrad-rs-finalized-twice",
                                     "distopt-offsets-ignore-gtp-pad", "pp-swap-microbatch-grads",
                                     "ckpt-pad-rows-as-data", "ckpt-expert-index-shifted",
-                                    "ckpt-stage-layers-mirrored"}  # fmt: skip
+                                    "ckpt-stage-layers-mirrored"}
 # Of the evaluation's faults the mlm backend plants the stale gather, inside megatron-core's GTP.
 MLM_FAULTS = MLM_FAULTS | {"gtp-eval-stale-gather"}
 
@@ -199,7 +203,8 @@ def check_reach(name: str, side, data=None) -> str | None:
     if len(parts) == 3 and parts[0] in RANK_FAULTS:
         rank, step = int(parts[1]), int(parts[2])
         if rank >= side.world_size:
-            return f"{name!r} never fires: rank {rank} is not in 0..{side.world_size - 1} (world_size {side.world_size})"
+            return (f"{name!r} never fires: rank {rank} is not in 0..{side.world_size - 1} (world_size "
+                    f"{side.world_size})")
         if not 1 <= step <= side.steps:
             return f"{name!r} never fires: step {step} is not in 1..{side.steps} (the side's steps)"
         return None
@@ -214,21 +219,26 @@ def check_reach(name: str, side, data=None) -> str | None:
         return f"{name!r} never fires unless GTP is told the loss is per-token (per_token_loss = \"both\")"
     if name == "token-count-without-gtp-peers" and side.per_token_loss == "none":
         return f"{name!r} never fires without per-token loss (per_token_loss)"
-    if name == "gtp-prefetch-missing-wait" and not (side.gtp_weight_prefetch and side.gtp_collectives == "lagging"):
+    if name == "gtp-prefetch-missing-wait" and not (side.gtp_weight_prefetch
+                                                    and side.gtp_collectives == "lagging"):
         return (f"{name!r} needs the prefetch chain (gtp_weight_prefetch) and gtp_collectives = \"lagging\": "
                 "with collectives that complete on gloo's timing the skipped wait may read the right weight")
-    if name == "gtp-prefetch-missing-wait" and data is not None and side.num_microbatches(data) * side.steps < 2:
+    one_forward = data is not None and side.num_microbatches(data) * side.steps < 2
+    if name == "gtp-prefetch-missing-wait" and one_forward:
         return f"{name!r} never fires in one forward: the first forward links the prefetch chain"
-    if name == "distopt-offsets-ignore-gtp-pad" and not (side.distributed_optimizer and side.precision == "bf16"):
+    if name == "distopt-offsets-ignore-gtp-pad" and not (side.distributed_optimizer
+                                                         and side.precision == "bf16"):
         # In fp32 the optimizer steps views of the params themselves: the misplaced copy then
         # overlaps its own source and torch raises instead of diverging.
         return f"{name!r} needs the distributed optimizer (distributed_optimizer) in bf16"
-    if name in ("ckpt-pad-rows-as-data", "ckpt-expert-index-shifted", "ckpt-stage-layers-mirrored") and not side.load_step:
-        return f"{name!r} never fires outside a [checkpoint] scenario's candidate (it acts where the checkpoint is saved)"
+    if name in ("ckpt-pad-rows-as-data", "ckpt-expert-index-shifted",
+                "ckpt-stage-layers-mirrored") and not side.load_step:
+        return (f"{name!r} never fires outside a [checkpoint] scenario's candidate (it acts where the "
+                f"checkpoint is saved)")
     if name == "microbatch-grad-overwrite" and data is not None and side.num_microbatches(data) < 2:
         return f"{name!r} never fires with one micro-batch per step"
     if name == "pp-swap-microbatch-grads" and (getattr(side, "pipeline_parallel", 1) == 1 or (
-            data is not None and side.num_microbatches(data) < 2)):  # fmt: skip
+            data is not None and side.num_microbatches(data) < 2)):
         return f"{name!r} never fires without pipeline stages and two micro-batches per step"
     if name == "pp-swap-microbatch-grads" and getattr(side, "virtual_pipeline", None):
         # Interleaved, the first stage's later model chunks send input gradients back: holding a

@@ -16,7 +16,8 @@ MUON_FAULTS: dict[str, Fault] = {
             "Muon's all-gather of a GTP-sharded momentum before Newton-Schulz (and its reshard) runs over "
             "the TP group instead of the GTP group: at TP = G the matrix is put together from other "
             "TP blocks' rows",
-            {"step": 1, "phase": "optimizer", "kind": "param", "tensor": "decoder.layers.*", "signature": "not-bitwise"},
+            {"step": 1, "phase": "optimizer", "kind": "param", "tensor": "decoder.layers.*",
+             "signature": "not-bitwise"},
         ),
     ]
 }
@@ -30,35 +31,42 @@ PRECISION_FAULTS: dict[str, Fault] = {
     for f in [
         Fault(
             "backport-gtp-wgrad-fp32", "backport",
-            "Megatron-LM e5542e85f2 (#6624) on an older tree: GTP's wgrad is reduce-scattered in main_grad's dtype",
-            {"step": None, "kind": "main_grad", "tensor": "*.weight", "signature": "none"},  # planted: bitwise
+            "Megatron-LM e5542e85f2 (#6624) on an older tree: GTP's wgrad is reduce-scattered in main_grad's "
+            "dtype",
+            # planted: bitwise
+            {"step": None, "kind": "main_grad", "tensor": "*.weight", "signature": "none"},
         ),
         Fault(
             "patch-gtp-embedding-wgrad-fp32", "proposed fix",
             "the word embedding's GTP wgrad reduce-scattered in main_grad's dtype, as repro/FINDINGS.md (I) "
             "proposes (still bf16 on Megatron-LM main d98e8a64dd)",
-            {"step": None, "kind": "main_grad", "tensor": "embedding.word_embeddings.weight", "signature": "none"},
+            {"step": None, "kind": "main_grad", "tensor": "embedding.word_embeddings.weight",
+             "signature": "none"},
         ),
         Fault(
             "gtp-rs-bf16", "extra rounding",
             "GTP's wgrad reduce-scatter runs in bf16 although main_grad is fp32 (the 0.19.2 wheel's own "
             "behaviour for bf16 params: planted on top of backport-gtp-wgrad-fp32)",
-            {"step": 1, "phase": "backward", "kind": "main_grad", "tensor": "*.weight", "signature": "extra-rounding"},
+            {"step": 1, "phase": "backward", "kind": "main_grad", "tensor": "*.weight",
+             "signature": "extra-rounding"},
         ),
         Fault(
             "distopt-grad-rs-bf16", "extra rounding",
             "the distributed optimizer's DDP grad reduce-scatter runs in bf16 although grad_reduce_in_fp32 "
             "keeps the buffer fp32",
-            {"step": 1, "phase": "backward", "kind": "main_grad", "tensor": "*", "signature": "extra-rounding"},
+            {"step": 1, "phase": "backward", "kind": "main_grad", "tensor": "*",
+             "signature": "extra-rounding"},
         ),
         Fault(
             "microbatch-accum-bf16", "extra rounding",
             "the fp32 micro-batch accumulation of main_grad rounds to bf16 after each micro-batch's add",
-            {"step": 1, "phase": "backward", "kind": "main_grad", "tensor": "*", "signature": "extra-rounding"},
+            {"step": 1, "phase": "backward", "kind": "main_grad", "tensor": "*",
+             "signature": "extra-rounding"},
         ),
         Fault(
             "grad-reduce-bf16-ignored", "extra rounding",
-            "a side's grad_reduce_in_fp32 = false does not reach DDP: main_grad and its reductions stay fp32, so "
+            "a side's grad_reduce_in_fp32 = false does not reach DDP: main_grad and its reductions stay "
+            "fp32, so "
             "the configured run rounds to bf16 where this one does not",
             # GTP's own weights first (backward order): on the 0.19.2 wheel their RS is bf16 either way, so
             # the values agree and the buffer's dtype is what differs; the replicated params' fp32 sums
@@ -83,15 +91,17 @@ def _precision_reach(name: str, side, data) -> str | None:
                                   "adam-exp-avg-sq-bf16-gtp"):
         return f"{name!r} never fires on a side without GTP (gtp = 1)"
     if name == "gtp-rs-bf16" and side.precision == "bf16" and (not side.grad_reduce_in_fp32 or (
-            "backport-gtp-wgrad-fp32" not in side.inject and side.megatron_core == "installed")):  # fmt: skip
+            "backport-gtp-wgrad-fp32" not in side.inject and side.megatron_core == "installed")):
         # The installed 0.19.2 wheel's local linears hand GTP a bf16 wgrad: the RS is bf16 already.
-        return f"{name!r} never fires in bf16 unless main_grad is fp32 and the wgrad is too (backport-gtp-wgrad-fp32)"
+        return (f"{name!r} never fires in bf16 unless main_grad is fp32 and the wgrad is too "
+                f"(backport-gtp-wgrad-fp32)")
     if name == "distopt-grad-rs-bf16" and not side.distributed_optimizer:
         return f"{name!r} needs the distributed optimizer (distributed_optimizer)"
     if name == "microbatch-accum-bf16" and data is not None and side.num_microbatches(data) < 2:
         return f"{name!r} never fires with one micro-batch per step"
     if name == "grad-reduce-bf16-ignored" and (side.precision != "bf16" or side.grad_reduce_in_fp32):
-        return f"{name!r} acts where main_grad is configured bf16 (precision bf16, grad_reduce_in_fp32 = false)"
+        return (f"{name!r} acts where main_grad is configured bf16 (precision bf16, grad_reduce_in_fp32 = "
+                f"false)")
     if name == "adam-exp-avg-sq-bf16-gtp" and side.optimizer != "adam":
         return f"{name!r} needs Adam (optimizer = \"adam\")"
     return None
@@ -106,12 +116,15 @@ GROUP_FAULTS: dict[str, Fault] = {
             "pgc-grad-norm-without-gtp", "reduction over the wrong group",
             "the caller's collection holds the TP group alone as its model-parallel group (mp): the "
             "optimizer's grad norm leaves out the other GTP peers' shards",
-            {"step": 1, "phase": "reduce", "kind": "scalar", "tensor": "grad_norm", "signature": "grad-norm-only"},
+            {"step": 1, "phase": "reduce", "kind": "scalar", "tensor": "grad_norm",
+             "signature": "grad-norm-only"},
         ),
         Fault(
             "patch-pgc-gtp-reads", "proposed fix",
-            "GPTModel hands its pg_collection to the word embedding and the output layer, and the grad norm's "
-            "duplicate filter reads the collection's GTP rank (Megatron-LM main d98e8a64dd reads parallel_state's "
+            "GPTModel hands its pg_collection to the word embedding and the output layer, and the grad "
+            "norm's "
+            "duplicate filter reads the collection's GTP rank (Megatron-LM main d98e8a64dd reads "
+            "parallel_state's "
             "in both)",
             {"step": None, "kind": "materialized", "tensor": "*", "signature": "none"},
         ),
@@ -121,12 +134,14 @@ GROUP_FAULTS: dict[str, Fault] = {
 
 def _groups_reach(name: str, side) -> str | None:
     if side.backend != "megatron" or side.process_groups == "parallel-state":
-        return f"{name!r} acts on a caller-supplied collection (process_groups = \"collection\" or \"collection-permuted\")"
+        return (f"{name!r} acts on a caller-supplied collection (process_groups = \"collection\" or "
+                f"\"collection-permuted\")")
     if side.gtp == 1:
         return f"{name!r} never fires on a side without GTP (gtp = 1)"
     if name == "patch-pgc-gtp-reads" and side.megatron_core == "installed":
         # 0.19.2's layers read parallel_state's GTP group whatever they are handed (9f3fe8c925 changed that).
-        return f"{name!r} needs a megatron-core whose LanguageModelEmbedding takes pg_collection (Megatron-LM 9f3fe8c925 on)"
+        return (f"{name!r} needs a megatron-core whose LanguageModelEmbedding takes pg_collection "
+                f"(Megatron-LM 9f3fe8c925 on)")
     return None
 
 
@@ -138,7 +153,8 @@ MTP_FAULTS: dict[str, Fault] = {
     for f in [
         Fault(
             "backport-gtp-mtp", "backport",
-            "Megatron-LM 79e6b6a7f5 (#6242) and d262dbed3d (#6565) on the 0.19.2 wheel: a use of a GTP weight "
+            "Megatron-LM 79e6b6a7f5 (#6242) and d262dbed3d (#6565) on the 0.19.2 wheel: a use of a GTP "
+            "weight "
             "with no all-gather of its own gathers on demand, a weight's in-flight wgrad reduce-scatter is "
             "accumulated before its next one starts, the chain's deferred finalize runs only on a "
             "reduce-scatter in flight, and the placeholder wgrad of a zero_out_wgrad weight is zeroed",
@@ -169,10 +185,13 @@ def _mtp_reach(name: str, side) -> str | None:
     if name in ("backport-gtp-mtp", "mtp-output-wgrad-dropped") and side.gtp == 1:
         return f"{name!r} never fires on a side without GTP (gtp = 1)"
     if name == "backport-gtp-mtp" and side.megatron_core != "installed":
-        return f"{name!r} is planted on the installed 0.19.2 wheel only (Megatron-LM holds the fixes since d262dbed3d)"
-    if name == "mtp-output-wgrad-dropped" and side.megatron_core == "installed" and "backport-gtp-mtp" not in side.inject:
+        return (f"{name!r} is planted on the installed 0.19.2 wheel only (Megatron-LM holds the fixes since "
+                f"d262dbed3d)")
+    if (name == "mtp-output-wgrad-dropped" and side.megatron_core == "installed"
+            and "backport-gtp-mtp" not in side.inject):
         # The wheel's GTP raises at MTP's first backward (repro/FINDINGS.md, L) before the fault could show.
-        return f"{name!r} needs a tree whose GTP runs MTP: on the installed wheel plant it with backport-gtp-mtp"
+        return (f"{name!r} needs a tree whose GTP runs MTP: on the installed wheel plant it with "
+                f"backport-gtp-mtp")
     return None
 
 

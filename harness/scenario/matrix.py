@@ -85,7 +85,8 @@ def expand_matrix(raw: dict, path: Path) -> list[tuple[dict, str]]:
     doc = {k: v for k, v in raw.items() if k != "matrix"}
     if "base" in spec:
         if not isinstance(spec["base"], str) or not spec["base"]:
-            raise BadInput(f"{src}: [matrix].base", f"must be a file name relative to this file, got {shown(spec['base'])}")
+            raise BadInput(f"{src}: [matrix].base",
+                           f"must be a file name relative to this file, got {shown(spec['base'])}")
         base_path = path.parent / spec["base"]
         if base_path.resolve() == path.resolve():
             raise BadInput(f"{src}: [matrix].base", "names this file itself")
@@ -158,15 +159,18 @@ def _whens(whens: Any, axes: dict, src: str) -> list[tuple[dict[str, set[str]], 
         wanted = {}
         for axis, labels in match.items():
             if axis not in axes:
-                raise BadInput(f"{where}[{i}].axes.{axis}", f"not an axis of this matrix; axes: {', '.join(axes)}")
+                raise BadInput(f"{where}[{i}].axes.{axis}",
+                               f"not an axis of this matrix; axes: {', '.join(axes)}")
             labels = labels if isinstance(labels, list) else [labels]
             known = {str(v.get("label", axis)) if isinstance(v, dict) else
-                     "+".join(map(str, v)) if isinstance(v, list) else str(v) for v in axes[axis]}  # fmt: skip
+                     "+".join(map(str, v)) if isinstance(v, list) else str(v) for v in axes[axis]}
             if not labels or not all(isinstance(lb, str) and lb in known for lb in labels):
-                raise BadInput(f"{where}[{i}].axes.{axis}", f"labels must be among {sorted(known)}, got {shown(labels)}")
+                raise BadInput(f"{where}[{i}].axes.{axis}",
+                               f"labels must be among {sorted(known)}, got {shown(labels)}")
             wanted[axis] = set(labels)
         extra = {k: v for k, v in when.items() if k != "axes"}
         if not extra or not set(extra) <= TOP_KEYS:
-            raise BadInput(f"{where}[{i}]", f"must set scenario tables besides axes (e.g. expect); got {sorted(extra)}")
+            raise BadInput(f"{where}[{i}]",
+                           f"must set scenario tables besides axes (e.g. expect); got {sorted(extra)}")
         out.append((wanted, extra))
     return out

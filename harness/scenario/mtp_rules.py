@@ -14,7 +14,8 @@ def validate_mtp_model(s: Scenario) -> None:
     m, src = s.model, s.source
     if not m.mtp_num_layers:
         if m.mtp_use_repeated_layer:
-            raise BadInput(f"{src}: [model].mtp_use_repeated_layer", "takes effect only with mtp_num_layers > 0")
+            raise BadInput(f"{src}: [model].mtp_use_repeated_layer",
+                           "takes effect only with mtp_num_layers > 0")
         return
     if not m.untie_embeddings:
         # The MTP heads would read the word embedding as their output layer: not recorded here.
@@ -22,31 +23,34 @@ def validate_mtp_model(s: Scenario) -> None:
     if m.mtp_num_layers >= m.seq_length:
         # Depth d predicts the token d + 1 places ahead: past the sequence nothing is left to predict.
         raise BadInput(f"{src}: [model].mtp_num_layers",
-                       f"must be < seq_length = {m.seq_length} (depth d masks the last d + 1 tokens)")  # fmt: skip
+                       f"must be < seq_length = {m.seq_length} (depth d masks the last d + 1 tokens)")
 
 
 def validate_mtp_side(s: Scenario, name: str, side: Side, where: str) -> None:
     m = s.model
     if not m.mtp_num_layers:
         if planted := [f for f in side.inject if f in MTP_FAULTS]:
-            raise BadInput(f"{where}.inject", f"{planted[0]!r} never fires without MTP ([model].mtp_num_layers = 0)")
+            raise BadInput(f"{where}.inject",
+                           f"{planted[0]!r} never fires without MTP ([model].mtp_num_layers = 0)")
         return
     if side.backend == "mlm" or (side.backend == "torch" and name != "golden"):
         raise BadInput(f"{where}.backend",
-                       "MTP runs on the megatron backend, and on the torch backend as the golden only")  # fmt: skip
+                       "MTP runs on the megatron backend, and on the torch backend as the golden only")
     if side.pipeline_parallel > 1:
         # megatron-core puts the MTP block on the last stage with a copy of the embedding whose
         # grads finalize all-reduces with the first stage's; at PP 1 it sets zero_out_wgrad on
         # the shared embedding instead (language_module.py, setup_embeddings_and_output_layer).
         raise BadInput(f"{where}.pipeline_parallel",
                        "MTP scenarios run at pipeline_parallel = 1: the last stage's copy of the embedding "
-                       "that MTP needs under pipelining is not recorded by this harness")  # fmt: skip
+                       "that MTP needs under pipelining is not recorded by this harness")
     if side.tp != 1:
-        raise BadInput(f"{where}.tp", "MTP scenarios run at TP 1: MTP under tensor parallelism is not covered yet")
+        raise BadInput(f"{where}.tp",
+                       "MTP scenarios run at TP 1: MTP under tensor parallelism is not covered yet")
     if side.per_token_loss != "none":
         # process_mtp_loss re-weights each depth by the micro-batch's token counts under a
         # per-token loss; the golden models the mean loss only.
-        raise BadInput(f"{where}.per_token_loss", "MTP scenarios use the mean loss (per_token_loss = \"none\")")
+        raise BadInput(f"{where}.per_token_loss",
+                       "MTP scenarios use the mean loss (per_token_loss = \"none\")")
 
 
 def mtp_parameter_count(m: ModelConfig) -> int:

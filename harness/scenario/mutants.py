@@ -30,11 +30,11 @@ OPT_IN = {"megatron.core.optimizer.emerging_optimizers": False}
 OPERATORS = ("constant", "compare", "arith", "remove-call", "group", "slice", "rank-mirror", "branch")
 
 _FLIP = {ast.Eq: "!=", ast.NotEq: "==", ast.Lt: ">=", ast.GtE: "<", ast.Gt: "<=", ast.LtE: ">",
-         ast.Is: "is not", ast.IsNot: "is", ast.In: "not in", ast.NotIn: "in"}  # fmt: skip
+         ast.Is: "is not", ast.IsNot: "is", ast.In: "not in", ast.NotIn: "in"}
 _ARITH = {ast.Add: "-", ast.Sub: "+", ast.Mult: "/", ast.Div: "*"}
 # Calls whose removal models a lost collective, wait or in-place update.
 _REMOVABLE = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "wait", "add_", "zero_",
-              "copy_", "div_", "mul_", "synchronize", "_prescale", "reduce", "gather")  # fmt: skip
+              "copy_", "div_", "mul_", "synchronize", "_prescale", "reduce", "gather")
 
 
 @dataclass(frozen=True)
@@ -162,7 +162,7 @@ def _groups(src: str, tree) -> list[str]:
     """Distinct group expressions passed as ``group=`` / ``process_group=`` under ``tree``."""
     found = [ast.get_source_segment(src, k.value) for k in ast.walk(tree)
              if isinstance(k, ast.keyword) and k.arg in ("group", "process_group")
-             and isinstance(k.value, (ast.Name, ast.Attribute, ast.Call))]  # fmt: skip
+             and isinstance(k.value, (ast.Name, ast.Attribute, ast.Call))]
     return sorted(set(found) - {None})
 
 
@@ -197,7 +197,7 @@ def mutants_of(module: str, every_function: bool | None = None, validate: bool =
         digest = hashlib.sha256(repr((module, *key, n)).encode()).hexdigest()[:10]
         out.append(Mutant(id=f"{short_module(module)}-{op}-{digest}", module=module, file=path,
                           function=qualname, operator=op, line=node.lineno, end_line=node.end_lineno,
-                          start=a, end=b, original=original, replacement=repl))  # fmt: skip
+                          start=a, end=b, original=original, replacement=repl))
     return applicable(out) if validate else out
 
 

@@ -25,7 +25,8 @@ from harness.scenario.matrix import expand_matrix, read_toml
 from harness.scenario.tree_specs import is_code_comparison
 from harness.scenario.rules import validate
 from harness.scenario.schema import (
-    HARD_INT_LIMIT, TOP_KEYS, CapturePolicy, ComparePolicy, DataConfig, KnownDivergence, ModelConfig, Scenario,
+    HARD_INT_LIMIT, TOP_KEYS, CapturePolicy, ComparePolicy, DataConfig, KnownDivergence, ModelConfig,
+        Scenario,
     Side, check_scenario_name,
 )
 
@@ -103,7 +104,8 @@ def parse_scenario(raw: dict, source: str, limits: bool = True) -> Scenario:
     if "name" not in raw:
         raise BadInput(f"{source}: name", "every scenario needs a name")
     if "checkpoint" in raw:
-        raise BadInput(f"{source}: [checkpoint]", "a checkpoint scenario is expanded by load(), one per load_into entry")
+        raise BadInput(f"{source}: [checkpoint]",
+                       "a checkpoint scenario is expanded by load(), one per load_into entry")
     if (problem := check_scenario_name(raw["name"])) is not None:
         raise BadInput(f"{source}: name", problem)
     for key in ("description",):
@@ -127,8 +129,10 @@ def parse_scenario(raw: dict, source: str, limits: bool = True) -> Scenario:
         "golden": {**golden_side(train, Side), **raw.get("golden", {})},
     }
     ref = sides["reference"]
-    if ref.get("optimizer") == "muon" and ref.get("muon_tp_mode") == "blockwise" and "muon_blocks" not in sides["golden"]:
-        # megatron-core's blockwise Muon orthogonalizes each TP shard alone: the golden, at the reference's TP.
+    blockwise = ref.get("optimizer") == "muon" and ref.get("muon_tp_mode") == "blockwise"
+    if blockwise and "muon_blocks" not in sides["golden"]:
+        # megatron-core's blockwise Muon orthogonalizes each TP shard alone: the golden, at the reference's
+        # TP.
         sides["golden"]["muon_blocks"] = ref.get("tp", 1)
     sides = {n: _build(Side, t, f"{source}: [{n}]") for n, t in sides.items()}
     scenario = Scenario(

@@ -12,7 +12,8 @@ from harness.scenario.schema import Scenario, Side
 def validate_paths(s: Scenario, side: Side, where: str) -> None:
     """GTP's other code paths: the megatron backend's switches, with megatron-core's own guards."""
     if side.sequence_parallel and s.model.seq_length * s.data.micro_batch_size % side.tp:
-        raise BadInput(f"{where}.sequence_parallel", f"TP {side.tp} must divide the sequence length {s.model.seq_length}")
+        raise BadInput(f"{where}.sequence_parallel",
+                       f"TP {side.tp} must divide the sequence length {s.model.seq_length}")
     _validate_loss_mask(s, side, where)
     _validate_process_groups(side, where)
 
@@ -22,11 +23,13 @@ def _validate_process_groups(side: Side, where: str) -> None:
     if side.process_groups == "parallel-state":
         return
     if side.pipeline_parallel > 1 or side.ep * side.expert_gtp > 1 or side.save_step or side.load_step:
-        raise BadInput(f"{where}.process_groups", "a caller-supplied collection is built here for TP x GTP x DP "
-                       "only: not with pipeline stages, experts or checkpoints")  # fmt: skip
+        raise BadInput(f"{where}.process_groups",
+                       "a caller-supplied collection is built here for TP x GTP x DP "
+                       "only: not with pipeline stages, experts or checkpoints")
     if side.process_groups == "collection-permuted" and (side.gtp == 1 or side.replicate_dp == 1):
-        raise BadInput(f"{where}.process_groups", "collection-permuted pairs GTP peers across replicate DP: it "
-                       f"needs G > 1 and DP > 1 (got G {side.gtp}, DP {side.replicate_dp})")  # fmt: skip
+        raise BadInput(f"{where}.process_groups",
+                       "collection-permuted pairs GTP peers across replicate DP: it "
+                       f"needs G > 1 and DP > 1 (got G {side.gtp}, DP {side.replicate_dp})")
 
 
 def _validate_loss_mask(s: Scenario, side: Side, where: str) -> None:
@@ -40,10 +43,10 @@ def _validate_loss_mask(s: Scenario, side: Side, where: str) -> None:
         # differing per micro-batch that is another objective than the global token mean.
         raise BadInput(f"{where}.per_token_loss",
                        "a variable loss mask needs per_token_loss (\"both\" or \"transformer-config\"): "
-                       "the mean loss averages per-micro-batch token means, not the global token mean")  # fmt: skip
+                       "the mean loss averages per-micro-batch token means, not the global token mean")
     if side.backend == "mlm":
         raise BadInput(f"{s.source}: [data].loss_mask", "the mlm backend reads Megatron-LM's own loss mask")
     if side.backend == "torch" and (side.world_size > 1 or side.recipe != "none" or side.precision == "bf16"):
         raise BadInput(f"{s.source}: [data].loss_mask",
                        "the torch backend applies a loss mask on its single-process golden path only "
-                       "(world_size 1, no recipe, fp32 or fp64)")  # fmt: skip
+                       "(world_size 1, no recipe, fp32 or fp64)")

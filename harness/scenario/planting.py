@@ -12,7 +12,7 @@ SIDES = ("reference", "candidate")
 
 
 def plant(scenarios: list, names, side: str = "candidate", *, where: str = "inject",
-          side_where: str = "inject_side") -> list:  # fmt: skip
+          side_where: str = "inject_side") -> list:
     """``scenarios`` with the faults ``names`` planted on ``side`` of each (none: unchanged).
 
     ``where`` and ``side_where`` name the option a bad fault or side came from.
@@ -25,7 +25,7 @@ def plant(scenarios: list, names, side: str = "candidate", *, where: str = "inje
         if (problem := check_name(name)) is not None:
             raise BadInput(where, problem)
     planted = [dataclasses.replace(s, **{side: dataclasses.replace(s.sides[side], inject=tuple(names))})
-               for s in scenarios]  # fmt: skip
+               for s in scenarios]
     for s in planted:  # the scenario's own rules decide whether each fault can fire on that side
         try:
             validate(s, limits=False)

@@ -49,7 +49,8 @@ class ComparePolicy:
     exact_steps: tuple[int, ...] = ()
     """Steps whose tensors are judged bitwise whatever the policy (a checkpoint's load step)."""
     derived: bool = True
-    """Judge a tensor by what its computation allows where a rule derives it (harness.compare.expectations)."""
+    """Judge a tensor by what its computation allows where a rule derives it
+    (harness.compare.expectations)."""
 
     def k_at(self, step: int) -> float:
         return self.k_first_step if step == 1 and self.k_first_step is not None else self.k

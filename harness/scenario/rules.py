@@ -112,7 +112,7 @@ def _validate_training(side: Side, where: str) -> None:
     decay = side.lr_decay_steps or side.steps
     if not 0 <= side.lr_warmup_steps < decay:  # megatron-core's OptimizerParamScheduler asserts it
         raise BadInput(f"{where}.lr_warmup_steps",
-                       f"must be >= 0 and < lr_decay_steps (or steps) = {decay}, got {side.lr_warmup_steps}")  # fmt: skip
+                       f"must be >= 0 and < lr_decay_steps (or steps) = {decay}, got {side.lr_warmup_steps}")
 
 
 def _validate_topology(s: Scenario, name: str, side: Side, where: str) -> None:
@@ -138,10 +138,12 @@ def _validate_topology(s: Scenario, name: str, side: Side, where: str) -> None:
             for key, dim0 in _gtp_dim0s(m, side.tp).items():
                 if dim0 % side.gtp:
                     raise BadInput(
-                        f"{where}.gtp", f"G {side.gtp} must divide dim 0 of {key} ({dim0}) when gtp_pad_alignment = 0"
+                        f"{where}.gtp",
+                            f"G {side.gtp} must divide dim 0 of {key} ({dim0}) when gtp_pad_alignment = 0"
                     )
     if name == "golden" and (side.world_size != 1 or side.tp != 1 or side.gtp != 1):
-        raise BadInput(f"{where}.world_size", "the golden side runs in a single process: world_size = tp = gtp = 1")
+        raise BadInput(f"{where}.world_size",
+                       "the golden side runs in a single process: world_size = tp = gtp = 1")
     unit = d.micro_batch_size * side.data_ranks
     if d.global_batch_size % unit:
         raise BadInput(
@@ -156,17 +158,20 @@ def _validate_recipe(s: Scenario, side: Side, where: str) -> None:
         return
     m, block = s.model, _RECIPE_BLOCK[side.recipe]
     dims = {**_gtp_dim0s(m, side.tp), "hidden_size": m.hidden_size,
-            "tokens per micro-batch": m.seq_length * s.data.micro_batch_size}  # fmt: skip
+            "tokens per micro-batch": m.seq_length * s.data.micro_batch_size}
     for key, dim in dims.items():
         if dim % block:
-            raise BadInput(f"{where}.recipe", f"{side.recipe} needs {key} ({dim}) to be a multiple of {block}")
+            raise BadInput(f"{where}.recipe",
+                           f"{side.recipe} needs {key} ({dim}) to be a multiple of {block}")
     if side.gtp > 1 and side.gtp_pad_alignment % block:
-        raise BadInput(f"{where}.gtp_pad_alignment", f"{side.recipe} needs GTP shards aligned to its {block}-row blocks")
+        raise BadInput(f"{where}.gtp_pad_alignment",
+                       f"{side.recipe} needs GTP shards aligned to its {block}-row blocks")
 
 
 def _validate_faults(name: str, side: Side, where: str, data=None) -> None:
     if side.mutant and (side.backend != "megatron" or name == "golden"):
-        raise BadInput(f"{where}.mutant", "a mutant of megatron-core runs on a megatron reference or candidate")
+        raise BadInput(f"{where}.mutant",
+                       "a mutant of megatron-core runs on a megatron reference or candidate")
     if name == "golden" and side.inject:
         raise BadInput(f"{where}.inject", "faults are planted in the reference or candidate, not the golden")
     for fault in side.inject:
@@ -191,20 +196,25 @@ def _validate_expect(s: Scenario) -> None:
     if e.verdict != "known-divergence":
         raise BadInput(f"{s.source}: [expect].verdict", f"{e.verdict!r}: one of ['known-divergence']")
     if not e.reason.strip():
-        raise BadInput(f"{s.source}: [expect].reason", "a known divergence states its root cause (file:function:line)")
+        raise BadInput(f"{s.source}: [expect].reason",
+                       "a known divergence states its root cause (file:function:line)")
     if e.step is not None and not 1 <= e.step <= s.reference.steps:
         raise BadInput(f"{s.source}: [expect].step", f"step {e.step} is not in 1..{s.reference.steps}")
     if e.fixed_in is not None and not re.fullmatch(r"[0-9a-f]{7,40}", e.fixed_in):
         raise BadInput(f"{s.source}: [expect].fixed_in", f"{e.fixed_in!r}: a commit id (7 to 40 hex digits)")
     if e.fixed_in_version is not None and version_key(e.fixed_in_version) is None:
-        raise BadInput(f"{s.source}: [expect].fixed_in_version", f"{e.fixed_in_version!r}: a version such as 0.20.0")
+        raise BadInput(f"{s.source}: [expect].fixed_in_version",
+                       f"{e.fixed_in_version!r}: a version such as 0.20.0")
     if e.introduced_in is not None and not re.fullmatch(r"[0-9a-f]{7,40}", e.introduced_in):
-        raise BadInput(f"{s.source}: [expect].introduced_in", f"{e.introduced_in!r}: a commit id (7 to 40 hex digits)")
+        raise BadInput(f"{s.source}: [expect].introduced_in",
+                       f"{e.introduced_in!r}: a commit id (7 to 40 hex digits)")
     if e.raises is not None and (not e.raises.strip() or e.signature is not None or e.step is not None):
-        raise BadInput(f"{s.source}: [expect].raises", "the text of the error, with no signature or step (a run "
-                                                       "that raises has no first divergence)")  # fmt: skip
+        raise BadInput(f"{s.source}: [expect].raises",
+                       "the text of the error, with no signature or step (a run "
+                                                       "that raises has no first divergence)")
     if e.diverges_after_fix is not None and e.fixed_in is None and e.fixed_in_version is None:
-        raise BadInput(f"{s.source}: [expect].diverges_after_fix", "needs the fix it follows (fixed_in or fixed_in_version)")
+        raise BadInput(f"{s.source}: [expect].diverges_after_fix",
+                       "needs the fix it follows (fixed_in or fixed_in_version)")
 
 
 def version_key(version: str) -> tuple[int, int, int] | None:
@@ -218,13 +228,15 @@ def _validate_capture_compare(s: Scenario) -> None:
     src = s.source
     for kind in s.capture.kinds:
         if kind not in CAPTURE_KINDS:
-            raise BadInput(f"{src}: [capture].kinds", f"unknown kind {kind!r}; one of {sorted(CAPTURE_KINDS)}")
+            raise BadInput(f"{src}: [capture].kinds",
+                           f"unknown kind {kind!r}; one of {sorted(CAPTURE_KINDS)}")
     if s.capture.mode not in CAPTURE_MODES:
         raise BadInput(f"{src}: [capture].mode", "full or fingerprint")
     steps = s.reference.steps
     for step in s.capture.steps or ():
         if not 1 <= step <= steps:
-            raise BadInput(f"{src}: [capture].steps", f"step {step} is not in 1..{steps} (the steps every side runs)")
+            raise BadInput(f"{src}: [capture].steps",
+                           f"step {step} is not in 1..{steps} (the steps every side runs)")
     if s.compare.policy not in POLICIES:
         raise BadInput(f"{src}: [compare].policy", f"one of {sorted(POLICIES)}")
     for key in ("k", "k_first_step", "floor"):
@@ -240,7 +252,8 @@ def _validate_limits(s: Scenario) -> None:
     m, d, src = s.model, s.data, s.source
     lift = "; --no-limits lifts this limit"
     values = {f"[model].{k}": (k, getattr(m, k)) for k in
-              ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length", "vocab_size")}
+              ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length",
+               "vocab_size")}
     values.update({f"[data].{k}": (k, getattr(d, k)) for k in ("micro_batch_size", "global_batch_size")})
     values["timeout_s"] = ("timeout_s", s.timeout_s)
     for name, side in s.sides.items():
@@ -250,7 +263,8 @@ def _validate_limits(s: Scenario) -> None:
     values["[data]"] = ("tokens_per_step", d.global_batch_size * m.seq_length)
     for where, (limit, value) in values.items():
         if value > LIMITS[limit]:
-            raise BadInput(f"{src}: {where}", f"{limit} {value:,} exceeds the limit of {LIMITS[limit]:,}{lift}")
+            raise BadInput(f"{src}: {where}",
+                           f"{limit} {value:,} exceeds the limit of {LIMITS[limit]:,}{lift}")
 
 
 def parameter_count(m: ModelConfig) -> int:
@@ -287,7 +301,8 @@ def _validate_mlm(s: Scenario, side: Side, where: str) -> None:
     other = s.candidate if side is s.reference else s.reference
     if side.data == "mock" and (other.backend not in ("mlm", "bridge") or other.data != "mock"):
         # Megatron-LM's mock samples are not the synthetic ones: the sides would read different data.
-        raise BadInput(f"{where}.data", "a mock-data side is compared with another mlm side on mock data only")
+        raise BadInput(f"{where}.data",
+                       "a mock-data side is compared with another mlm side on mock data only")
     if side.recipe != "none":
         raise BadInput(f"{where}.recipe", "recipes need Transformer Engine on the mlm backend")
     if side.gtp_pad_alignment != 16:  # configure_gtp_remat_from_recipe sets it, without FP8: 16
@@ -305,15 +320,17 @@ def _validate_pipeline(s: Scenario, side: Side, where: str) -> None:
     pp, vpp = side.pipeline_parallel, side.virtual_pipeline  # pp >= 1: _validate_topology
     if side.world_size % (side.tp * side.gtp * pp):
         raise BadInput(f"{where}.world_size", f"world_size {side.world_size} must be a multiple of "
-                                              f"TP x G x PP = {side.tp} x {side.gtp} x {pp}")  # fmt: skip
+                                              f"TP x G x PP = {side.tp} x {side.gtp} x {pp}")
     if vpp is not None and (vpp < 2 or pp < 2):
         raise BadInput(f"{where}.virtual_pipeline",
-                       f"needs pipeline_parallel >= 2 and >= 2 chunks per stage, got {vpp}")  # fmt: skip
+                       f"needs pipeline_parallel >= 2 and >= 2 chunks per stage, got {vpp}")
     chunks = pp * (vpp or 1)
     if s.model.num_layers % chunks:
-        raise BadInput(f"{where}.pipeline_parallel", f"{chunks} model chunks must divide [model].num_layers = "
-                                                     f"{s.model.num_layers}")  # fmt: skip
+        raise BadInput(f"{where}.pipeline_parallel",
+                       f"{chunks} model chunks must divide [model].num_layers = "
+                                                     f"{s.model.num_layers}")
     if pp > 1 and not s.model.untie_embeddings:
         # The last stage would hold a second copy of the embedding as its output layer
         # (finalize_model_grads._allreduce_word_embedding_grads): not recorded by this harness.
-        raise BadInput(f"{s.source}: [model].untie_embeddings", "pipeline_parallel > 1 needs untied embeddings")
+        raise BadInput(f"{s.source}: [model].untie_embeddings",
+                       "pipeline_parallel > 1 needs untied embeddings")

@@ -26,7 +26,7 @@ def _issue_order(group, n: int, rounds: int = 200) -> bool:
                                                  output_tensor=gathered)[1] for v in (1, 2)]
         handles += [compat.reduce_scatter_along_first_dim(torch.full((rows * n,), float(v)), group,
                                                           async_op=True, output=scattered)[1]
-                    for v in (1, 2)]  # fmt: skip
+                    for v in (1, 2)]
         for h in reversed(handles):
             h.wait()
         scattered_once = bool(scattered.eq(2 * n).all())
@@ -43,18 +43,21 @@ def _lagging(group, n: int) -> bool:
     compat.set_collectives("lagging")
     try:
         first, second = torch.full((rows * n,), -1.0), torch.full((rows * n,), -1.0)
-        h1 = compat.gather_along_first_dim(torch.full((rows,), 1.0), group, async_op=True, output_tensor=first)[1]
-        h2 = compat.gather_along_first_dim(torch.full((rows,), 2.0), group, async_op=True, output_tensor=second)[1]
+        h1 = compat.gather_along_first_dim(torch.full((rows,), 1.0), group, async_op=True,
+                                           output_tensor=first)[1]
+        h2 = compat.gather_along_first_dim(torch.full((rows,), 2.0), group, async_op=True,
+                                           output_tensor=second)[1]
         untouched = bool(first.eq(-1).all() and second.eq(-1).all())  # issuing h2 completed h1, unlanded
         h2.wait()
         landed = bool(first.eq(1).all() and second.eq(2).all())
         h1.wait()  # already landed: no rewrite
         scattered = torch.full((rows,), -1.0)
         h3 = compat.reduce_scatter_along_first_dim(torch.full((rows * n,), 3.0), group, async_op=True,
-                                                   output=scattered)[1]  # fmt: skip
+                                                   output=scattered)[1]
         rs_untouched = bool(scattered.eq(-1).all())
         h3.wait()
-        return untouched and landed and rs_untouched and bool(scattered.eq(3 * n).all()) and _issue_order(group, n, 20)
+        return (untouched and landed and rs_untouched and bool(scattered.eq(3 * n).all())
+                and _issue_order(group, n, 20))
     finally:
         compat.set_collectives("async")
 
@@ -69,7 +72,8 @@ def _ddp_coalesced(group, n: int) -> bool:
 
     rows = 1 << 10
     rank = dist.get_rank()
-    expected = torch.cat([torch.full((rows,), float(r)) for r in sorted(dist.get_process_group_ranks(group or dist.group.WORLD))])
+    expected = torch.cat([torch.full((rows,), float(r))
+                          for r in sorted(dist.get_process_group_ranks(group or dist.group.WORLD))])
     out = torch.full((rows * n,), -1.0)
     with buffers._coalescing_manager(group, async_ops=True) as cm:
         dist.all_gather_into_tensor(out, torch.full((rows,), float(rank)), group=group, async_op=True)

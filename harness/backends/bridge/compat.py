@@ -63,7 +63,8 @@ class _OneImporter(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     @staticmethod
     def _importer() -> str | None:
         frame = sys._getframe(2)
-        while frame is not None and frame.f_globals.get("__name__", "").startswith(("importlib", "_frozen_importlib")):
+        while frame is not None and frame.f_globals.get("__name__",
+                                                        "").startswith(("importlib", "_frozen_importlib")):
             frame = frame.f_back
         return frame.f_globals.get("__name__") if frame is not None else None
 
@@ -113,13 +114,14 @@ def install() -> None:
     from megatron.bridge.training import initialize, setup
 
     # setup.py l.253: initialize_megatron(...) without allow_no_cuda; initialize.py l.91 asserts CUDA.
-    compat._replace(setup, "initialize_megatron", functools.partial(initialize.initialize_megatron, allow_no_cuda=True),
-                    "bridge setup.initialize_megatron(allow_no_cuda=True)")  # fmt: skip
+    compat._replace(setup, "initialize_megatron",
+                    functools.partial(initialize.initialize_megatron, allow_no_cuda=True),
+                    "bridge setup.initialize_megatron(allow_no_cuda=True)")
     # initialize.torch_dist_init and _set_random_seed gate initialize_model_parallel and
     # model_parallel_cuda_manual_seed on torch.cuda.device_count() > 0: the CPU is that one device.
     for attr in ("torch_dist_init", "_set_random_seed"):
         compat._replace(initialize, attr, training_compat.on_one_device(getattr(initialize, attr)),
-                        f"bridge initialize.{attr} on one device")  # fmt: skip
+                        f"bridge initialize.{attr} on one device")
     # initialize.py l.148: compile_helpers() runs `make` in megatron/core/datasets on local rank 0;
     # the wheel ships the built helpers_cpp and no Makefile (a source tree: the wheel's build of
     # the same helpers.cpp, as for the mlm backend), imported here on every rank.
@@ -127,7 +129,8 @@ def install() -> None:
     compat._replace(initialize, "compile_helpers", lambda: None, "bridge initialize.compile_helpers")
     # setup.py l.309: set_jit_fusion_options -> _warmup_jit_function torch.compiles the fused
     # kernels the CPU configuration turns off, on a CUDA stream.
-    compat._replace(setup, "set_jit_fusion_options", lambda *a, **k: None, "bridge setup.set_jit_fusion_options")
+    compat._replace(setup, "set_jit_fusion_options", lambda *a, **k: None,
+                    "bridge setup.set_jit_fusion_options")
     _accelerator_stream()
 
 
@@ -135,4 +138,4 @@ def _accelerator_stream() -> None:
     # megatron-core's optimizer asks torch.accelerator.current_stream() (no accelerator: an error).
     if torch.accelerator.current_accelerator() is None:
         compat._replace(torch.accelerator, "current_stream", lambda device=None: compat._CURRENT_STREAM,
-                        "torch.accelerator.current_stream")  # fmt: skip
+                        "torch.accelerator.current_stream")

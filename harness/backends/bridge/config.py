@@ -23,7 +23,7 @@ CPU_MODEL = {
     "use_cpu_initialization": True, "masked_softmax_fusion": False, "bias_activation_fusion": False,
     "bias_dropout_fusion": False, "persist_layer_norm": False, "apply_rope_fusion": False,
     "cross_entropy_loss_fusion": False, "gradient_accumulation_fusion": False,
-}  # fmt: skip
+}
 
 
 def model_fields(job: Job, on_cpu: bool) -> dict:
@@ -33,9 +33,11 @@ def model_fields(job: Job, on_cpu: bool) -> dict:
     fields = {
         **mcore_kwargs("TransformerConfig", m, side),  # the declared one-to-one fields (a provider is one)
         "seq_length": m.seq_length, "vocab_size": m.vocab_size, "make_vocab_size_divisible_by": 1,
-        "share_embeddings_and_output_weights": not m.untie_embeddings, "position_embedding_type": "learned_absolute",
+        "share_embeddings_and_output_weights": not m.untie_embeddings,
+            "position_embedding_type": "learned_absolute",
         "normalization": "LayerNorm", "pipeline_model_parallel_size": 1, "context_parallel_size": 1,
-        "attention_dropout": 0.0, "hidden_dropout": 0.0, "add_bias_linear": False, "attention_softmax_in_fp32": True,
+        "attention_dropout": 0.0, "hidden_dropout": 0.0, "add_bias_linear": False,
+            "attention_softmax_in_fp32": True,
         "bf16": side.precision == "bf16", "params_dtype": dtype, "pipeline_dtype": dtype,
         "gradient_accumulation_fusion": False,
     }
@@ -49,26 +51,29 @@ def container(job: Job, model, dataset, on_cpu: bool):
     from megatron.bridge.training.config import (
         CheckpointConfig, ConfigContainer, DistributedDataParallelConfig, DistributedInitConfig, LoggerConfig,
         OptimizerConfig, RNGConfig, SchedulerConfig, TokenizerConfig, TrainingConfig, ValidationConfig,
-    )  # fmt: skip
+    )
 
     side, data = job.side, job.data
     bf16 = side.precision == "bf16"
     dtype = torch.bfloat16 if bf16 else torch.float32
     optimizer = OptimizerConfig(
-        **mcore_kwargs("OptimizerConfig", side), bf16=bf16, fp16=False, params_dtype=dtype, log_num_zeros_in_grad=True,
+        **mcore_kwargs("OptimizerConfig", side), bf16=bf16, fp16=False, params_dtype=dtype,
+            log_num_zeros_in_grad=True,
     )
     scheduler = SchedulerConfig(
-        start_weight_decay=side.weight_decay, end_weight_decay=side.weight_decay, weight_decay_incr_style="constant",
+        start_weight_decay=side.weight_decay, end_weight_decay=side.weight_decay,
+            weight_decay_incr_style="constant",
         lr_decay_style=side.lr_decay_style, lr_warmup_iters=side.lr_warmup_steps,
         lr_decay_iters=side.lr_decay_steps or side.steps, override_opt_param_scheduler=True,
-    )  # fmt: skip
+    )
     ddp = DistributedDataParallelConfig(
-        **mcore_kwargs("DistributedDataParallelConfig", side), check_for_nan_in_grad=True, average_in_collective=False,
+        **mcore_kwargs("DistributedDataParallelConfig", side), check_for_nan_in_grad=True,
+            average_in_collective=False,
     )
     return ConfigContainer(
         model=model,
         train=TrainingConfig(train_iters=side.steps, global_batch_size=data.global_batch_size,
-                             micro_batch_size=data.micro_batch_size),  # fmt: skip
+                             micro_batch_size=data.micro_batch_size),
         validation=ValidationConfig(eval_interval=side.steps + 100, eval_iters=0),
         optimizer=optimizer, scheduler=scheduler, ddp=ddp, dataset=dataset,
         logger=LoggerConfig(log_interval=1),

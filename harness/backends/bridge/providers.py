@@ -50,7 +50,8 @@ def synthetic_dataset(seed: int, model, on_cpu: bool):
         def build_datasets(self, context):
             return IdDataset(_WithPositions(SyntheticDataset(seed, model)), context.train_samples), None, None
 
-    return SyntheticSamples(dataloader_type="single", num_workers=0, pin_memory=not on_cpu, persistent_workers=False)
+    return SyntheticSamples(dataloader_type="single", num_workers=0, pin_memory=not on_cpu,
+                            persistent_workers=False)
 
 
 def mock_dataset(seed: int, model, on_cpu: bool):
@@ -60,8 +61,9 @@ def mock_dataset(seed: int, model, on_cpu: bool):
 
     return MockGPTDatasetConfig(
         random_seed=seed, seq_length=model.seq_length, reset_position_ids=False, reset_attention_mask=False,
-        eod_mask_loss=False, dataloader_type="single", num_workers=0, pin_memory=not on_cpu, persistent_workers=False,
-    )  # fmt: skip
+        eod_mask_loss=False, dataloader_type="single", num_workers=0, pin_memory=not on_cpu,
+            persistent_workers=False,
+    )
 
 
 def with_sample_ids(get_dataset_provider):

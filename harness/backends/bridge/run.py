@@ -47,7 +47,8 @@ def run(job: Job, cap: Capture) -> None:
             patch(pretrain, "get_dataset_provider", providers.with_sample_ids(pretrain.get_dataset_provider))
         else:
             dataset = providers.synthetic_dataset(job.data.seed, job.model, on_cpu)
-        pretrain.pretrain(config.container(job, model, dataset, on_cpu), providers.forward_step(hooks.micro_batch))
+        pretrain.pretrain(config.container(job, model, dataset, on_cpu),
+                          providers.forward_step(hooks.micro_batch))
     finally:
         faults.uninstall()  # the hooks' patches and the gather recorder's
         initialize.destroy_global_state()  # Bridge's and megatron-core's globals: the next side starts afresh
@@ -58,13 +59,14 @@ class _BridgeHooks(_Hooks):
     """The mlm backend's hooks, called from Bridge's ``train_step`` (its own signature)."""
 
     def bridge_train_step(self, original):
-        def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, global_state, *args, **kwargs):
+        def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, global_state, *args,
+                       **kwargs):
             def call(*_, iteration=None, **__):
                 return original(forward_step_func, data_iterator, model, optimizer, scheduler, global_state,
-                                *args, **kwargs)  # fmt: skip
+                                *args, **kwargs)
 
             # Bridge counts its steps in train_state.step (0 before the first).
             return self.train_step(call)(forward_step_func, data_iterator, model, optimizer,
-                                         iteration=global_state.train_state.step)  # fmt: skip
+                                         iteration=global_state.train_state.step)
 
         return train_step

@@ -261,7 +261,8 @@ def finalize_kwargs(ctx: Context, kwargs: dict) -> dict:
     from megatron.core import parallel_state as ps
 
     wrong = copy.copy(pg)  # finalize reads dp_cp_gtp_remat, else dp_cp (GTP-inclusive by default)
-    wrong.dp_cp = wrong.dp_cp_gtp_remat = ps.get_data_parallel_group(with_context_parallel=True, with_gtp_remat=False)
+    wrong.dp_cp = wrong.dp_cp_gtp_remat = ps.get_data_parallel_group(with_context_parallel=True,
+                                                                     with_gtp_remat=False)
     return {**kwargs, "pg_collection": wrong}
 
 
@@ -278,9 +279,11 @@ def _gtp_param_groups(ctx: Context) -> list[dict]:
     ids = {id(p) for _, p in ctx.named_params if getattr(p, "is_gtp_weight_remat", False)}
     parts = getattr(ctx.optimizer, "chained_optimizers", None) or [ctx.optimizer]
     for part in parts:
-        for g16, g32 in zip(getattr(part, "float16_groups", []), getattr(part, "fp32_from_float16_groups", [])):
+        for g16, g32 in zip(getattr(part, "float16_groups", []),
+                            getattr(part, "fp32_from_float16_groups", [])):
             ids |= {id(p32) for p16, p32 in zip(g16, g32) if id(p16) in ids}
-    return [g for part in parts for g in part.optimizer.param_groups if any(id(p) in ids for p in g["params"])]
+    return [g for part in parts for g in part.optimizer.param_groups if any(id(p) in ids
+                                                                            for p in g["params"])]
 
 
 # Param-group faults: the group's setting during the step (the scheduler resets it after).
@@ -314,7 +317,8 @@ def after_step(ctx: Context) -> None:
             p.copy_(before)
         # The fp32 master must stay stale too, or the next step would resurrect the update.
         for part in getattr(ctx.optimizer, "chained_optimizers", None) or [ctx.optimizer]:
-            for g16, g32 in zip(getattr(part, "float16_groups", []), getattr(part, "fp32_from_float16_groups", [])):
+            for g16, g32 in zip(getattr(part, "float16_groups", []),
+                                getattr(part, "fp32_from_float16_groups", [])):
                 for p16, p32 in zip(g16, g32):
                     if p16 is p:
                         p32.data.copy_(before.float())
@@ -379,4 +383,5 @@ def checkpoint_state(ctx: Context, state: dict) -> None:
     pad = clean.data.new_zeros(max(ctx.side.gtp_pad_alignment, 1), *clean.data.shape[1:])
     slot, slots = ctx.coord["tp"] * ctx.side.gtp + ctx.coord["gtp"], ctx.side.tp * ctx.side.gtp
     state["model"][key] = ShardedTensor.from_rank_offsets(key, torch.cat([clean.data, pad]), (0, slot, slots),
-                                                          replica_id=clean.replica_id, allow_shape_mismatch=True)
+                                                          replica_id=clean.replica_id,
+                                                              allow_shape_mismatch=True)

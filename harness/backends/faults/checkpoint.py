@@ -57,7 +57,7 @@ def _stage_layers_mirrored(ctx) -> None:
         stages, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
         per = self.config.num_layers // stages
         _shift_axis(state, 0, lambda layer: (stages - 1 - stage) * per + layer - stage * per,
-                    keep=lambda key: key.startswith(f"{prefix}layers."))  # fmt: skip
+                    keep=lambda key: key.startswith(f"{prefix}layers."))
         return state
 
     patch(TransformerBlock, "sharded_state_dict", sharded_state_dict)

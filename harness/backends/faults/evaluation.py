@@ -1,6 +1,7 @@
 """Planted faults only an evaluation exposes (:data:`harness.scenario.faults.EVAL_FAULTS`): a
 run-time patch of megatron-core's GTP, undone with the side's other patches. (The other,
-``eval-loss-wrong-group``, acts through the backend's hook :func:`harness.backends.faults.eval_report_group`.)"""
+``eval-loss-wrong-group``, acts through the backend's hook
+:func:`harness.backends.faults.eval_report_group`.)"""
 
 from __future__ import annotations
 

@@ -49,7 +49,7 @@ def _gpt_model_passes_collection(pgc) -> None:
 
     if "pg_collection" not in inspect.signature(lme.LanguageModelEmbedding.__init__).parameters:
         raise RuntimeError("patch-pgc-gtp-reads: this megatron-core's LanguageModelEmbedding takes no "
-                           "pg_collection (Megatron-LM 9f3fe8c925 added it)")  # fmt: skip
+                           "pg_collection (Megatron-LM 9f3fe8c925 added it)")
     building = []  # inside GPTModel.__init__: its embedding and output layer take the collection
 
     def within(cls, attr):

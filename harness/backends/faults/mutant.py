@@ -2,8 +2,8 @@
 
 The mutated module source is compiled from the installed file with the one span replaced,
 and the mutated function's code object takes the place of the clean one's (``__code__``),
-through :mod:`harness.backends.patching`, so :func:`harness.backends.patching.undo_all` restores it when the side
-ends. Every reference to the function (``from x import f`` copies, bound methods, the class
+through :mod:`harness.backends.patching`, so :func:`harness.backends.patching.undo_all` restores it when the
+side ends. Every reference to the function (``from x import f`` copies, bound methods, the class
 attribute) sees the mutant, and the next side of the same launch runs clean code or its own
 mutant: many mutants share one launch.
 """
@@ -38,7 +38,8 @@ def _function(module, qualname: str):
             obj = obj.__wrapped__
         else:
             break
-    raise LookupError(f"{module.__name__}.{qualname} is not a plain function: a mutant cannot replace its code")
+    raise LookupError(f"{module.__name__}.{qualname} is not a plain function: a mutant cannot replace its "
+                      f"code")
 
 
 class Reach:

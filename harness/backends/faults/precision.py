@@ -33,7 +33,7 @@ def _wgrad_in_main_grad_dtype(ctx, module_types: tuple) -> None:
     """GTP's wgrad of the weights of ``module_types`` cast to main_grad's dtype where it is
     handed to the reduce-scatter (``GTPShardedParam.wgrad_reduce_scatter``)."""
     weights = {id(m.weight) for chunk in ctx.model for m in chunk.modules()
-               if isinstance(m, module_types) and _is_gtp(getattr(m, "weight", None))}  # fmt: skip
+               if isinstance(m, module_types) and _is_gtp(getattr(m, "weight", None))}
     cls = _gtp().GTPShardedParam
     original = cls.wgrad_reduce_scatter
 
@@ -144,11 +144,12 @@ def _exp_avg_sqs_of_gtp_params(ctx) -> list[torch.Tensor]:
     for part in parts:
         owned = getattr(part, "model_param_group_index_map", None)
         if owned is not None:  # DistributedOptimizer: the states of this rank's ranges
-            found += [part._get_main_param_and_optimizer_states(p).get("exp_avg_sq") for p in gtp if p in owned]
+            found += [part._get_main_param_and_optimizer_states(p).get("exp_avg_sq") for p in gtp
+                      if p in owned]
             continue
         master = {id(p16): p32 for g16, g32 in zip(getattr(part, "float16_groups", []),
                                                     getattr(part, "fp32_from_float16_groups", []))
-                  for p16, p32 in zip(g16, g32)}  # fmt: skip
+                  for p16, p32 in zip(g16, g32)}
         found += [part.optimizer.state.get(master.get(id(p), p), {}).get("exp_avg_sq") for p in gtp]
     return [t for t in found if t is not None]
 
@@ -166,7 +167,8 @@ def before_build(names) -> None:
     original = DistributedDataParallel.__init__
 
     def init(self, config, ddp_config, module, *args, **kwargs):
-        return original(self, config, dataclasses.replace(ddp_config, grad_reduce_in_fp32=True), module, *args, **kwargs)
+        return original(self, config, dataclasses.replace(ddp_config, grad_reduce_in_fp32=True), module,
+                        *args, **kwargs)
 
     patch(DistributedDataParallel, "__init__", init)
 

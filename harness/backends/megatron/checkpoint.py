@@ -49,8 +49,9 @@ _METADATA_GLOBALS = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout"),
     ("torch", "Size"), ("collections", "OrderedDict"),
     *(("torch", str(d).removeprefix("torch.")) for d in
-      (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8, torch.bool)),
-}  # fmt: skip
+      (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8,
+       torch.bool)),
+}
 
 
 class UnsafePickle(pickle.UnpicklingError):
@@ -88,7 +89,8 @@ def allow_listed_reads():
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         loaded = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
-            default_planner.set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+            default_planner.set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn],
+                                        loaded)
         else:
             self.state_dict[read_item.dest_index.fqn] = loaded
 
@@ -110,7 +112,8 @@ def sharded_state(ddp, opt, is_loading: bool) -> dict:
     """The model's and the optimizer's sharded state dicts, as Megatron-LM builds them."""
     # A fresh copy each time: megatron-core stores this side's process groups in it (dp_cp_group).
     model = _model(ddp).sharded_state_dict(metadata=dict(METADATA))
-    return {"model": model, "optimizer": opt.sharded_state_dict(model, is_loading=is_loading, metadata=dict(METADATA))}
+    return {"model": model,
+            "optimizer": opt.sharded_state_dict(model, is_loading=is_loading, metadata=dict(METADATA))}
 
 
 def save(ddp, opt, scheduler, directory: str | Path, ctx=None) -> None:
@@ -130,7 +133,8 @@ def save(ddp, opt, scheduler, directory: str | Path, ctx=None) -> None:
     state["opt_param_scheduler"] = scheduler.state_dict()
     if ctx is not None:
         faults.checkpoint_state(ctx, state)
-    dist_checkpointing.save(state, str(directory), sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1))
+    dist_checkpointing.save(state, str(directory),
+                            sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1))
     dist.barrier()
 
 
@@ -148,7 +152,7 @@ def _states_to_load_into(opt) -> None:
 
     for part in getattr(opt, "chained_optimizers", None) or [opt]:
         if (isinstance(part, distrib_optimizer.DistributedOptimizer) and not distrib_optimizer.HAVE_APEX_OR_TE
-                and not part.optimizer.state):  # fmt: skip
+                and not part.optimizer.state):
             part._init_optimizer_states_with_dummy_values()
 
 
@@ -157,7 +161,8 @@ def refuse_legacy_common(directory: str | Path) -> None:
     with a plain ``torch.load`` (dist_checkpointing/strategies/common.py l.48, no
     ``weights_only``): such a checkpoint is refused rather than unpickled."""
     if (Path(directory) / "common.pt").exists():
-        raise UnsafePickle(f"{directory}/common.pt: a legacy common state megatron-core would unpickle unchecked")
+        raise UnsafePickle(f"{directory}/common.pt: a legacy common state megatron-core would unpickle "
+                           f"unchecked")
 
 
 def load(ddp, opt, scheduler, directory: str | Path) -> None:

@@ -202,7 +202,7 @@ def check_version() -> str:
     if found not in READ_AGAINST:
         warnings.warn(f"the CPU compatibility layer was read against megatron-core {sorted(READ_AGAINST)}, "
                       f"this tree is {found}: each stand-in is applied only where what it replaces exists"
-                      + (f"; not found: {', '.join(_missing)}" if _missing else ""), stacklevel=2)  # fmt: skip
+                      + (f"; not found: {', '.join(_missing)}" if _missing else ""), stacklevel=2)
     return found
 
 
@@ -221,7 +221,7 @@ def _install_gloo_collectives() -> None:
     # land at the wait (collectives.coalescing_landing_at_wait says why).
     if not getattr(buffers._coalescing_manager, "_gtp_parity_land_at_wait", False):
         _replace(buffers, "_coalescing_manager",
-                 collectives.coalescing_landing_at_wait(dist.distributed_c10d._coalescing_manager))  # fmt: skip
+                 collectives.coalescing_landing_at_wait(dist.distributed_c10d._coalescing_manager))
 
 
 def _replace(holder, attr: str, value, name: str | None = None) -> None:
@@ -246,7 +246,7 @@ def applied() -> dict:
     if not _installed:
         return {}
     return {"version": tree_version(), "read_against": sorted(READ_AGAINST), "applied": sorted(set(_applied)),
-            "not_found": sorted(set(_missing))}  # fmt: skip
+            "not_found": sorted(set(_missing))}
 
 
 def install() -> bool:
@@ -262,7 +262,8 @@ def install() -> bool:
     cuda = torch.cuda
     for attr, value in (
         ("current_device", lambda: "cpu"), ("Event", _Event), ("Stream", _Stream),
-        ("current_stream", lambda device=None: _CURRENT_STREAM), ("stream", lambda stream=None: contextlib.nullcontext()),
+        ("current_stream", lambda device=None: _CURRENT_STREAM),
+            ("stream", lambda stream=None: contextlib.nullcontext()),
         ("synchronize", lambda device=None: None), ("empty_cache", lambda: None),
         ("get_rng_state", lambda device="cuda": torch.get_rng_state()),
         ("set_rng_state", lambda state, device="cuda": torch.set_rng_state(state)),
@@ -271,7 +272,7 @@ def install() -> bool:
         ("manual_seed_all", lambda seed: None),
         # finalize_model_grads asks before its graph-safe paths (main); no CPU stream captures.
         ("is_current_stream_capturing", lambda: False),
-    ):  # fmt: skip
+    ):
         _replace(cuda, attr, value, f"torch.cuda.{attr}")
     torch.Tensor.cuda = lambda self, *a, **k: self
     torch.Tensor.type = _type_names_as_cuda(torch.Tensor.type)
@@ -280,14 +281,16 @@ def install() -> bool:
     from megatron.core.tensor_parallel import random as mrandom
 
     _replace(mrandom, "_get_cuda_rng_state",
-             lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state())  # fmt: skip
-    _replace(mrandom, "_set_cuda_rng_state", lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state))
+             lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state())
+    _replace(mrandom, "_set_cuda_rng_state", lambda new_state, device=-1,
+             graph_safe=False: torch.set_rng_state(new_state))
 
     from megatron.core.tensor_parallel import generalized_tensor_parallelism as gtp
     from megatron.core.tensor_parallel import gtp_api
 
     for attr, value in (
-        ("gather_along_first_dim", gather_along_first_dim), ("reduce_scatter_along_first_dim", reduce_scatter_along_first_dim),
+        ("gather_along_first_dim", gather_along_first_dim),
+            ("reduce_scatter_along_first_dim", reduce_scatter_along_first_dim),
         ("in_fp8_activation_recompute_phase", not_in_recompute_phase),
         # main binds TE's function once more at import, under the name its call sites use
         # (a MagicMock without TE: always truthy, every gather taken as a recompute's).
@@ -297,7 +300,7 @@ def install() -> bool:
         ("QuantizedTensor", _NoQuantizedTensor), ("MXFP8TensorStorage", _NoQuantizedTensor),
         ("NVFP4TensorStorage", _NoQuantizedTensor), ("MXFP8Quantizer", _NoQuantizedTensor),
         ("_NVFP4AllGatherAsyncHandle", _NoQuantizedTensor), ("HAVE_TE", True),
-    ):  # fmt: skip
+    ):
         _replace(gtp, attr, value, f"gtp.{attr}")
     _replace(gtp_api, "HAVE_GTP", True, "gtp_api.HAVE_GTP")
 
@@ -305,13 +308,13 @@ def install() -> bool:
 
     if hasattr(mtp, "is_inference_column_parallel_linear"):  # main (d98e8a64dd); not in 0.19.2
         _replace(mtp, "is_inference_column_parallel_linear", no_inference_linear,
-                 "multi_token_prediction.is_inference_column_parallel_linear")  # fmt: skip
+                 "multi_token_prediction.is_inference_column_parallel_linear")
 
     from megatron.core.transformer.moe import token_dispatcher
 
     # The dispatcher imported the helper by name: its CPU tensors never became numpy split sizes.
     _replace(token_dispatcher, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu,
-             "token_dispatcher.maybe_move_tensor_to_cpu")  # fmt: skip
+             "token_dispatcher.maybe_move_tensor_to_cpu")
     check_version()
 
     _CudaToCpu().__enter__()

@@ -53,8 +53,9 @@ def evaluate(fns, evals: EvalRecorder) -> None:
             losses = fns.forward_backward_func(
                 forward_step_func=forward_step, data_iterator=batches(it), model=fns.chunks,
                 num_microbatches=side.num_microbatches(d), seq_length=m.seq_length,
-                micro_batch_size=d.micro_batch_size, forward_only=True, **groups.kwargs(ctx.saved["pg_collection"]),
-            )  # fmt: skip
+                micro_batch_size=d.micro_batch_size, forward_only=True,
+                    **groups.kwargs(ctx.saved["pg_collection"]),
+            )
             part = torch.vstack([x["lm loss"].view(-1) for x in losses]).sum(dim=0)
             dist.all_reduce(part, group=group)
             total += part

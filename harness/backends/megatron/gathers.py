@@ -21,7 +21,7 @@ MAX_EVENTS = 64  # the first ones name the cause; a buffer reused every step rep
 
 
 def record_gathers(named: list[tuple[str, torch.Tensor]], record: Callable[[str, torch.Tensor], None],
-                   cap: Capture) -> None:  # fmt: skip
+                   cap: Capture) -> None:
     """Call ``record(name, gathered)`` on every forward all-gather of a parameter in ``named``,
     and list in ``cap.info["consumed_foreign"]`` (with step and micro-batch) each hand-out
     whose own rows are not the parameter's own shard."""
@@ -77,6 +77,7 @@ def _foreign(p, out: torch.Tensor, g: int, shards: list[tuple[str, torch.Tensor]
     if own is None or torch.equal(own[0], own[1].to(own[0].dtype)):
         return None
     for name, q in shards:
-        if q is not p and q.shape == p.shape and torch.equal(own[0], q.detach()[: own[0].shape[0]].to(own[0].dtype)):
+        if q is not p and q.shape == p.shape and torch.equal(own[0],
+                                                             q.detach()[: own[0].shape[0]].to(own[0].dtype)):
             return name
     return "unknown"

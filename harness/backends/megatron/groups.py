@@ -23,7 +23,7 @@ FIELD_AXES = {
     "tp": ("tp",), "tp_cp": ("tp",), "gtp_remat": ("gtp",), "dp": ("dp",), "dp_cp": ("dp",),
     "intra_dp_cp": ("dp",), "dp_cp_gtp_remat": ("gtp", "dp"), "tp_dp_cp": ("tp", "gtp", "dp"),
     "mp": ("tp", "gtp"),
-}  # fmt: skip
+}
 
 
 def collection(side):
@@ -42,7 +42,7 @@ def collection(side):
             continue
         if sorted(dist.get_process_group_ranks(group)) not in same_on_any_pairing:
             raise RuntimeError(f"parallel_state's {name} group of rank {rank} spans "
-                               f"{dist.get_process_group_ranks(group)}: not built on another pairing here")  # fmt: skip
+                               f"{dist.get_process_group_ranks(group)}: not built on another pairing here")
     for name, axes in FIELD_AXES.items():
         group = getattr(pgc, name, None)
         if group is None:
@@ -50,7 +50,7 @@ def collection(side):
         ranks = dist.get_process_group_ranks(group)
         if sorted(ranks) != usual.group(rank, *axes):  # the collection is built on what this reads
             raise RuntimeError(f"parallel_state's {name} group of rank {rank} is {ranks}, not the mesh's "
-                               f"{usual.group(rank, *axes)} over {axes}")  # fmt: skip
+                               f"{usual.group(rank, *axes)} over {axes}")
         if mine.order != usual.order and sorted(mine.groups(*axes)) != sorted(usual.groups(*axes)):
             # every rank creates every group of the field, in one order, and keeps its own
             made = [(g, dist.new_group(g)) for g in mine.groups(*axes)]

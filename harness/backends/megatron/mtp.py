@@ -27,7 +27,7 @@ def config_kwargs(job) -> dict:
     if not m.mtp_num_layers:
         return {}
     return {"mtp_num_layers": m.mtp_num_layers, "mtp_use_repeated_layer": m.mtp_use_repeated_layer,
-            "mtp_loss_scaling_factor": m.mtp_loss_scaling_factor}  # fmt: skip
+            "mtp_loss_scaling_factor": m.mtp_loss_scaling_factor}
 
 
 def block_spec(job, config, layer_spec):
@@ -61,7 +61,8 @@ def attach(model, cap: Capture, job, modules: dict, loss_mask: Callable[[], torc
         if not depths.in_backward():
             depth, state.loss_calls = state.loss_calls, state.loss_calls + 1
             if depth < state.depths:
-                state.record_loss(depth, depths.per_sample(losses.float(), depths.shifted(loss_mask(), depth)))
+                state.record_loss(depth,
+                                  depths.per_sample(losses.float(), depths.shifted(loss_mask(), depth)))
         return losses
 
     model.compute_language_model_loss = compute_language_model_loss

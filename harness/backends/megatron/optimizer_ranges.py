@@ -90,12 +90,13 @@ def optimizer_state(opt, named) -> tuple[dict, dict]:
             owned = part._get_main_param_and_optimizer_states(p) if part is not None else {}
             master = _whole(group, p, r, owned.get("param"))
             states[id(master) if p.dtype != torch.float32 else id(p)] = {
-                k: _whole(group, p, r, owned.get(k)) for k in kinds}  # fmt: skip
+                k: _whole(group, p, r, owned.get(k)) for k in kinds}
             if p.dtype != torch.float32:  # as the local optimizer: a separate master only in mixed precision
                 masters[id(p)] = master
         return states, {name: masters[id(p)] for name, p in named if id(p) in masters}
     for part in _parts(opt):
-        for g16, g32 in zip(getattr(part, "float16_groups", []), getattr(part, "fp32_from_float16_groups", [])):
+        for g16, g32 in zip(getattr(part, "float16_groups", []),
+                            getattr(part, "fp32_from_float16_groups", [])):
             for p16, p32 in zip(g16, g32):  # mixed precision: the fp32 master copies
                 masters[id(p16)] = p32
         states.update({id(p): st for p, st in part.optimizer.state.items()})

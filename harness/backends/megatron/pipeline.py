@@ -36,7 +36,7 @@ def parallel_state_kwargs(side) -> dict:
     if side.pipeline_parallel == 1:
         return {}
     return {"pipeline_model_parallel_size": side.pipeline_parallel,
-            "virtual_pipeline_model_parallel_size": side.virtual_pipeline}  # fmt: skip
+            "virtual_pipeline_model_parallel_size": side.virtual_pipeline}
 
 
 def config_kwargs(side) -> dict:
@@ -49,7 +49,7 @@ def config_kwargs(side) -> dict:
     interleaved = side.virtual_pipeline is not None
     return {"pipeline_model_parallel_size": side.pipeline_parallel,
             "virtual_pipeline_model_parallel_size": side.virtual_pipeline,
-            "overlap_p2p_comm": interleaved, "batch_p2p_comm": not interleaved}  # fmt: skip
+            "overlap_p2p_comm": interleaved, "batch_p2p_comm": not interleaved}
 
 
 def chunk_ids(side) -> list[int | None]:
@@ -71,7 +71,7 @@ def stage_flags(vp: int | None = None) -> dict:
         return {"pre_process": ps.is_pipeline_first_stage(), "post_process": ps.is_pipeline_last_stage()}
     return {"pre_process": ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
             "post_process": ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
-            "vp_stage": vp}  # fmt: skip
+            "vp_stage": vp}
 
 
 def stage_layers(num_layers: int, stages: int, stage: int, chunks: int = 1, chunk: int = 0) -> range:
@@ -83,7 +83,7 @@ def stage_layers(num_layers: int, stages: int, stage: int, chunks: int = 1, chun
 
 
 def owned(names: list[str], num_layers: int, stages: int, stage: int,
-          chunks: int = 1, chunk: int = 0) -> set[str]:  # fmt: skip
+          chunks: int = 1, chunk: int = 0) -> set[str]:
     """The canonical parameters of ``names`` that model chunk ``chunk`` of stage ``stage`` holds."""
     layers = stage_layers(num_layers, stages, stage, chunks, chunk)
     out = set()

@@ -80,7 +80,7 @@ def _build(job: Job):
     if side.recipe != "none":
         raise NotImplementedError(f"recipe {side.recipe!r} needs the Transformer Engine path of this backend")
     ps.initialize_model_parallel(tensor_model_parallel_size=side.tp, gtp_remat_size=side.gtp,
-                                 **moe.parallel_kwargs(side), **pipeline.parallel_state_kwargs(side))  # fmt: skip
+                                 **moe.parallel_kwargs(side), **pipeline.parallel_state_kwargs(side))
     pgc = groups.collection(side)  # None: every module reads parallel_state's groups
     faults.before_build(side.inject, pgc)
     model_parallel_cuda_manual_seed(side.seed)
@@ -90,7 +90,7 @@ def _build(job: Job):
         # (per_token_loss = "transformer-config"): GTP then keeps its 1/G wgrad pre-scale.
         gtp_api.configure_gtp_remat_from_recipe(calculate_per_token_loss=side.per_token_loss == "both")
         gtp_impl.update_gtp_config(pad_for_alignment=side.gtp_pad_alignment,
-                                   weight_prefetch=side.gtp_weight_prefetch)  # fmt: skip
+                                   weight_prefetch=side.gtp_weight_prefetch)
     compat.set_collectives(side.gtp_collectives)
     if side.sequence_parallel:
         compat.layer_norm_for_sequence_parallel()
@@ -116,7 +116,7 @@ def _build(job: Job):
             model = Float16Module(config, model)
         # As Megatron-LM's get_model: only the first chunk buckets its grads.
         chunks.append(DistributedDataParallel(config, ddp_config, model, disable_bucketing=bool(chunks),
-                                              **groups.kwargs(pgc)))  # fmt: skip
+                                              **groups.kwargs(pgc)))
     if side.overlap_param_gather:  # Megatron-LM's train(): no pre-hooks until the first step is done
         for chunk in chunks:
             chunk.disable_forward_pre_hook(param_sync=False)
@@ -147,7 +147,7 @@ def _load_canonical(model, job: Job, mesh: dict, coord: dict, vp: int | None = N
     side = job.side
     # The parameters this stage (this model chunk) holds: megatron-core must build exactly these.
     mine = pipeline.owned(list(specs), job.model.num_layers, side.pipeline_parallel, stage,
-                          side.virtual_pipeline or 1, vp or 0)  # fmt: skip
+                          side.virtual_pipeline or 1, vp or 0)
     specs = {n: specs[n] for n in mine}
     seen = set()
     for local, p in model.named_parameters():
@@ -157,7 +157,8 @@ def _load_canonical(model, job: Job, mesh: dict, coord: dict, vp: int | None = N
         ours = layout_of(spec, job.side, job.model.num_experts)
         theirs = moe.mcore_layout(p, ours) if spec.expert is not None else from_mcore_param(p, mesh)
         if ours.to_json() != theirs.to_json():
-            raise RuntimeError(f"{name}: megatron-core lays it out as {theirs.to_json()}, expected {ours.to_json()}")
+            raise RuntimeError(f"{name}: megatron-core lays it out as {theirs.to_json()}, expected "
+                               f"{ours.to_json()}")
         with torch.no_grad():
             p.copy_(shard(state[name], ours, on_grid(coord, ours.grid)).to(p.dtype))
         seen.add(name)
@@ -233,15 +234,17 @@ def run(job: Job, cap: Capture) -> None:
         config, chunks, mesh, coord, pgc = _build(job)
         # Names: global layer numbers on every stage, global expert indices on every EP rank.
         named = [(moe.global_name(pipeline.canonical_names(c, canonical_name)[n], job), p)
-                 for c in chunks for n, p in c.named_parameters()]  # fmt: skip
-        ctx = faults.Context(backend="megatron", side=job.side, model=chunks, optimizer=None, rank=dist.get_rank(),
-                             coord=coord, named_params=named)  # fmt: skip
+                 for c in chunks for n, p in c.named_parameters()]
+        ctx = faults.Context(backend="megatron", side=job.side, model=chunks, optimizer=None,
+                             rank=dist.get_rank(),
+                             coord=coord, named_params=named)
         ctx.saved.update(data=job.data, pg_collection=pgc)
         faults.install(job.side.inject, ctx)  # before the optimizer: a fault may act on how it is built
         ctx.optimizer, scheduler = _optimizer(job, chunks, ctx.saved["pg_collection"])
         cap.info["stepped_by"] = muon.stepped_by(ctx.optimizer, named)
         cap.info["tree_defaults"] = defaults.tree_defaults(job.model, job.data, job.side)
-        _train(job, cap, ctx, config, chunks, scheduler, mesh, get_forward_backward_func(), finalize_model_grads)
+        _train(job, cap, ctx, config, chunks, scheduler, mesh, get_forward_backward_func(),
+               finalize_model_grads)
     finally:
         if reach is not None:  # beside the rank's trace files, not in them (see mutation.campaign)
             reach.close(cap.rank_dir / "mutant.json")
@@ -264,12 +267,13 @@ def _train(job, cap, ctx, config, chunks, scheduler, mesh, forward_backward, fin
         cap.attach(modules, vocab_parallel=["output_layer"], sequence_parallel=side.sequence_parallel)
         moe.attach_router_capture(inner, cap, job.model.seq_length)
     cap.info["gtp_params"] = {n: getattr(p, "chain_id", None) for n, p in named
-                              if getattr(p, "is_gtp_weight_remat", False)}  # fmt: skip
+                              if getattr(p, "is_gtp_weight_remat", False)}
     cap.info["data_parallel_rank"] = ps.get_data_parallel_rank()
     cap.info["data_parallel_size"] = ps.get_data_parallel_world_size()
     # With the param gather overlapped, the updated params reach every rank in the next forward:
     # the step's new weights are the ranges each rank's optimizer wrote, put together.
-    rec = Recording(cap, named, layouts, param_value=updated_param(opt) if side.overlap_param_gather else None)
+    rec = Recording(cap, named, layouts, param_value=updated_param(opt) if side.overlap_param_gather
+                    else None)
     fns = _MegatronStep(job, rec, ctx, config, chunks, opt, scheduler, forward_backward)
 
     def finalize(model_chunks, num_tokens=None, **kw):
@@ -280,7 +284,8 @@ def _train(job, cap, ctx, config, chunks, scheduler, mesh, forward_backward, fin
 
     config.finalize_model_grads_func = finalize
     config.grad_scale_func = opt.scale_loss
-    # plain training unless it saves or resumes (a checkpoint side has one model chunk: harness.scenario.rules)
+    # plain training unless it saves or resumes (a checkpoint side has one model chunk:
+    # harness.scenario.rules)
     checkpoint.train(job, rec, fns, chunks[0], opt, scheduler, ctx)
 
 
@@ -288,20 +293,23 @@ class _MegatronStep:
     """One step as Megatron-LM's ``train_step`` runs it: MCore's schedule, optimizer, scheduler."""
 
     def __init__(self, job, rec: Recording, ctx, config, chunks, opt, scheduler, forward_backward):
-        self.job, self.rec, self.ctx, self.chunks, self.opt, self.scheduler = job, rec, ctx, chunks, opt, scheduler
+        self.job, self.rec, self.ctx, self.chunks = job, rec, ctx, chunks
+        self.opt, self.scheduler = opt, scheduler
         self.forward_backward_func = forward_backward
         m = job.model
         self.mask = torch.triu(torch.ones(1, 1, m.seq_length, m.seq_length, dtype=torch.bool), 1)
         self.positions = torch.arange(m.seq_length)[None]
-        self.data_group = groups.data_group(ctx.saved["pg_collection"])  # GTP-inclusive: where samples are spread
+        # GTP-inclusive: where samples are spread
+        self.data_group = groups.data_group(ctx.saved["pg_collection"])
         self.skipped = 0
         self.evals = EvalRecorder(rec.cap)
         self.terms = GradTerms(job.side, job.model, rec.cap, rec.named)
         gtp_on = moe.uses_gtp(job.side)
         # Where GTP is off the weight each GEMM reads is the parameter itself.
         direct = [(n, p) for n, p in rec.named
-                  if _GTP_SHARDABLE(n) and not getattr(p, "is_gtp_weight_remat", False)]  # fmt: skip
-        self.materialized = Materialized(rec.cap, {n: gathered(l) for n, l in rec.layouts.items()}, direct)
+                  if _GTP_SHARDABLE(n) and not getattr(p, "is_gtp_weight_remat", False)]
+        gathered_layouts = {n: gathered(lay) for n, lay in rec.layouts.items()}
+        self.materialized = Materialized(rec.cap, gathered_layouts, direct)
         if gtp_on:
             record_gathers(rec.named, self.materialized.record, rec.cap)
 
@@ -327,7 +335,7 @@ class _MegatronStep:
             tokens, labels, loss_mask = next(data_iterator)
             self.loss_mask = loss_mask  # what MTP's depths roll (process_mtp_loss)
             out = model(tokens, self.positions.expand(tokens.shape[0], -1), self.mask, labels=labels,
-                        loss_mask=loss_mask)  # fmt: skip
+                        loss_mask=loss_mask)
             return out, partial(_loss_func, self.rec, mb_state, loss_mask)
 
         for chunk in self.chunks:
@@ -338,8 +346,9 @@ class _MegatronStep:
         self.losses = self.forward_backward_func(
             forward_step_func=forward_step, data_iterator=pipeline.one_or_list(iterators), model=self.chunks,
             num_microbatches=side.num_microbatches(d), seq_length=m.seq_length,
-            micro_batch_size=d.micro_batch_size, forward_only=False, **groups.kwargs(self.ctx.saved["pg_collection"]),
-        )  # fmt: skip
+            micro_batch_size=d.micro_batch_size, forward_only=False,
+                **groups.kwargs(self.ctx.saved["pg_collection"]),
+        )
 
     def prepare_update(self, step: int) -> None:
         self.lr_applied = self.opt.param_groups[0]["lr"]
@@ -371,7 +380,7 @@ class _MegatronStep:
             lr=self.lr_applied, lr_logged=self.opt.param_groups[0]["lr"],
             num_zeros=float(self.num_zeros) if self.num_zeros is not None else nan,
             skipped=float(self.skipped),
-        )  # fmt: skip
+        )
 
 
 def _GTP_SHARDABLE(name: str) -> bool:

@@ -27,7 +27,7 @@ def recorded_on(side, model, cap) -> bool:
     overlapped reduce starts inside it), a mean loss (DDP's 1/data-ranks scaling), full tensors."""
     return (side.gtp == 1 and side.pipeline_parallel == 1 and model.num_experts == 0
             and not side.sequence_parallel and not side.overlap_grad_reduce and side.per_token_loss == "none"
-            and cap.policy.mode == "full" and cap.wants("main_grad"))  # fmt: skip
+            and cap.policy.mode == "full" and cap.wants("main_grad"))
 
 
 class GradTerms:
@@ -37,7 +37,7 @@ class GradTerms:
     def __init__(self, side, model, cap, named: list[tuple[str, torch.Tensor]]):
         self.cap = cap
         self.named = [(n, p) for n, p in named if getattr(p, "main_grad", None) is not None] \
-            if recorded_on(side, model, cap) else []  # fmt: skip
+            if recorded_on(side, model, cap) else []
         self.prev: dict[str, torch.Tensor] = {}
         self.abs_sum: dict[str, torch.Tensor] = {}
 

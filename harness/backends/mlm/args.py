@@ -21,7 +21,7 @@ CPU_FLAGS = (
     "--distributed-backend", "gloo", "--transformer-impl", "local", "--use-cpu-initialization",
     "--no-persist-layer-norm", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
     "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
-)  # fmt: skip
+)
 
 
 def declared_flags(*objects) -> list[str]:
@@ -69,7 +69,8 @@ def parser() -> argparse.ArgumentParser:
     """Megatron-LM's own argument parser (importing it costs megatron.training's import)."""
     from megatron.training.arguments import add_megatron_arguments
 
-    return add_megatron_arguments(argparse.ArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False))
+    return add_megatron_arguments(argparse.ArgumentParser(description="Megatron-LM Arguments",
+                                                          allow_abbrev=False))
 
 
 def check_flags(argv: list[str], where: str) -> argparse.Namespace:
@@ -80,4 +81,5 @@ def check_flags(argv: list[str], where: str) -> argparse.Namespace:
             return parser().parse_args(argv)
     except SystemExit:
         lines = [ln for ln in err.getvalue().splitlines() if "error:" in ln]
-        raise BadInput(where, lines[-1].split("error:", 1)[1].strip() if lines else f"refused: {argv}") from None
+        raise BadInput(where, lines[-1].split("error:", 1)[1].strip() if lines
+                       else f"refused: {argv}") from None

@@ -26,13 +26,15 @@ def _side(ns: argparse.Namespace, flags: list[str], nproc: int) -> Side:
     if ns.fp16:
         raise BadInput(f"{WHERE}: --fp16", "the harness records fp32 and bf16 runs; use --bf16 or neither")
     if ns.data_path or ns.train_data_path:
-        raise BadInput(f"{WHERE}: --data-path", "runs read --mock-data or, without it, the harness's synthetic samples")
+        raise BadInput(f"{WHERE}: --data-path",
+                       "runs read --mock-data or, without it, the harness's synthetic samples")
     if ns.train_iters is None:
         raise BadInput(f"{WHERE}: --train-iters", "required (the harness records a number of steps)")
     for flag in ("eval_global_batch_size", "eval_micro_batch_size", "start_eval_at_iter"):
         if getattr(ns, flag, None) is not None:
             raise BadInput(f"{WHERE}: --{flag.replace('_', '-')}", "the harness evaluates global batches of "
-                                                                   "the training size from the first interval on")  # fmt: skip
+                                                                   "the training size from the first "
+                                                                   "interval on")
     tp = ns.tensor_model_parallel_size
     shards = getattr(ns, "tensor_parallel_num_weight_shards", None) or tp
     # Megatron-LM evaluates after every --eval-interval steps (none given: only after the last)
@@ -43,11 +45,12 @@ def _side(ns: argparse.Namespace, flags: list[str], nproc: int) -> Side:
         steps=ns.train_iters, seed=ns.seed, optimizer=ns.optimizer, lr=ns.lr,
         min_lr=ns.min_lr, lr_warmup_steps=ns.lr_warmup_iters, lr_decay_steps=ns.lr_decay_iters,
         lr_decay_style=ns.lr_decay_style, weight_decay=ns.weight_decay, clip_grad=ns.clip_grad,
-        adam_beta1=ns.adam_beta1, adam_beta2=ns.adam_beta2, adam_eps=ns.adam_eps, sgd_momentum=ns.sgd_momentum,
+        adam_beta1=ns.adam_beta1, adam_beta2=ns.adam_beta2, adam_eps=ns.adam_eps,
+            sgd_momentum=ns.sgd_momentum,
         args=_args_of(flags, ns), data="mock" if ns.mock_data else "synthetic",
         eval_interval=(ns.eval_interval or ns.train_iters + 100) if evaluates else 0,
         eval_iters=ns.eval_iters if evaluates else 1,
-    )  # fmt: skip
+    )
 
 
 # The valued flags and the switches the scenario's keys carry (read back from the parsed command
@@ -111,13 +114,13 @@ def scenario_of(flags: list[str], nproc: int) -> Scenario:
         ffn_hidden_size=ns.ffn_hidden_size or 4 * ns.hidden_size, num_attention_heads=ns.num_attention_heads,
         seq_length=ns.seq_length, vocab_size=ns.vocab_size or 0,
         untie_embeddings=ns.untie_embeddings_and_output_weights, init_std=ns.init_method_std,
-    )  # fmt: skip
+    )
     data_ranks = nproc // side.tp
     data = DataConfig(seed=ns.seed, micro_batch_size=ns.micro_batch_size,
-                      global_batch_size=ns.global_batch_size or ns.micro_batch_size * data_ranks)  # fmt: skip
+                      global_batch_size=ns.global_batch_size or ns.micro_batch_size * data_ranks)
     golden = Side(backend="torch", precision="fp64", steps=side.steps, seed=side.seed,
-                  eval_interval=side.eval_interval, eval_iters=side.eval_iters)  # fmt: skip
+                  eval_interval=side.eval_interval, eval_iters=side.eval_iters)
     s = Scenario(name="mlm-command", source=WHERE, model=model, data=data, reference=side, candidate=side,
-                 golden=golden, capture=CapturePolicy(), compare=ComparePolicy())  # fmt: skip
+                 golden=golden, capture=CapturePolicy(), compare=ComparePolicy())
     rules.validate(s)
     return s

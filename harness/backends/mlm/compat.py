@@ -77,7 +77,7 @@ def wheel_build_of_same_source(tree: Path, wheel: Path):
     if not (built and source.is_file() and theirs.is_file() and source.read_bytes() == theirs.read_bytes()):
         raise ModuleNotFoundError(
             f"{HELPERS} is not built in {tree} and its helpers.cpp is not the installed wheel's: "
-            f"build it (make -C {tree})", name=HELPERS)  # fmt: skip
+            f"build it (make -C {tree})", name=HELPERS)
     spec = importlib.util.spec_from_file_location(HELPERS, built[0])
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -112,17 +112,17 @@ def install_training() -> None:
     # arguments.validate_args -> utils.get_device_arch_version() (GTP's Blackwell checks):
     # answer Hopper (9), the architecture class the CPU runs stand in for.
     compat._replace(arguments, "get_device_arch_version", lambda: 9,
-                    "mlm arguments.get_device_arch_version -> 9")  # fmt: skip
+                    "mlm arguments.get_device_arch_version -> 9")
     # training.pretrain -> initialize_megatron() asserts CUDA unless allow_no_cuda.
     compat._replace(training, "initialize_megatron",
                     functools.partial(initialize.initialize_megatron, allow_no_cuda=True),
-                    "mlm training.initialize_megatron(allow_no_cuda=True)")  # fmt: skip
+                    "mlm training.initialize_megatron(allow_no_cuda=True)")
     for attr in ("_initialize_distributed", "_set_random_seed"):
         compat._replace(initialize, attr, on_one_device(getattr(initialize, attr)),
-                        f"mlm initialize.{attr} on one device")  # fmt: skip
+                        f"mlm initialize.{attr} on one device")
     compat._replace(initialize, "_compile_dependencies", _import_dataset_helpers,
-                    "mlm initialize._compile_dependencies: the wheel's built dataset helpers")  # fmt: skip
+                    "mlm initialize._compile_dependencies: the wheel's built dataset helpers")
     # training.pretrain -> set_jit_fusion_options -> _warmup_jit_function torch.compiles the
     # fused kernels the CPU flags turn off, drawing torch.rand from the weights' generator.
     compat._replace(training, "set_jit_fusion_options", lambda tp_size=None: None,
-                    "mlm training.set_jit_fusion_options")  # fmt: skip
+                    "mlm training.set_jit_fusion_options")

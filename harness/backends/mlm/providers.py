@@ -75,8 +75,9 @@ def _mock_train(num_samples):
     config = GPTDatasetConfig(
         random_seed=args.seed, sequence_length=args.seq_length, blend=None, blend_per_split=None,
         split="1,0,0", path_to_cache=None, tokenizer=get_tokenizer(), reset_position_ids=False,
-        reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False, mid_level_dataset_surplus=0.005,
-    )  # fmt: skip
+        reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
+            mid_level_dataset_surplus=0.005,
+    )
     train, _, _ = BlendedMegatronDatasetBuilder(MockGPTDataset, num_samples, lambda: True, config).build()
     return train
 
@@ -100,8 +101,9 @@ def model_provider(after_build: Callable[[torch.nn.Module], None]):
             vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
             pre_process=pre_process, post_process=post_process, parallel_output=True,
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            position_embedding_type=args.position_embedding_type, vp_stage=vp_stage, pg_collection=pg_collection,
-        )  # fmt: skip
+            position_embedding_type=args.position_embedding_type, vp_stage=vp_stage,
+                pg_collection=pg_collection,
+        )
         after_build(model)
         return model
 

@@ -41,7 +41,7 @@ from harness.backends.mlm import providers
 from harness.backends.mlm.args import CPU_FLAGS, side_argv
 from harness.backends.recording import (
     Materialized, Recording, StepScalars, gathered, record_initial, record_step_end, record_update,
-)  # fmt: skip
+)
 from harness.capture.api import Capture
 from harness.backends.gpt import captured_modules, mesh_of
 from harness.common.layout import from_mcore_param
@@ -84,14 +84,15 @@ def run_argv(job: Job, cap: Capture, argv: list[str]) -> None:
         patch(training, "finalize_model_grads", hooks.finalize(training.finalize_model_grads))
         patch(training, "print_rank_last", logged_loss(cap, training.print_rank_last))
         patch(training, "evaluate", hooks.evaluate(training.evaluate))
-        synthetic = (lambda: providers.SyntheticDataset(job.data.seed, job.model)) if job.side.data == "synthetic" else None
+        synthetic = (lambda: providers.SyntheticDataset(job.data.seed,
+                                                        job.model)) if job.side.data == "synthetic" else None
         training.pretrain(
             pretrain_cfg_container_from_args(args),
             providers.dataset_provider(synthetic),
             ModelType.encoder_or_decoder,
             providers.forward_step(hooks.micro_batch, args.seq_length),
             model_provider=providers.model_provider(hooks.after_build),
-        )  # fmt: skip
+        )
     finally:
         faults.uninstall()  # the faults' patches, the hooks' and the gather recorder's
         training.destroy_global_state()  # Megatron-LM's globals: the next side parses afresh
@@ -125,7 +126,8 @@ class _Hooks:
         self.rec: Recording | None = None
         self.mb = 0
         self.skipped = 0
-        self.evals, self.eval_mb = EvalRecorder(cap), None  # eval_mb: micro-batches read in the running evaluation
+        # eval_mb: micro-batches read in the running evaluation
+        self.evals, self.eval_mb = EvalRecorder(cap), None
 
     def after_build(self, model) -> None:
         _load_canonical(model, self.job, self.mesh, self.coord)
@@ -140,18 +142,19 @@ class _Hooks:
         inner = chunk.module.module if self.side.precision == "bf16" else chunk.module
         self.cap.attach(captured_modules(inner), vocab_parallel=["output_layer"])
         self.cap.info["gtp_params"] = {n: getattr(p, "chain_id", None) for n, p in named
-                                       if getattr(p, "is_gtp_weight_remat", False)}  # fmt: skip
+                                       if getattr(p, "is_gtp_weight_remat", False)}
         self.cap.info["data_parallel_rank"] = ps.get_data_parallel_rank()
         self.cap.info["data_parallel_size"] = ps.get_data_parallel_world_size()
         self.pgc = inner.pg_collection
-        self.ctx = faults.Context(backend="mlm", side=self.side, model=chunk, optimizer=optimizer, rank=self.rank,
-                                  coord=self.coord, named_params=named)  # fmt: skip
+        self.ctx = faults.Context(backend="mlm", side=self.side, model=chunk, optimizer=optimizer,
+                                  rank=self.rank,
+                                  coord=self.coord, named_params=named)
         self.ctx.saved["data"] = self.job.data
         faults.install(self.side.inject, self.ctx)
         self.rec = Recording(self.cap, named, layouts)
         gtp_on = self.side.gtp > 1
         direct = [] if gtp_on else [(n, p) for n, p in named if _GTP_SHARDABLE(n)]
-        self.materialized = Materialized(self.cap, {n: gathered(l) for n, l in layouts.items()}, direct)
+        self.materialized = Materialized(self.cap, {n: gathered(lay) for n, lay in layouts.items()}, direct)
         if gtp_on:
             record_gathers(named, self.materialized.record, self.cap)
         record_initial(self.rec)
@@ -202,7 +205,8 @@ class _Hooks:
             report_group = self.pgc.dp_cp_gtp_remat
             optimizer.step = self._optimizer_step(optimizer, optimizer.step)
             try:
-                out = original(forward_step_func, data_iterator, model, optimizer, *args, iteration=iteration, **kwargs)
+                out = original(forward_step_func, data_iterator, model, optimizer, *args, iteration=iteration,
+                               **kwargs)
             finally:
                 del optimizer.step  # the instance attribute: the class's step again
                 self.pgc.dp_cp_gtp_remat = report_group
@@ -238,5 +242,5 @@ class _Hooks:
             lr=self.lr_applied, lr_logged=optimizer.param_groups[0]["lr"],
             num_zeros=float(num_zeros) if num_zeros is not None else nan,
             skipped=float(self.skipped),
-        )  # fmt: skip
+        )
         record_step_end(self.rec, lambda: optimizer_state(optimizer, self.rec.named), scalars)

@@ -1,7 +1,7 @@
 """Process groups and the collectives of TP x GTP x DP, written on plain torch.distributed.
 
-Ranks are ordered as megatron-core orders them (:mod:`harness.common.mesh`). Every collective is an autograd function or a plain call
-with the reduction megatron-core performs at the same point:
+Ranks are ordered as megatron-core orders them (:mod:`harness.common.mesh`). Every collective is an autograd
+function or a plain call with the reduction megatron-core performs at the same point:
 
 - TP: column-parallel inputs are copied (backward: SUM all-reduce of the input grad),
   row-parallel outputs and the vocab-parallel embedding are SUM all-reduced (backward: copy).
@@ -46,7 +46,7 @@ class Groups:
 
 # The mesh axes each group spans.
 SPANS = {"tp": ("tp",), "gtp": ("gtp",), "dp": ("dp",), "data": ("gtp", "dp"), "model": ("tp", "gtp"),
-         "amax": ("tp", "gtp", "dp")}  # fmt: skip
+         "amax": ("tp", "gtp", "dp")}
 _CACHE: dict[tuple[int, int, int], Groups] = {}
 
 

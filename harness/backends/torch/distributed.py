@@ -52,11 +52,11 @@ def check_faults(side) -> None:
     for name in side.inject:
         if name in faults.CATALOG and name not in SUPPORTED_FAULTS:
             raise ValueError(f"fault {name!r} is not implemented by the torch backend; "
-                             f"it implements {sorted(SUPPORTED_FAULTS)}")  # fmt: skip
+                             f"it implements {sorted(SUPPORTED_FAULTS)}")
     if "fp8-unreduced-amax" in side.inject and (side.gtp == 1 or side.recipe not in PER_TENSOR_AMAX):
         raise ValueError(f"fp8-unreduced-amax needs GTP > 1 and a recipe with a per-tensor amax "
                          f"({', '.join(sorted(PER_TENSOR_AMAX))}); got gtp={side.gtp}, "
-                         f"recipe={side.recipe}")  # fmt: skip
+                         f"recipe={side.recipe}")
 
 
 def run_distributed(job: Job, cap: Capture) -> None:
@@ -70,7 +70,7 @@ def run_distributed(job: Job, cap: Capture) -> None:
     model = GPT(m, tp=side.tp)
     named = list(model.named_parameters())
     ctx = faults.Context(backend="torch", side=side, model=model, optimizer=None, rank=rank,
-                         coord=coord, named_params=named)  # fmt: skip
+                         coord=coord, named_params=named)
     ctx.saved["data"] = job.data
     faults.install(side.inject, ctx)
     try:
@@ -78,7 +78,7 @@ def run_distributed(job: Job, cap: Capture) -> None:
         # The fault hook answers None where a GTP shard's amax must go unreduced.
         reduce_amax = groups.gtp is None or faults.amax_reduction_group(ctx, groups.gtp) is not None
         par = shard_model(model, side, specs, canonical_state(m, side.seed), coord, dtype, recipe,
-                          reduce_weight_amax=reduce_amax)  # fmt: skip
+                          reduce_weight_amax=reduce_amax)
         _train(job, cap, model, par, ctx)
     finally:
         faults.uninstall()
@@ -111,7 +111,8 @@ class _DistributedStep:
         ctx.optimizer = self.opt
         # Where GTP is off the weight each GEMM reads is the parameter itself.
         direct = [(n, p) for n, p in named if specs[n].gtp] if side.gtp == 1 else []
-        self.materialized = Materialized(rec.cap, {n: gathered(l) for n, l in rec.layouts.items()}, direct)
+        gathered_layouts = {n: gathered(lay) for n, lay in rec.layouts.items()}
+        self.materialized = Materialized(rec.cap, gathered_layouts, direct)
         par.on_gather = self.materialized.record
 
     def begin(self, step: int) -> None:
@@ -125,14 +126,15 @@ class _DistributedStep:
             p.main_grad.zero_()
             p.grad = None
         self.totals = [_micro_batch(self.rec, self.model, self.par, mb, mb_ids, len(ids), self.job)
-                       for mb, mb_ids in enumerate(ids)]  # fmt: skip
+                       for mb, mb_ids in enumerate(ids)]
         _finalize(named, self.par.groups)
         faults.after_finalize(ctx)
         self.rec.grads(lambda p: p.main_grad)
 
     def prepare_update(self, step: int) -> None:
         side, named = self.job.side, self.rec.named
-        self.grad_norm, self.num_zeros = grad_stats(named, self.rec.layouts, self.par.coord, self.par.groups.model)
+        self.grad_norm, self.num_zeros = grad_stats(named, self.rec.layouts, self.par.coord,
+                                                    self.par.groups.model)
         clip([p.main_grad for _, p in named], side.clip_grad, self.grad_norm)
         self.lr = lr_at(side, step, self.job.data.global_batch_size)
         for group in self.opt.param_groups:
@@ -159,7 +161,7 @@ class _DistributedStep:
             reduced_loss=(total[0] / total[1]).item(), grad_norm=self.grad_norm, lr=self.lr,
             lr_logged=lr_at(self.job.side, step + 1, self.job.data.global_batch_size),
             num_zeros=self.num_zeros, skipped=0.0,
-        )  # fmt: skip
+        )
 
 
 def _micro_batch(rec: Recording, model: GPT, par: Parallel, mb: int, ids: list[int], n_mb: int, job: Job):

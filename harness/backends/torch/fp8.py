@@ -166,7 +166,7 @@ def assemble_copy(shards: list[QuantizedTensor], local: int, rows: int, dim: int
         scale_inv = torch.cat([s.scale_inv for s in shards], dim=dim).narrow(dim, 0, -(-rows // block))
         new_block = first.block
     return dataclasses.replace(first, data=data.contiguous(), scale_inv=scale_inv.contiguous(),
-                               block=new_block, shape=tuple(shape))  # fmt: skip
+                               block=new_block, shape=tuple(shape))
 
 
 def group_gather(group) -> Gather:

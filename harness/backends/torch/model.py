@@ -161,12 +161,13 @@ class MTPBlock(nn.Module):
         router does for it (``attach_and_log_load_balancing_loss``)."""
         for d in range(self.depths):
             tokens, pos = (torch.roll(t, -1, dims=-1).index_fill(-1, torch.tensor([t.shape[-1] - 1]), 0)
-                           for t in (tokens, pos))  # fmt: skip
+                           for t in (tokens, pos))
             layer = self.layers[0 if self.repeated else d]
             hidden = layer(hidden, embedding(tokens, pos), mask)
             out.append(hidden)
             if isinstance(layer.mtp_model_layer.mlp, MoE):
-                self.aux_losses.append(layer.mtp_model_layer.mlp.aux_loss / (self.depths if self.repeated else 1))
+                self.aux_losses.append(layer.mtp_model_layer.mlp.aux_loss / (self.depths if self.repeated
+                                                                             else 1))
         return out
 
 
@@ -194,7 +195,8 @@ class GPT(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.decoder(self.embedding(tokens), self.causal_mask)
         if hasattr(self, "mtp"):
-            self.mtp_logits = [self.output_layer(h) for h in self.mtp(tokens, x, self.embedding, self.causal_mask)]
+            self.mtp_logits = [self.output_layer(h)
+                               for h in self.mtp(tokens, x, self.embedding, self.causal_mask)]
         return self.output_layer(x)
 
 

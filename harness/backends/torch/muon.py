@@ -50,11 +50,11 @@ class GoldenMuon(OrthogonalizedOptimizer):
     in that many blocks along its TP dim (``tp_dims``, by param id; None: replicated, whole)."""
 
     def __init__(self, params, lr: float, weight_decay: float, qkv: dict[int, list[int]],
-                 blocks: int = 1, tp_dims: dict[int, int | None] | None = None):  # fmt: skip
+                 blocks: int = 1, tp_dims: dict[int, int | None] | None = None):
         self.qkv, self.blocks, self.tp_dims = qkv, blocks, tp_dims or {}
         super().__init__(params, lr, MUON["momentum"], weight_decay, nesterov=MUON["nesterov"],
                          weight_decay_method="decoupled", fp32_matmul_prec="highest",
-                         scaled_orthogonalize_fn=scaled_orthogonalize)  # fmt: skip
+                         scaled_orthogonalize_fn=scaled_orthogonalize)
 
     def orthogonalize(self, p: torch.Tensor, grad: torch.Tensor, **kwargs) -> torch.Tensor:
         shapes = self.qkv.get(id(p)) if MUON["split_qkv"] else None
@@ -63,7 +63,8 @@ class GoldenMuon(OrthogonalizedOptimizer):
             return self._blockwise(grad, dim)
         groups = grad.shape[0] // sum(shapes)
         parts = torch.split(grad.view(groups, sum(shapes), -1), shapes, dim=1)
-        done = [self._blockwise(g.reshape(-1, grad.shape[-1]), dim).view(groups, -1, grad.shape[-1]) for g in parts]
+        done = [self._blockwise(g.reshape(-1, grad.shape[-1]), dim).view(groups, -1, grad.shape[-1])
+                for g in parts]
         return torch.cat(done, dim=1).view(grad.shape)
 
     def _blockwise(self, grad: torch.Tensor, dim: int | None) -> torch.Tensor:

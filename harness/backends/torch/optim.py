@@ -44,7 +44,8 @@ def lr_at(side: Side, step: int, global_batch: int) -> float:
     return side.min_lr + coeff * (side.lr - side.min_lr)
 
 
-def build_optimizer(side: Side, named: Iterable[tuple[str, torch.Tensor]], model=None) -> torch.optim.Optimizer:
+def build_optimizer(side: Side, named: Iterable[tuple[str, torch.Tensor]],
+                    model=None) -> torch.optim.Optimizer:
     """The optimizer over (canonical name, tensor) pairs: the params, or their fp32 masters.
     Muon (the golden only; ``model`` names the QKV split) steps the matrices megatron-core's
     Muon steps and AdamW the rest (:mod:`.muon`)."""
@@ -57,7 +58,7 @@ def build_optimizer(side: Side, named: Iterable[tuple[str, torch.Tensor]], model
         qkv = {id(p): muon.qkv_split_shapes(model) for n, p in matrices if n.endswith("linear_qkv.weight")}
         dims = {id(p): spec.tp_dim for spec in param_specs(model) for n, p in matrices if n == spec.name}
         golden = muon.GoldenMuon(_groups(side, matrices), side.lr, side.weight_decay, qkv, side.muon_blocks,
-                                 dims) if matrices else None  # fmt: skip
+                                 dims) if matrices else None
         adam = _adam(side, _groups(side, rest)) if rest else None
         return muon.Chained(golden, adam)
     groups = _groups(side, named)
@@ -72,7 +73,7 @@ def _groups(side: Side, named: list) -> list[dict]:
     for name, p in named:
         (no_decay if p.dim() == 1 or name.endswith(".bias") else decay).append(p)
     groups = [{"params": decay, "weight_decay": side.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]  # fmt: skip
+              {"params": no_decay, "weight_decay": 0.0}]
     return groups
 
 

@@ -146,7 +146,7 @@ def shard_model(model: GPT, side: Side, specs: dict[str, ParamSpec], state: dict
                 recipe, amax_group=groups.amax, gtp_group=groups.gtp, gtp_weight="gtp" in lay.placements,
                 reduce_weight_amax=reduce_weight_amax,
                 seed=fp8.layer_seed(side.seed, name, coord["tp"], coord["data"]),
-            )  # fmt: skip
+            )
             if "gtp" in lay.placements:
                 st.quantizers.weight = fp8.GatheredWeight(inner=st.quantizers.weight)
         par.layers[id(module)] = st

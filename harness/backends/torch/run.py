@@ -59,7 +59,8 @@ def _run_golden(job: Job, cap: Capture) -> None:
 class _GoldenStep:
     """One step of the golden model: the whole global batch in one forward, full tensors."""
 
-    def __init__(self, job: Job, rec: Recording, model: GPT, specs: dict, depths: mtp.DepthCapture | None = None):
+    def __init__(self, job: Job, rec: Recording, model: GPT, specs: dict,
+                 depths: mtp.DepthCapture | None = None):
         self.job, self.rec, self.model, self.depths = job, rec, model, depths
         self.opt = build_optimizer(job.side, rec.named, job.model)
         rec.cap.info["stepped_by"] = stepped_by(self.opt, rec.named)
@@ -116,7 +117,8 @@ class _GoldenStep:
                 mask = data_mod.loss_mask(d, ids, m.seq_length).to(torch.float64)
                 losses = token_losses(self.model(inputs), labels).to(torch.float64) * mask
                 for i, sid in enumerate(ids):
-                    self.evals.sample((losses[i].sum() / mask[i].sum()).item(), [sid], mask[i].sum().item(), it, 0)
+                    self.evals.sample((losses[i].sum() / mask[i].sum()).item(), [sid], mask[i].sum().item(),
+                                      it, 0)
                 total, tokens = total + losses.sum().item(), tokens + mask.sum().item()
         self.model.train()
         self.evals.report(total / tokens)
@@ -142,4 +144,4 @@ class _GoldenStep:
             reduced_loss=self.loss.item(), grad_norm=self.grad_norm, lr=self.lr,
             lr_logged=lr_at(side, step + 1, gbs),
             num_zeros=float(sum(int((g == 0).sum()) for g in self.grads)), skipped=0.0,
-        )  # fmt: skip
+        )
