@@ -292,9 +292,11 @@ def _compare_scalars(traces: dict[str, Trace], policy: ComparePolicy, recipe: st
     if not losses.empty:
         piv = losses.drop_duplicates(["side", "step", "sample_id"]).pivot_table(
             index=["step", "sample_id"], columns="side", values="loss")
+        # A sample one side did not read is left out; a NaN loss one side did record is compared.
+        read = set(zip(losses["side"], losses["step"], losses["sample_id"]))
         if {"reference", "candidate"} <= set(piv.columns):
             for (step, sid), row in piv.iterrows():
-                if math.isnan(row["reference"]) or math.isnan(row["candidate"]):
+                if ("reference", step, sid) not in read or ("candidate", step, sid) not in read:
                     continue
                 g = row.get("golden") if "golden" in piv.columns else None
                 r = _scalar_row(step, f"loss[sample {sid}]", row["reference"], row["candidate"],
