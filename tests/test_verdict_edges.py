@@ -26,9 +26,9 @@ from harness.compare.summary import Verdict
 from harness.scenario import Role
 from harness.scenario.faults import CATALOG
 from harness.session import run_scenarios
-from tests.helpers import ASSETS, summary
+from tests.helpers import ASSETS, results, summary
 
-NAN, RAISE = "gtp-main-grad-nan", "gtp-backward-raises"
+NAN, RAISE, ADAM = "gtp-main-grad-nan", "gtp-backward-raises", "adam-update-scaled"
 
 
 # --- non-finite: metrics and signature on constructed tensors ---------------------------------
@@ -190,6 +190,9 @@ def edges_run(tmp_path_factory):
     planted = [dataclasses.replace(base, name=f"edge-{f}",
                                    candidate=dataclasses.replace(base.candidate, inject=(f,)))
                for f in (RAISE, NAN)]
+    bf16 = scenario.load(ASSETS / "clean_bf16.toml")[0]  # tiny.toml in bf16 with Adam and weight decay
+    planted.append(dataclasses.replace(bf16, name=f"edge-{ADAM}", candidate=dataclasses.replace(
+        bf16.candidate, inject=(*bf16.candidate.inject, ADAM))))
     code = run_scenarios(planted, out, parallel=2)
     return code, out, {s.name: s for s in planted}
 
@@ -228,6 +231,30 @@ def test_an_exception_in_gtps_backward_on_the_candidate_is_a_raised_verdict(edge
     assert summary(out, f"edge-{NAN}")["verdict"] == "fail"
     after = [p.name for p in (out / "launches").glob("plan-w2-*-after1.json")]
     assert after, sorted(p.name for p in (out / "launches").iterdir())
+
+
+@pytest.mark.multirank
+def test_an_adam_update_scaled_by_five_percent_fails_its_step_bitwise(edges_run):
+    """bf16, Adam: the weight's main_grad, weight and state are bitwise equal on both sides, so its
+    update must be; 1.05 x the update of one LayerNorm weight fails at step 1 on its fp32 master."""
+    _, out, _ = edges_run
+    s, expect = summary(out, f"edge-{ADAM}"), CATALOG[ADAM].expect
+    fd = s["first_divergence"]
+    assert s["verdict"] == "fail"
+    got = (fd["step"], fd["phase"], fd["kind"], fd["tensor"], fd["signature"])
+    assert got == (expect["step"], expect["phase"], expect["kind"], expect["tensor"], expect["signature"]), fd
+    assert fd["update"]["factor"] == pytest.approx(1.05, rel=1e-3), fd["update"]  # fp32 master: 1e-3 >> eps
+    rows = results(out, f"edge-{ADAM}")
+    at = rows[(rows["step"] == 1) & (rows["tensor"] == expect["tensor"])].set_index("kind")
+    row = at.loc["master"]
+    assert (row["expectation"], row["policy"]) == ("bitwise", "bitwise")
+    assert row["bound_on"] == "bits (every bit equal)"
+    assert "per tensor" in row["expectation_reason"]
+    # What the noise floor alone said of it (policy_passed): in this setting it fails too, at
+    # about k x the reference's error against the golden; the bf16 weight itself is bitwise
+    # equal at step 1 (5% of an lr = 1e-3 update is below half a bf16 ULP of weights near 1).
+    assert not bool(row["policy_passed"])
+    assert bool(at.loc["param"]["bitwise_equal"])
 
 
 def test_after_a_raise_the_sides_it_took_with_it_run_again(tmp_path):
@@ -270,5 +297,48 @@ def test_the_golden_is_not_warned_of_a_megatron_core_it_does_not_import():
     warned = provenance_warnings({"reference": ref, "candidate": cand, "golden": _traced("torch", "0.20.0")})
     assert len(warned) == 1 and warned[0].startswith("candidate trace") and "0.19.2 vs 0.20.0" in warned[0]
     # a difference the golden's computation does read is still named
-    warned = provenance_warnings({"reference": ref, "golden": _traced("torch", "0.20.0", torch_version="2.7")})
+    golden = _traced("torch", "0.20.0", torch_version="2.7")
+    warned = provenance_warnings({"reference": ref, "golden": golden})
     assert len(warned) == 1 and "versions.torch: 2.6 vs 2.7" in warned[0] and "megatron" not in warned[0]
+
+
+# --- optimizer updates: the per-tensor rule, and what each bound applies to --------------------
+
+
+def _rows(target_grad_bitwise: bool) -> "pd.DataFrame":
+    import pandas as pd
+
+    rows = [{"step": 0, "kind": "param", "tensor": t, "bitwise_equal": True, "policy": "exact",
+             "passed": True} for t in ("a", "b")]
+    rows += [{"step": 1, "kind": "main_grad", "tensor": "a", "bitwise_equal": target_grad_bitwise},
+             {"step": 1, "kind": "main_grad", "tensor": "b", "bitwise_equal": False},  # another's rounding
+             {"step": 1, "kind": "master", "tensor": "a", "bitwise_equal": False, "shape": "(4,)"},
+             {"step": 2, "kind": "master", "tensor": "a", "bitwise_equal": False, "shape": "(4,)"}]
+    return pd.DataFrame(rows).assign(policy=lambda d: d["policy"].fillna("noise-floor"),
+                                     passed=lambda d: d["passed"].fillna(True))
+
+
+@pytest.mark.parametrize(("grad_bitwise", "expected"), [(True, "bitwise"), (False, "noise-floor")])
+def test_an_element_wise_update_is_bitwise_where_its_own_inputs_are(grad_bitwise, expected):
+    from harness.compare import expectations as ex
+
+    df = _rows(grad_bitwise)
+    cfg = {"precision": "bf16", "optimizer": "adam", "clip_grad": 0.0, "gtp": 1}
+    up = ex._Upstream(df)
+    row = df[(df["step"] == 1) & (df["kind"] == "master")].iloc[0].to_dict()
+    exp, why = ex.expectation(row, cfg, {**cfg, "gtp": 2}, up, None)
+    assert exp == expected, why
+    # step 2 reads the step-1 state, which differs: no bound carries through
+    row2 = df[(df["step"] == 2) & (df["kind"] == "master")].iloc[0].to_dict()
+    assert ex.expectation(row2, cfg, {**cfg, "gtp": 2}, up, None)[0] == "noise-floor"
+
+
+def test_every_bound_names_the_statistic_it_bounds():
+    import pandas as pd
+
+    from harness.compare.tolerance import BOUND_ON, with_bound_on
+
+    df = with_bound_on(pd.DataFrame({"policy": ["noise-floor", "bitwise", "bounded", "nonfinite", None]}))
+    assert df["bound_on"].tolist()[:3] == [BOUND_ON["noise-floor"], BOUND_ON["bitwise"], BOUND_ON["bounded"]]
+    assert df["bound_on"].tolist()[3:] == ["", ""]
+    assert BOUND_ON["noise-floor"].startswith("rms") and BOUND_ON["dtype"].startswith("each element")

@@ -51,7 +51,7 @@ from harness.compare.assemble import LazyLogical, Logical
 from harness.compare.metrics import PairStats, measure, metrics, ulp_distance  # noqa: F401 (re-exported)
 from harness.scenario.schema import ComparePolicy
 from harness.compare.steps import per_sample_losses, step_table
-from harness.compare.tolerance import DTYPE_TOLS, recipe_of, tolerances
+from harness.compare.tolerance import DTYPE_TOLS, recipe_of, tolerances, with_bound_on
 from harness.capture.trace import Trace
 from harness.compare.summary import ScenarioSummary
 
@@ -195,7 +195,7 @@ def compare(traces: dict[str, Trace], policy: ComparePolicy | None = None, jobs:
     worlds = (traces["reference"].world_size, traces["candidate"].world_size)
     rows += _grad_norm_consistency(scalars, ref, cand, policy, worlds, sq_diff)
     rows += input_rows(ref, cand)
-    df = expectations.judge_rows(pd.DataFrame(rows), traces, policy)
+    df = with_bound_on(expectations.judge_rows(pd.DataFrame(rows), traces, policy))
     return Comparison(localize.summarize(df, logical, traces, policy, recipe=recipe), localize.order(df))
 
 

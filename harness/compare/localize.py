@@ -185,6 +185,8 @@ def summarize(df: pd.DataFrame, logical: dict, traces: dict, policy, recipe: str
                                          "ref_err_golden", "cand_err_golden", "bound", "ref_value",
                                          "cand_value") if first.get(k) is not None}  # fmt: skip
     metrics = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in metrics.items()}
+    if metrics.get("bound") is not None and isinstance(first.get("bound_on"), str) and first["bound_on"]:
+        extra = {**extra, "bound_on": first["bound_on"]}  # the statistic the bound limits
     ranks = first.get("ranks")
     if not isinstance(ranks, list):
         ranks = region.get("ranks")

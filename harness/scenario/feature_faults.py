@@ -234,6 +234,14 @@ VERDICT_FAULTS: dict[str, Fault] = {
             "GTPShardedParam.wgrad_reduce_scatter, on every rank of the side)",
             {"step": 1, "phase": "forward_backward", "kind": "raised", "tensor": "*", "signature": "raised"},
         ),
+        Fault(
+            "adam-update-scaled", "optimizer update",
+            "the optimizer's update of decoder.layers.0.pre_mlp_layernorm.weight (its fp32 master, then the "
+            "weight) is 1.05 times what the optimizer computed, from step 1 on",
+            {"step": 1, "phase": "optimizer", "kind": "master",
+             "tensor": "decoder.layers.0.pre_mlp_layernorm.weight", "signature": "update-term"},
+            target="decoder.layers.0.pre_mlp_layernorm.weight",
+        ),
     ]
 }
 
@@ -243,6 +251,8 @@ def _verdict_reach(name: str, side) -> str | None:
         return f"{name!r} is planted on a megatron side with GTP (gtp > 1)"
     if name == "gtp-main-grad-nan" and side.steps < 2:
         return f"{name!r} never fires before step 2 (steps = {side.steps})"
+    if name == "adam-update-scaled" and (side.optimizer != "adam" or side.distributed_optimizer):
+        return f"{name!r} needs Adam (optimizer = \"adam\") without the distributed optimizer"
     return None
 
 

@@ -290,6 +290,7 @@ _GROUP_FAULTS = {"gtp-update-no-weight-decay": ("weight_decay", 0.0), "gtp-updat
 
 
 def before_step(ctx: Context) -> None:
+    verdicts.before_step(ctx)
     for name, (key, value) in _GROUP_FAULTS.items():
         if name in ctx.active:
             groups = _gtp_param_groups(ctx)
@@ -306,6 +307,7 @@ def before_step(ctx: Context) -> None:
 
 def after_step(ctx: Context) -> None:
     precision.after_step(ctx)
+    verdicts.after_step(ctx)
     for name, (key, _) in _GROUP_FAULTS.items():
         for g, old, faulty in ctx.saved.pop(name, []):
             if g[key] == faulty:  # the LR scheduler has not set the next step's value already

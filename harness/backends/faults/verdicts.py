@@ -1,7 +1,8 @@
 """The planted faults at a verdict's edges (:data:`harness.scenario.faults.VERDICT_FAULTS`): a NaN
 written into one GTP shard's main_grad (through the backend's ``after_finalize`` hook), and an
 exception raised inside megatron-core's GTP backward (a run-time patch, undone with the side's
-other patches)."""
+other patches), and one weight's optimizer update scaled by 1.05 (the ``before_step`` and
+``after_step`` hooks)."""
 
 from __future__ import annotations
 
@@ -40,3 +41,39 @@ def after_finalize(ctx) -> None:
 
 
 VERDICT_INSTALLERS = {"gtp-backward-raises": _backward_raises}
+
+
+UPDATE_SCALE = 1.05
+
+
+def _stepped(ctx, param):
+    """The tensor the optimizer steps for ``param``: its fp32 master in mixed precision, else itself."""
+    for part in getattr(ctx.optimizer, "chained_optimizers", None) or [ctx.optimizer]:
+        masters = getattr(part, "fp32_from_float16_groups", [])
+        for g16, g32 in zip(getattr(part, "float16_groups", []), masters):
+            for p16, p32 in zip(g16, g32):
+                if p16 is param:
+                    return p32
+    return param
+
+
+def before_step(ctx) -> None:
+    if "adam-update-scaled" in ctx.active:
+        name = CATALOG["adam-update-scaled"].target
+        param = next((p for n, p in ctx.named_params if n == name), None)
+        if param is None:
+            raise RuntimeError(f"planted fault: the model has no {name}")
+        stepped = _stepped(ctx, param)
+        ctx.saved["scaled"] = (param, stepped, stepped.detach().clone())
+
+
+def after_step(ctx) -> None:
+    """``adam-update-scaled``: the target's update, after - before, scaled by 1.05 on the tensor the
+    optimizer stepped (the fp32 master in bf16), and the weight copied from it as the optimizer does."""
+    if "scaled" not in ctx.saved:
+        return
+    param, stepped, before = ctx.saved.pop("scaled")
+    with torch.no_grad():
+        stepped.copy_(before + UPDATE_SCALE * (stepped - before))
+        if stepped is not param:
+            param.copy_(stepped)
