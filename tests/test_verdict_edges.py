@@ -333,6 +333,24 @@ def test_an_element_wise_update_is_bitwise_where_its_own_inputs_are(grad_bitwise
     assert ex.expectation(row2, cfg, {**cfg, "gtp": 2}, up, None)[0] == "noise-floor"
 
 
+def test_an_active_clip_reads_every_gradient_so_the_per_tensor_rule_needs_them_all():
+    """The clip factor is computed from the norm of every main_grad, recorded rounded to fp32: two
+    norms that round alike can scale the updates differently (measured on gtp_paths.toml's
+    recompute-full-prefetch-off: equal fp32 norms, Adam states 5e-10 apart)."""
+    import pandas as pd
+
+    from harness.compare import expectations as ex
+
+    df = _rows(True)
+    norm = {"step": 1, "kind": "scalar", "tensor": "grad_norm", "bitwise_equal": True, "ref_value": 1.17,
+            "cand_value": 1.17, "policy": "consistency", "passed": True}
+    up = ex._Upstream(pd.concat([df, pd.DataFrame([norm])], ignore_index=True))
+    row = df[(df["step"] == 1) & (df["kind"] == "master")].iloc[0].to_dict()
+    for clip, expected in ((1.0, "noise-floor"), (2.0, "bitwise")):  # active: noise; inactive: bitwise
+        cfg = {"precision": "bf16", "optimizer": "adam", "clip_grad": clip, "gtp": 1}
+        assert ex.expectation(row, cfg, {**cfg, "gtp": 2}, up, None)[0] == expected, clip
+
+
 def test_every_bound_names_the_statistic_it_bounds():
     import pandas as pd
 

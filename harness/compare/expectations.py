@@ -229,6 +229,11 @@ def _optimizer(row: dict, ref: dict, cand: dict, up: _Upstream) -> tuple[str, st
         norm = up.scalar(step, "grad_norm")
         # megatron-core scales the grads by clip / (norm + 1e-6) only where that is below 1
         inactive = norm is not None and max(norm["ref_value"], norm["cand_value"]) + 1e-6 < clip * (1 - 1e-6)
+        if not inactive and not up.all_bitwise(step, "main_grad"):
+            # The clip factor reads every gradient: the norm computed from them, recorded rounded to
+            # fp32, may round two norms alike that scale the update differently.
+            return NOISE, ("the clip factor reads every main_grad of the step (their norm), and not every one "
+                           "is bitwise: the recorded fp32 norm does not show the factor applied")
         if norm is None or not (norm.get("bitwise_equal") or inactive):
             return NOISE, "the clip factor reads grad norms that differ (a sum over shards in another order)"
         # mlm and bridge record the norm their train_step returns, rounded to fp32: equal
