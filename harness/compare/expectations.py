@@ -286,7 +286,8 @@ def _ndim(shape) -> int:
 def judge_rows(df: pd.DataFrame, traces: dict, policy) -> pd.DataFrame:
     """Every row with its ``expectation`` and ``expectation_reason``; where it is ``bitwise``
     or ``bounded`` the row is judged by it (``policy`` column: ``bitwise`` / ``bounded``;
-    ``policy_passed`` keeps the scenario policy's own judgement), elsewhere by the scenario's
+    ``policy_passed`` and ``policy_bound`` keep the scenario policy's own judgement and bound, the
+    ``bound`` column holding the expectation's: 0 for bitwise), elsewhere by the scenario's
     policy as before. ``policy.derived`` false: reasons only."""
     if df.empty or (cfg := configs(traces)) is None:
         return df
@@ -302,6 +303,7 @@ def judge_rows(df: pd.DataFrame, traces: dict, policy) -> pd.DataFrame:
     if "bound" not in df.columns:
         df["bound"] = float("nan")
     df["policy_passed"] = df["passed"]  # what the scenario's policy alone said
+    df["policy_bound"] = df["bound"]  # and its bound (the row's ``bound`` is the expectation's)
     for i, (exp, _) in zip(df.index, out):
         row = df.loc[i]
         if row["kind"] == "input" or row.get("policy") in _DECIDED:
@@ -309,6 +311,7 @@ def judge_rows(df: pd.DataFrame, traces: dict, policy) -> pd.DataFrame:
         if exp == BITWISE:
             df.at[i, "passed"] = _flag(row.get("bitwise_equal"))
             df.at[i, "policy"] = BITWISE
+            df.at[i, "bound"] = 0.0
         elif exp == BOUNDED and row["kind"] == "main_grad":
             df.at[i, "passed"] = float(row["terms_excess"]) <= 0 and not _flag(row.get("nonfinite_mismatch"))
             df.at[i, "policy"] = BOUNDED

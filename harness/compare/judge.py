@@ -75,7 +75,7 @@ def judge(policy: ComparePolicy, step: int, ref, cand, golden, m: dict,
     tolerances in the same pass; without it, what the policy needs is measured here.
     """
     if m["nonfinite_mismatch"]:
-        return Judgement(False, "nonfinite", 0.0)
+        return Judgement(False, "nonfinite", math.nan)  # no number bounds a NaN
     if step == 0 or policy.policy == "exact" or step in policy.exact_steps:
         return Judgement(m["bitwise_equal"], "exact", 0.0)
     if m["bitwise_equal"]:
