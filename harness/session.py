@@ -109,7 +109,8 @@ def run_scenarios(scenarios: list[Scenario], out: Path, parallel: int = 2, verbo
             write_json(sdir / "summary.json", summary.to_json())
             known = summary.verdict == Verdict.KNOWN_DIVERGENCE
             fd = summary.first_divergence
-            say(f"\n== {s.name}: run failed" + (f", {summary.expectation}" if known else "") + "\n"
+            what = "run failed" if fd is None else "the code under test raised"
+            say(f"\n== {s.name}: {what}" + (f", {summary.expectation}" if known else "") + "\n"
                 + "\n".join(f"  {r}: {m}" for r, m in failed.items())
                 + (f"\nverdict: {summary.verdict.upper()}  first divergence: step {fd.step} {fd.phase} "
                    f"signature {fd.signature}: {fd.explanation}" if fd else ""))  # fmt: skip
