@@ -24,6 +24,7 @@ from tests.test_bad_inputs import BASE, _assert_one_clear_line, _run, edit
 
 FEATURES = ROOT / "scenarios" / "features.toml"
 FAULT = "muon-gtp-gather-tp-group"
+SCALED = "muon-update-padded-scale"
 
 
 # --- the golden's Muon --------------------------------------------------------------------
@@ -173,14 +174,16 @@ def test_a_muon_combination_that_cannot_run_is_refused_before_launch(tmp_path, c
 
 @pytest.fixture(scope="module")
 def muon_run(tmp_path_factory):
-    """features.toml's Muon entries and, on the unpadded control, the planted fault (one more
-    candidate: the reference and the golden are the control's, reused)."""
+    """features.toml's Muon entries and, on the unpadded control, the planted faults (one more
+    candidate each: the reference and the golden are the control's, reused)."""
     out = tmp_path_factory.mktemp("muon")
     mine = [s for s in scenario.load(FEATURES) if s.axes.get("feature", "").startswith("muon-")]
     control = next(s for s in mine if s.name == "muon-unpadded")
     planted = dataclasses.replace(control.candidate, inject=(FAULT,))
     faulty = dataclasses.replace(control, name="muon-fault", candidate=planted)
-    code = run_scenarios([*mine, faulty], out, parallel=2)
+    scaled = dataclasses.replace(control, name="muon-fault-scaled",
+                                 candidate=dataclasses.replace(control.candidate, inject=(SCALED,)))
+    code = run_scenarios([*mine, faulty, scaled], out, parallel=2)
     return code, out, {s.name: s for s in mine}
 
 
@@ -244,3 +247,19 @@ def test_the_planted_muon_fault_is_localized(muon_run):
     assert s["verdict"] == "fail"
     assert (fd["step"], fd["phase"], fd["kind"]) == (expect["step"], expect["phase"], expect["kind"]), fd
     assert fd["tensor"].startswith("decoder.layers.") and fd["signature"] == expect["signature"], fd
+
+
+@pytest.mark.multirank
+def test_a_muon_update_scaled_as_if_padded_fails_at_its_step(muon_run):
+    """One weight's Muon update scaled by sqrt(96/80), 9.5 % (GTP's alignment rows counted in the
+    spectral scale) fails at step 1: on unpadded shards in duplicated mode that weight's main_grad,
+    value and momentum going in are bitwise GTP off's, so its new value must be bitwise too. The
+    fitted factor: both sides run Newton-Schulz on the same bits in one shape, so only fp32
+    roundings of the update move it, well inside the bf16 bound above."""
+    _, out, _ = muon_run
+    s, expect = summary(out, "muon-fault-scaled"), CATALOG[SCALED].expect
+    fd = s["first_divergence"]
+    assert s["verdict"] == "fail"
+    assert (fd["step"], fd["kind"], fd["tensor"], fd["signature"]) == (
+        1, "param", expect["tensor"], expect["signature"]), fd
+    assert fd["update"]["factor"] == pytest.approx(math.sqrt(96 / 80), rel=NS_REL)
