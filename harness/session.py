@@ -18,7 +18,7 @@ from harness.compare.summary import ScenarioSummary, Verdict, overall
 from harness.run.tree_checks import check_all_import, check_bridge_imports, check_bridge_trees
 from harness.run.trees import BRIDGE, holds, resolve_all
 from harness.run.job import Job
-from harness.run.launch import launch, mark_interrupted, worker_env
+from harness.run.launch import launch, mark_interrupted, raised_record, worker_env
 from harness.run.nodes import Nodes, node_commands, read_plan
 from harness.run.plan import clear_incomplete, execute, job_for, launches, pending_jobs, plan, write_plans
 from harness.run.provenance import code_identity
@@ -108,12 +108,19 @@ def run_scenarios(scenarios: list[Scenario], out: Path, parallel: int = 2, verbo
         sdir = out / "scenarios" / s.name
         failed = {role: failures[j.key] for role, j in jobs.items() if j.key in failures}
         if failed:
-            summary = failure_outcome(s, failed, jobs)
+            raised = {r: rec for r in failed if (rec := raised_record(jobs[r], jobs[r].side.world_size))}
+            summary = failure_outcome(s, failed, jobs, raised)
             write_json(sdir / "summary.json", summary.to_json())
             known = summary.verdict == Verdict.KNOWN_DIVERGENCE
-            say(f"\n== {s.name}: run failed" + (f", {summary.expectation}" if known else "") + "\n"
-                + "\n".join(f"  {r}: {m}" for r, m in failed.items()))
-            worst = worst if known else max(worst, EXIT_RUN_FAILED)
+            fd = summary.first_divergence
+            what = "run failed" if fd is None else "the code under test raised"
+            say(f"\n== {s.name}: {what}" + (f", {summary.expectation}" if known else "") + "\n"
+                + "\n".join(f"  {r}: {m}" for r, m in failed.items())
+                + (f"\nverdict: {summary.verdict.upper()}  first divergence: step {fd.step} {fd.phase} "
+                   f"signature {fd.signature}: {fd.explanation}" if fd else ""))  # fmt: skip
+            # The code under test raising on one side is a verdict (exit 1); a run that failed otherwise, 3.
+            code = EXIT_RUN_FAILED if summary.verdict == Verdict.ERROR else EXIT_PARITY_FAIL
+            worst = worst if summary.verdict.passes_gate else max(worst, code)
             results.append(summary)
             continue
         paths = {r: Path(j.trace_dir) for r, j in jobs.items() if r != Role.SAVER}  # the saver: not compared

@@ -10,8 +10,9 @@ import pytest
 
 from harness import cli
 from harness import scenario
-from harness.scenario.faults import (EVAL_FAULTS, GROUP_FAULTS, MOE_FAULTS, MTP_FAULTS, MUON_FAULTS,
-                                     PRECISION_FAULTS)
+from harness.scenario.faults import (
+    EVAL_FAULTS, GROUP_FAULTS, MOE_FAULTS, MTP_FAULTS, MUON_FAULTS, PRECISION_FAULTS, VERDICT_FAULTS,
+)
 from harness.backends.faults import CATALOG
 from tests.helpers import ASSETS, ROOT, run, summary
 
@@ -40,12 +41,13 @@ def test_every_megatron_fault_is_planted():
     # per-tensor expectations catch them;
     # the Muon fault (optimizer = "muon") in tests/test_muon.py; the MTP faults need an MTP model:
     # tests/test_mtp_runs.py; the process-group ones a caller's collection: tests/test_process_groups.py;
-    # the evaluation's faults an evaluating side: tests/test_eval.py.
-    elsewhere = {"fp8-unreduced-amax", "pp-swap-microbatch-grads", "ckpt-pad-rows-as-data",
-                 "ckpt-expert-index-shifted", "ckpt-stage-layers-mirrored"}
-    for family in (MOE_FAULTS, PRECISION_FAULTS, MUON_FAULTS, MTP_FAULTS, GROUP_FAULTS, EVAL_FAULTS):
-        elsewhere |= set(family)
-    assert set(PLANTED) | set(UPDATE_FAULTS) == set(CATALOG) - elsewhere
+    # the evaluation's faults an evaluating side: tests/test_eval.py; the faults at a verdict's edges
+    # (a NaN, a crash of the code under test) tests/test_verdict_edges.py.
+    assert set(PLANTED) | set(UPDATE_FAULTS) == (set(CATALOG) - {"fp8-unreduced-amax", "pp-swap-microbatch-grads",
+                                                                 "ckpt-pad-rows-as-data", "ckpt-expert-index-shifted",
+                                                                 "ckpt-stage-layers-mirrored"} - set(MOE_FAULTS)
+                                                 - set(PRECISION_FAULTS) - set(MUON_FAULTS) - set(MTP_FAULTS) - set(GROUP_FAULTS)
+                                                 - set(EVAL_FAULTS) - set(VERDICT_FAULTS))
 
 
 @pytest.mark.parametrize("fault", PLANTED)

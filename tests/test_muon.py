@@ -24,6 +24,7 @@ from tests.test_bad_inputs import BASE, _assert_one_clear_line, _run, edit
 
 FEATURES = ROOT / "scenarios" / "features.toml"
 FAULT = "muon-gtp-gather-tp-group"
+SCALED = "muon-update-padded-scale"
 
 
 # --- the golden's Muon --------------------------------------------------------------------
@@ -126,8 +127,10 @@ def _cfg(**kw) -> dict:
 @pytest.mark.parametrize(("mode", "expected"), [("duplicated", "bitwise"), ("distributed", "noise-floor"),
                                                 ("blockwise", "noise-floor")])
 def test_a_muon_update_is_bitwise_only_where_gtp_gathers_the_whole_matrix(mode, expected):
-    rows = [{"step": 0, "kind": "param", "tensor": "w", "bitwise_equal": True, "policy": "exact"},
-            {"step": 1, "kind": "main_grad", "tensor": "w", "bitwise_equal": True}]
+    # Each judged tensor's own inputs (the rule reads them per tensor): its step-1 main_grad bitwise.
+    names = ("decoder.layers.0.mlp.linear_fc1.weight", "output_layer.weight")
+    rows = [{"step": 0, "kind": "param", "tensor": n, "bitwise_equal": True, "policy": "exact"} for n in names]
+    rows += [{"step": 1, "kind": "main_grad", "tensor": n, "bitwise_equal": True} for n in names]
     up = ex._Upstream(pd.DataFrame(rows))
     ref, cand = _cfg(gtp=1, muon_tp_mode=mode, clip_grad=0.0), _cfg(gtp=2, muon_tp_mode=mode, clip_grad=0.0)
 
@@ -177,14 +180,16 @@ def test_a_muon_combination_that_cannot_run_is_refused_before_launch(tmp_path, c
 
 @pytest.fixture(scope="module")
 def muon_run(tmp_path_factory):
-    """features.toml's Muon entries and, on the unpadded control, the planted fault (one more
-    candidate: the reference and the golden are the control's, reused)."""
+    """features.toml's Muon entries and, on the unpadded control, the planted faults (one more
+    candidate each: the reference and the golden are the control's, reused)."""
     out = tmp_path_factory.mktemp("muon")
     mine = [s for s in scenario.load(FEATURES) if s.axes.get("feature", "").startswith("muon-")]
     control = next(s for s in mine if s.name == "muon-unpadded")
     planted = dataclasses.replace(control.candidate, inject=(FAULT,))
     faulty = dataclasses.replace(control, name="muon-fault", candidate=planted)
-    code = run_scenarios([*mine, faulty], out, parallel=2)
+    scaled = dataclasses.replace(control, name="muon-fault-scaled",
+                                 candidate=dataclasses.replace(control.candidate, inject=(SCALED,)))
+    code = run_scenarios([*mine, faulty, scaled], out, parallel=2)
     return code, out, {s.name: s for s in mine}
 
 
@@ -250,3 +255,19 @@ def test_the_planted_muon_fault_is_localized(muon_run):
     assert s["verdict"] == "fail"
     assert (fd["step"], fd["phase"], fd["kind"]) == (expect["step"], expect["phase"], expect["kind"]), fd
     assert fd["tensor"].startswith("decoder.layers.") and fd["signature"] == expect["signature"], fd
+
+
+@pytest.mark.multirank
+def test_a_muon_update_scaled_as_if_padded_fails_at_its_step(muon_run):
+    """One weight's Muon update scaled by sqrt(96/80), 9.5 % (GTP's alignment rows counted in the
+    spectral scale) fails at step 1: on unpadded shards in duplicated mode that weight's main_grad,
+    value and momentum going in are bitwise GTP off's, so its new value must be bitwise too. The
+    fitted factor: both sides run Newton-Schulz on the same bits in one shape, so only fp32
+    roundings of the update move it, well inside the bf16 bound above."""
+    _, out, _ = muon_run
+    s, expect = summary(out, "muon-fault-scaled"), CATALOG[SCALED].expect
+    fd = s["first_divergence"]
+    assert s["verdict"] == "fail"
+    assert (fd["step"], fd["kind"], fd["tensor"], fd["signature"]) == (
+        1, "param", expect["tensor"], expect["signature"]), fd
+    assert fd["update"]["factor"] == pytest.approx(math.sqrt(96 / 80), rel=NS_REL)

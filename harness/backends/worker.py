@@ -47,11 +47,11 @@ def run_job(job: Job, rank: int, world: int, node: int = 0) -> None:
     try:
         backends.run(job, cap)
     except BaseException as e:
-        write_json(
-            trace_dir / f"rank{rank}" / "error.json",
-            {"rank": rank, "node": node, "step": cap.step, "error": f"{type(e).__name__}: {e}",
-             "traceback": traceback.format_exc()},
-        )
+        doc = {"rank": rank, "node": node, "step": cap.step, "phase": getattr(cap, "phase", None),
+               "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        if isinstance(e, Exception) and (raised := raised_by_code_under_test(e)) is not None:
+            doc["raised"] = raised
+        write_json(trace_dir / f"rank{rank}" / "error.json", doc)
         raise
     cap.close()
     if world > 1:
@@ -71,6 +71,34 @@ def run_job(job: Job, rank: int, world: int, node: int = 0) -> None:
                   "config": {**dataclasses.asdict(side), "micro_batches": side.num_microbatches(job.data),
                              **mtp.manifest_config(job.model)}},
         )
+
+
+_CODE_UNDER_TEST = ("megatron",)  # megatron-core, Megatron-LM's training loop, Megatron-Bridge
+_PATCHES = (Path(__file__).resolve().parent / "faults",)  # planted faults and mutants stand in for that code
+
+
+def raised_by_code_under_test(e: Exception) -> dict | None:
+    """Where the code under test raised ``e``: its type, message and innermost frame in that code
+    (file relative to the tree, function, line) and the tree; None where the harness raised it.
+    Walking out from the innermost frame, the first frame of the code under test (or of a fault
+    planted in it) decides for it, the first other frame of the harness against it; library frames
+    (torch, the standard library) are passed through."""
+    roots = [Path(p).resolve() for name in _CODE_UNDER_TEST if (m := sys.modules.get(name)) is not None
+             for p in getattr(m, "__path__", [])]
+    harness_root = Path(__file__).resolve().parents[1]
+    frames = traceback.extract_tb(e.__traceback__)
+    decided = False
+    for f in reversed(frames):
+        path = Path(f.filename).resolve()
+        tree = next((r for r in roots if path.is_relative_to(r)), None)
+        if tree is not None or any(path.is_relative_to(p) for p in _PATCHES):
+            decided = True
+            if tree is not None:
+                frame = {"file": str(path.relative_to(tree.parent)), "function": f.name, "line": f.lineno}
+                return {"type": type(e).__name__, "message": str(e), "tree": str(tree.parent), "frame": frame}
+        elif path.is_relative_to(harness_root) and not decided:
+            return None
+    return None
 
 
 def _stand_ins() -> dict:

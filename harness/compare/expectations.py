@@ -108,8 +108,13 @@ class _Upstream:
     def __init__(self, df: pd.DataFrame):
         self.df = df
         equal = df["bitwise_equal"].fillna(False).astype(bool)
-        self._bitwise = {(int(s), k): bool(v)
-                         for (s, k), v in equal.groupby([df["step"], df["kind"]]).all().items()}
+        self._bitwise = {(int(s), k): bool(v) for (s, k), v in equal.groupby([df["step"], df["kind"]]).all().items()}
+        keys = zip(df["step"], df["kind"], df["tensor"])
+        self._rows = {(int(s), k, t): bool(v) for (s, k, t), v in zip(keys, equal)}
+
+    def bitwise(self, step: int, kind: str, name: str) -> bool | None:
+        """The row of ``name``'s ``kind`` at ``step`` bitwise equal (None: no such row)."""
+        return self._rows.get((step, kind, name))
 
     def all_bitwise(self, step: int, kind: str) -> bool:
         """Every row of ``kind`` at ``step`` bitwise equal (False where there is none)."""
@@ -145,6 +150,8 @@ def expectation(row: dict, ref: dict, cand: dict, up: _Upstream, why_not: str | 
         return BITWISE, "the same schedule over the same sample count"
     if kind == "eval":
         return _evaluation(row, ref, up)
+    if kind in _OPTIMIZER or kind.split(":")[0] in _OPTIMIZER:
+        return _optimizer(row, ref, cand, up)
     if not up.all_bitwise(step - 1, "param"):
         return NOISE, (f"the weights this step read (step {step - 1}) differ: no bound carries through "
                        "the steps")
@@ -153,8 +160,6 @@ def expectation(row: dict, ref: dict, cand: dict, up: _Upstream, why_not: str | 
                          "samples")
     if kind == "main_grad":
         return _per_use(name, ref, cand) or _main_grad(row, ref)
-    if kind in _OPTIMIZER or kind.split(":")[0] in _OPTIMIZER:
-        return _optimizer(row, ref, cand, up)
     return NOISE, f"no rule for {kind}"
 
 
@@ -201,16 +206,42 @@ def _evaluation(row: dict, ref: dict, up: _Upstream) -> tuple[str, str]:
     return NOISE, f"a sum over {ranks} data ranks' partial losses in the order the all-reduce takes"
 
 
+_STATE = ("param", "master", "exp_avg", "exp_avg_sq")  # what a step of one tensor reads of its own state
+
+
+def _inputs_differ(row: dict, ref: dict, up: _Upstream) -> str | None:
+    """Why this tensor's optimizer step cannot be bitwise, reading only its own inputs (None: they
+    are bitwise equal): an element-wise optimizer (Adam, SGD; Muon's momentum, and its update of one
+    matrix) steps each tensor from its own main_grad and its own state after the previous step, so
+    another tensor's rounding does not reach it (the clip factor aside, judged below)."""
+    step, name = int(row["step"]), row["tensor"]
+    if up.bitwise(step, "main_grad", name) is not True:
+        return ("its main_grad at this step is not bitwise equal (or not compared); no bound carries "
+                "through the step")
+    if step == 1:
+        return None  # the initial state: the canonical weights (checked bitwise), zero moments
+    before = {k: up.bitwise(step - 1, k, name) for k in _STATE}
+    if any(v is False for v in before.values()) or before["param"] is None:
+        return f"its weight or optimizer state after step {step - 1} differs (or was not compared)"
+    if ref.get("precision") != "fp32" and before["master"] is None:
+        return f"its fp32 master after step {step - 1} was not compared: the bf16 weight does not show it"
+    return None
+
+
 def _optimizer(row: dict, ref: dict, cand: dict, up: _Upstream) -> tuple[str, str]:
     step = int(row["step"])
-    if not up.all_bitwise(step, "main_grad"):
-        return NOISE, ("its gradients differ within their bound; the optimizer's nonlinear step carries no "
-                       "bound here")
+    if (why := _inputs_differ(row, ref, up)) is not None:
+        return NOISE, why
     clip = max(float(ref.get("clip_grad", 0.0)), float(cand.get("clip_grad", 0.0)))
     if clip > 0:
         norm = up.scalar(step, "grad_norm")
         # megatron-core scales the grads by clip / (norm + 1e-6) only where that is below 1
         inactive = norm is not None and max(norm["ref_value"], norm["cand_value"]) + 1e-6 < clip * (1 - 1e-6)
+        if not inactive and not up.all_bitwise(step, "main_grad"):
+            # The clip factor reads every gradient: the norm computed from them, recorded rounded to
+            # fp32, may round two norms alike that scale the update differently.
+            return NOISE, ("the clip factor reads every main_grad of the step (their norm), and not every one "
+                           "is bitwise: the recorded fp32 norm does not show the factor applied")
         if norm is None or not (norm.get("bitwise_equal") or inactive):
             return NOISE, "the clip factor reads grad norms that differ (a sum over shards in another order)"
         # mlm and bridge record the norm their train_step returns, rounded to fp32: equal
@@ -220,7 +251,8 @@ def _optimizer(row: dict, ref: dict, cand: dict, up: _Upstream) -> tuple[str, st
                            "to fp32")
     if (muon := _muon_update(row, ref, cand)) is not None:
         return muon
-    return BITWISE, "the same element-wise optimizer step on bitwise-equal weights, gradients and clip factor"
+    return BITWISE, (f"per tensor: the same element-wise {ref.get('optimizer', 'optimizer')} step on its own "
+                     "bitwise-equal main_grad, weight and state, and the same clip factor")
 
 
 def _muon_update(row: dict, ref: dict, cand: dict) -> tuple[str, str] | None:
@@ -265,7 +297,8 @@ def _ndim(shape) -> int:
 def judge_rows(df: pd.DataFrame, traces: dict, policy) -> pd.DataFrame:
     """Every row with its ``expectation`` and ``expectation_reason``; where it is ``bitwise``
     or ``bounded`` the row is judged by it (``policy`` column: ``bitwise`` / ``bounded``;
-    ``policy_passed`` keeps the scenario policy's own judgement), elsewhere by the scenario's
+    ``policy_passed`` and ``policy_bound`` keep the scenario policy's own judgement and bound, the
+    ``bound`` column holding the expectation's: 0 for bitwise), elsewhere by the scenario's
     policy as before. ``policy.derived`` false: reasons only."""
     if df.empty or (cfg := configs(traces)) is None:
         return df
@@ -281,6 +314,7 @@ def judge_rows(df: pd.DataFrame, traces: dict, policy) -> pd.DataFrame:
     if "bound" not in df.columns:
         df["bound"] = float("nan")
     df["policy_passed"] = df["passed"]  # what the scenario's policy alone said
+    df["policy_bound"] = df["bound"]  # and its bound (the row's ``bound`` is the expectation's)
     for i, (exp, _) in zip(df.index, out):
         row = df.loc[i]
         if row["kind"] == "input" or row.get("policy") in _DECIDED:
@@ -288,6 +322,7 @@ def judge_rows(df: pd.DataFrame, traces: dict, policy) -> pd.DataFrame:
         if exp == BITWISE:
             df.at[i, "passed"] = _flag(row.get("bitwise_equal"))
             df.at[i, "policy"] = BITWISE
+            df.at[i, "bound"] = 0.0
         elif exp == BOUNDED and row["kind"] == "main_grad":
             df.at[i, "passed"] = float(row["terms_excess"]) <= 0 and not _flag(row.get("nonfinite_mismatch"))
             df.at[i, "policy"] = BOUNDED

@@ -51,7 +51,7 @@ from harness.compare.assemble import LazyLogical, Logical
 from harness.compare.metrics import PairStats, measure, metrics, ulp_distance  # noqa: F401 (re-exported)
 from harness.scenario.schema import ComparePolicy
 from harness.compare.steps import per_sample_losses, step_table
-from harness.compare.tolerance import DTYPE_TOLS, recipe_of, tolerances
+from harness.compare.tolerance import DTYPE_TOLS, recipe_of, tolerances, with_bound_on
 from harness.capture.trace import Trace
 from harness.compare.summary import ScenarioSummary
 
@@ -75,7 +75,7 @@ def judge(policy: ComparePolicy, step: int, ref, cand, golden, m: dict,
     tolerances in the same pass; without it, what the policy needs is measured here.
     """
     if m["nonfinite_mismatch"]:
-        return Judgement(False, "nonfinite", 0.0)
+        return Judgement(False, "nonfinite", math.nan)  # no number bounds a NaN
     if step == 0 or policy.policy == "exact" or step in policy.exact_steps:
         return Judgement(m["bitwise_equal"], "exact", 0.0)
     if m["bitwise_equal"]:
@@ -196,7 +196,7 @@ def compare(traces: dict[str, Trace], policy: ComparePolicy | None = None, jobs:
     worlds = (traces["reference"].world_size, traces["candidate"].world_size)
     rows += _grad_norm_consistency(scalars, ref, cand, policy, worlds, sq_diff)
     rows += input_rows(ref, cand)
-    df = expectations.judge_rows(pd.DataFrame(rows), traces, policy)
+    df = with_bound_on(expectations.judge_rows(pd.DataFrame(rows), traces, policy))
     return Comparison(localize.summarize(df, logical, traces, policy, recipe=recipe), localize.order(df))
 
 
@@ -294,9 +294,11 @@ def _compare_scalars(traces: dict[str, Trace], policy: ComparePolicy, recipe: st
     if not losses.empty:
         piv = losses.drop_duplicates(["side", "step", "sample_id"]).pivot_table(
             index=["step", "sample_id"], columns="side", values="loss")
+        # A sample one side did not read is left out; a NaN loss one side did record is compared.
+        read = set(zip(losses["side"], losses["step"], losses["sample_id"]))
         if {"reference", "candidate"} <= set(piv.columns):
             for (step, sid), row in piv.iterrows():
-                if math.isnan(row["reference"]) or math.isnan(row["candidate"]):
+                if ("reference", step, sid) not in read or ("candidate", step, sid) not in read:
                     continue
                 g = row.get("golden") if "golden" in piv.columns else None
                 r = _scalar_row(step, f"loss[sample {sid}]", row["reference"], row["candidate"],

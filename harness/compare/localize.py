@@ -164,6 +164,8 @@ def summarize(df: pd.DataFrame, logical: dict, traces: dict, policy, recipe: str
     step, kind, name = int(first["step"]), first["kind"], first["tensor"]
     sig, extra = first.get("_sig"), {}
     key = (step, kind, name)
+    if nonfinite := signatures.nonfinite_of(first):  # before any pattern: no fit of a difference holds NaN
+        sig, extra = "non-finite", {"non_finite": nonfinite}
     # A tensor that also breaks a trace invariant is explained by that invariant.
     for violations, label in ((cand.replica_violations, "replica-drift"),
                               (cand.padding_violations, "pad-rows")):
@@ -180,12 +182,14 @@ def summarize(df: pd.DataFrame, logical: dict, traces: dict, policy, recipe: str
     region = region_of(first, owner)
     if kind == "input":
         region = {"duplicated": first.get("duplicated"), "missing": first.get("missing")}
-    if sig == "pad-rows":
+    if sig == "pad-rows" or (sig == "non-finite" and first.get("policy") == "padding"):
         region = {"rows": first.get("rows"), "rank": first.get("rank")}
     metrics = {k: first.get(k) for k in ("max_abs", "max_rel", "max_ulp", "p99_ulp", "rel_l2", "cosine",
                                          "ref_err_golden", "cand_err_golden", "bound", "ref_value",
                                          "cand_value") if first.get(k) is not None}
     metrics = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in metrics.items()}
+    if metrics.get("bound") is not None and isinstance(first.get("bound_on"), str) and first["bound_on"]:
+        extra = {**extra, "bound_on": first["bound_on"]}  # the statistic the bound limits
     ranks = first.get("ranks")
     if not isinstance(ranks, list):
         ranks = region.get("ranks")
@@ -212,6 +216,18 @@ def summarize(df: pd.DataFrame, logical: dict, traces: dict, policy, recipe: str
 
 def _explanation(sig: str, extra: dict) -> str:
     """The signature's explanation, with what was measured where it names it."""
+    if sig == "non-finite":
+        nf = extra["non_finite"]
+        if "in" in nf:
+            return f"the candidate's {nf['in']} hold {nf['value']}: " + SIGNATURES[sig].split(": ", 1)[1]
+        names = {"nan": "NaN", "inf": "Inf"}
+        sides = (("cand", "candidate"), ("ref", "reference"))
+        held = ", ".join(f"{nf[f'{w}_{s}']} {names[w]} in the {who}" for s, who in sides for w in names
+                         if nf[f"{w}_{s}"])
+        if not held:
+            return SIGNATURES[sig]
+        why = SIGNATURES[sig].split(": ", 1)[1]
+        return f"non-finite values where the other side is finite ({held}): {why}"
     if sig == "extra-rounding":
         er = extra["extra_rounding"]
         how = ("the other side rounded to it" if er["pattern"] == "exact" else

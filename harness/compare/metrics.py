@@ -17,7 +17,9 @@ report prints.
 The same pass measures what the judgement needs (the RMS errors against the golden, the
 golden's largest magnitude, the excess over a ``dtype`` tolerance) and whether the pair is
 bitwise equal, so it never re-reads the tensors. Elements holding NaN/Inf are compared as such
-and left out of the other metrics.
+and left out of the other metrics; where they differ (one side non-finite where the other is not)
+the difference is unbounded: max_abs, max_rel, rel_l2, cosine and the ULP metrics read NaN, never a finite
+value, and the counts of each side's NaN and Inf (:data:`NONFINITE_KEYS`) name them.
 
 ULP distances are the int64 distances of the order-preserving integers of the bit patterns
 (+0 and -0 both 0). The maximum is exact. The p99 is APPROXIMATE: it is read from a histogram of
@@ -131,12 +133,14 @@ class _Acc:
 
 
 def measure(ref: torch.Tensor, cand: torch.Tensor, golden: torch.Tensor | None = None,
-            tols: tuple[float, float] | None = None) -> tuple[dict, PairStats]:
+            tols: tuple[float, float] | None = None, finite_only: bool = False) -> tuple[dict, PairStats]:
     """The report's metrics of one pair (same shape) and the judgement's inputs, in one pass.
 
     ``golden`` adds the RMS errors against it; ``tols`` = (rtol, atol) the ``dtype`` excess.
     fp32, bf16 and fp16 pairs take the compiled loop (:mod:`harness.common.kernels`); other
     dtypes, and pairs of two dtypes, the eager chunked pass with the same semantics.
+    ``finite_only``: the metrics of the finite elements even where non-finite ones differ (which
+    otherwise read NaN, see the module docstring): what the loops' tests check.
     """
     if cand.numel() != ref.numel() or (golden is not None and golden.numel() != ref.numel()):
         raise ValueError(f"measure: sizes differ: {ref.numel()}, {cand.numel()}"
@@ -165,7 +169,10 @@ def measure(ref: torch.Tensor, cand: torch.Tensor, golden: torch.Tensor | None =
                 _tolerance_chunk(stats, rd, cd, tols)
             _masked_chunk(acc, rd, cd, r, c, start, with_ulp)
     stats.sq_diff = acc.ss_d
-    return _finish(out, acc, ref, cand, r_flat, c_flat, with_ulp), stats
+    out = _finish(out, acc, ref, cand, r_flat, c_flat, with_ulp)
+    if acc.nonfinite and not finite_only:
+        _nonfinite(out, r_flat, c_flat, ref.shape, acc.nonfinite)
+    return out, stats
 
 
 def _compiled_pass(acc: _Acc, stats: PairStats, r: torch.Tensor, c: torch.Tensor,
@@ -269,6 +276,30 @@ def _finish(out: dict, acc: _Acc, ref, cand, r_flat, c_flat, with_ulp: bool) -> 
     out["cosine"] = acc.dot / (rn * cn) if rn > 0 and cn > 0 else float("nan")
     out["mismatched"] = acc.mismatched
     return out
+
+
+NONFINITE_KEYS = ("nan_cand", "inf_cand", "nan_ref", "inf_ref")
+"""A pair with non-finite mismatches: NaN / Inf elements of one side where the other is finite."""
+
+
+def _nonfinite(out: dict, r: torch.Tensor, c: torch.Tensor, shape, count: int) -> None:
+    """A pair whose non-finite elements differ (rare: a second pass over it). The error is
+    unbounded there, so no metric of the difference reads a finite value (a tensor wholly NaN
+    against a finite one never reads 0): max_abs, max_rel, rel_l2 and the ULP metrics are NaN,
+    the mismatches count the non-finite ones, and the worst element is the first non-finite one
+    of the candidate where the reference is finite (else of the reference where the candidate is)."""
+    r_fin, c_fin = r.isfinite(), c.isfinite()
+    new_c, new_r = ~c_fin & r_fin, ~r_fin & c_fin
+    out.update(nan_cand=int((c.isnan() & r_fin).sum()), inf_cand=int((c.isinf() & r_fin).sum()),
+               nan_ref=int((r.isnan() & c_fin).sum()), inf_ref=int((r.isinf() & c_fin).sum()))
+    both = (r.isnan() != c.isnan()) | (r.isinf() & c.isinf() & (r != c))  # NaN against Inf, Inf against -Inf
+    where = new_c if bool(new_c.any()) else new_r if bool(new_r.any()) else both
+    worst = int(where.to(torch.uint8).argmax())
+    out["worst_index"] = _unravel(worst, shape) if len(shape) else []
+    out["ref_at_worst"], out["cand_at_worst"] = float(r[worst]), float(c[worst])
+    for k in ("max_abs", "max_rel", "rel_l2", "cosine", "max_ulp", "p99_ulp", "scaled_ulp"):
+        out[k] = float("nan")
+    out["mismatched"] += count
 
 
 def _unravel(flat: int, shape) -> list[int]:

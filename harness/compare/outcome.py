@@ -14,7 +14,7 @@ from harness.capture import trace
 from harness.common.jsonio import write_json
 from harness.compare import split, steps
 from harness.compare.judge import compare
-from harness.compare.summary import ScenarioSummary, Verdict
+from harness.compare.summary import FirstDivergence, ScenarioSummary, Verdict
 from harness.run.trees import CodeTree, is_ancestor
 from harness.run.provenance import differences
 from harness.scenario import ComparePolicy, KnownDivergence, Role, Scenario
@@ -94,23 +94,55 @@ def judge_known_divergence(summary: ScenarioSummary, expect: KnownDivergence | N
     return summary
 
 
-def failure_outcome(s: Scenario, failed: dict[str, str], jobs: dict) -> ScenarioSummary:
+def failure_outcome(s: Scenario, failed: dict[str, str], jobs: dict,
+                    raised: dict[str, dict] | None = None) -> ScenarioSummary:
     """A scenario whose sides did not all run: ``known-divergence`` where the candidate alone
-    raised as its ``[expect] raises`` records, on a tree without the fix; an error otherwise."""
+    raised as its ``[expect] raises`` records, on a tree without the fix; ``fail`` with signature
+    ``raised`` where the code under test raised on one compared side only (``raised``: per side,
+    :func:`harness.run.launch.raised_record`); an error otherwise (a launch, a timeout, the
+    harness's own exception, the same exception on both sides)."""
     base = {"scenario": s.name, "error": failed, "axes": dict(s.axes), "config": scenario_config(s),
             "traces": {r: j.trace_dir for r, j in jobs.items()}}
     e = s.expect
     if e is not None and e.raises and set(failed) == {Role.CANDIDATE} and e.raises in failed[Role.CANDIDATE]:
         prov = jobs[Role.CANDIDATE].provenance or {}
         tree, version = prov.get("megatron_core"), (prov.get("versions") or {}).get("megatron-core")
-        if not holds_fix(e, tree, version) and (e.introduced_in is None
-                                                or holds_commit(e.introduced_in, tree)):
-            return ScenarioSummary.of(verdict=Verdict.KNOWN_DIVERGENCE,
-                                      expectation=f"raised as known ({e.raises!r})",
-                                      expect={k: v for k, v in dataclasses.asdict(e).items()
-                                              if v is not None},
-                                      **base)
-    return ScenarioSummary.of(verdict=Verdict.ERROR, **base)
+        if not holds_fix(e, tree, version) and (e.introduced_in is None or holds_commit(e.introduced_in, tree)):
+            return ScenarioSummary.of(verdict=Verdict.KNOWN_DIVERGENCE, expectation=f"raised as known ({e.raises!r})",
+                                      expect={k: v for k, v in dataclasses.asdict(e).items() if v is not None},
+                                      **base)  # fmt: skip
+    side = one_side_raised(failed, raised or {})
+    if side is None:
+        return ScenarioSummary.of(verdict=Verdict.ERROR, **base)
+    fd = raised_divergence(side, raised[side])
+    summary = ScenarioSummary.of(verdict=Verdict.FAIL, first_divergence=fd, **base)
+    if e is not None and e.raises:
+        return summary.with_(expectation=f"expected the candidate to raise {e.raises!r}, but the {side} "
+                                         f"raised {fd.tensor}")
+    return judge_known_divergence(summary, e) if e is not None else summary
+
+
+def one_side_raised(failed: dict[str, str], raised: dict[str, dict]) -> str | None:
+    """The compared side (reference or candidate) whose code under test raised while the other
+    ran, or None: both raised, the golden failed, or a failure was the harness's own."""
+    compared = [r for r in failed if r in (Role.REFERENCE, Role.CANDIDATE)]
+    if len(compared) != 1 or set(failed) != set(compared) or compared[0] not in raised:
+        return None
+    return compared[0]
+
+
+def raised_divergence(side: str, raised: dict) -> FirstDivergence:
+    """The first divergence of a side whose code under test raised: the exception, its innermost
+    frame in that code (file:function:line, the tree), the step and phase, the ranks."""
+    frame = raised.get("frame") or {}
+    where = f"{frame.get('file')}:{frame.get('function')}:{frame.get('line')}"
+    text = f"{raised.get('type')}: {raised.get('message')}"
+    return FirstDivergence(
+        step=raised.get("step"), phase=raised.get("phase"), kind="raised", tensor=text,
+        ranks=raised.get("ranks"), signature="raised",
+        explanation=(f"the {side}'s code under test raised {text} at {where} (tree {raised.get('tree')}) "
+                     f"at step {raised.get('step')}, phase {raised.get('phase')}; the other side ran"),
+        extra={"raised": {**raised, "side": side, "where": where}})
 
 
 def checkpoint_outcome(summary: ScenarioSummary, s: Scenario, results) -> ScenarioSummary:
@@ -128,15 +160,26 @@ def checkpoint_outcome(summary: ScenarioSummary, s: Scenario, results) -> Scenar
     return summary
 
 
+# What only the megatron-core sides import: a difference there cannot change a side that imports none
+# (the torch backend: the golden), so it is no warning where either trace was made by one.
+_MEGATRON_ONLY = ("versions.megatron-core:", "versions.transformer-engine:", "code.megatron:",
+                  "code.transformer_engine:", "megatron_core.")
+
+
 def provenance_warnings(traces: dict[str, trace.Trace]) -> list[str]:
-    """A warning per side made by other code than the reference: that may be the point of
-    the comparison (two megatron-core versions), but it must never go unnoticed."""
-    ref = traces[Role.REFERENCE].manifest.get("provenance")
+    """A warning per side made by other code than the reference, where the difference can change
+    what it computes: that may be the point of the comparison (two megatron-core versions), but it
+    must never go unnoticed. megatron-core's and Transformer Engine's versions and code are left out
+    between a side that imports them and one that does not (the golden's torch backend)."""
+    reference = traces[Role.REFERENCE].manifest
     out = []
     for role, t in traces.items():
         if role == Role.REFERENCE:
             continue
-        if diffs := differences(ref, t.manifest.get("provenance")):
+        diffs = differences(reference.get("provenance"), t.manifest.get("provenance"))
+        if "torch" in (reference.get("backend"), t.manifest.get("backend")):
+            diffs = [d for d in diffs if not d.startswith(_MEGATRON_ONLY)]
+        if diffs:
             out.append(f"{role} trace was made by other code than the reference: " + "; ".join(diffs))
     return out
 

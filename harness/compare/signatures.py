@@ -10,9 +10,12 @@ localizer can name means, in one line each (the report shows it under the first 
 from __future__ import annotations
 
 import itertools
+import math
 
 import torch
 from torch.distributed.tensor import Shard
+
+from harness.compare.metrics import NONFINITE_KEYS
 
 
 SIGNATURES = {
@@ -53,6 +56,11 @@ SIGNATURES = {
     "beyond-sum-bound": "a sum of the same terms differs by more than any order of summing them allows "
                         "(a bounded expectation): a term lost, added or rounded",
     "mismatch": "values differ beyond the policy with no recognised pattern",
+    "non-finite": "one side holds NaN or Inf where the other holds a finite value (counts, the side, the "
+                  "region and ranks named): an overflow, a division by zero, or an uninitialized buffer read",
+    "raised": "the code under test raised on one side only (the exception, its innermost frame in that "
+              "code, the step and the phase named): a crash of the code under test is a divergence, not a "
+              "failed run",
     "gemm-consumed-foreign-weight": "a GEMM consumed another parameter's weight: a GTP gather buffer "
                                     "was reused before the GEMM read it",
     "pad-rows-as-data": "the candidate is the reference with zero rows inserted and the rows behind "
@@ -251,3 +259,25 @@ def logged_window(step: int, rows) -> dict | None:
     if len(windows) < 2 or windows["reference"] == windows["candidate"]:
         return None
     return {"reference_window": windows["reference"], "candidate_window": windows["candidate"]}
+
+
+def nonfinite_of(event: dict) -> dict | None:
+    """What a failing event holds that is NaN or Inf where the other side is finite: per side, its
+    NaN and Inf counts (a compared pair's, :data:`harness.compare.metrics.NONFINITE_KEYS`), or the
+    pad rows' (a padding violation whose rows are not finite); None if nothing is."""
+    if event.get("policy") == "padding":
+        value = event.get("max_abs")
+        if isinstance(value, float) and not math.isfinite(value):
+            return {"side": "candidate", "in": "pad rows", "value": "NaN" if math.isnan(value) else "Inf"}
+        return None
+    if not _count(event.get("nonfinite_mismatch")):
+        return None
+    counts = {k: _count(event.get(k)) for k in NONFINITE_KEYS}
+    side = "candidate" if counts["nan_cand"] + counts["inf_cand"] else "reference"
+    if not any(counts.values()):
+        side = "both"  # NaN against Inf, or Inf against -Inf: non-finite on both sides
+    return {"side": side, **counts}
+
+
+def _count(v) -> int:
+    return int(v) if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v)) else 0

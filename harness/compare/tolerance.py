@@ -39,6 +39,26 @@ def recipe_of(traces: dict) -> str:
     return "none"
 
 
+# The statistic each policy's ``bound`` applies to (results.csv's ``bound_on``, the report's "bound on"):
+# a bound is only readable beside the number it limits.
+BOUND_ON = {
+    "exact": "bits (every bit equal)", "bitwise": "bits (every bit equal)", "fingerprint": "bits (hashes)",
+    "noise-floor": "rms error vs golden (cand_err_golden <= k ref_err_golden + floor)",
+    "noise-floor-pooled": "abs error vs golden (|c - g| <= k x the step's worst sample + floor)",
+    "dtype": "each element (|c - r| <= atol + rtol |r|; bound at max |r|)",
+    "bounded": "each element (|c - r| <= 2 gamma_2n sum |x_i|; bound at its largest)",
+    "consistency": "abs difference of the norms (| |g_c| - |g_r| | <= |g_c - g_r| + rounding)",
+}
+
+
+def with_bound_on(df):
+    """Rows with the ``bound_on`` column: what each row's ``bound`` is a bound of (empty where no
+    number bounds the judgement: a shape, a non-finite value, an invariant)."""
+    if not df.empty and "policy" in df.columns:
+        df = df.assign(bound_on=[BOUND_ON.get(p, "") if isinstance(p, str) else "" for p in df["policy"]])
+    return df
+
+
 def within_tolerance(ref: torch.Tensor, cand: torch.Tensor, rtol: float, atol: float) -> bool:
     r, c = ref.double(), cand.double()
     return bool(((c - r).abs() <= atol + rtol * r.abs()).all())

@@ -92,7 +92,7 @@ def picture(data: ScenarioData) -> Picture | None:
     """The shard picture of the first divergence, or None when there is nothing to draw."""
     fd = data.summary.first_divergence
     trace = data.trace_dirs.get("candidate")
-    if fd is None or trace is None or fd.kind in ("input", "scalar", "loss", "eval"):
+    if fd is None or trace is None or fd.kind in ("input", "scalar", "loss", "eval", "raised"):
         return None
     layout = find_layout(trace, fd.step, fd.kind, fd.tensor)
     if layout is None or not 1 <= len(layout["logical_shape"]) <= 2:

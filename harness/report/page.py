@@ -33,10 +33,11 @@ TABLE_COLUMNS = [
         ("shape", "shape"), ("max_abs", "max abs"),
     ("max_rel", "max rel"), ("max_ulp", "max ULP"), ("p99_ulp", "p99 ULP"), ("rel_l2", "rel L2"),
     ("cosine", "cosine"), ("mismatched", "mismatched"), ("ref_err_golden", "ref err vs golden"),
-    ("cand_err_golden", "cand err vs golden"), ("bound", "bound"), ("worst_index", "worst index"),
-]
+    ("cand_err_golden", "cand err vs golden"), ("bound", "bound"), ("bound_on", "bound on"),
+    ("worst_index", "worst index"),
+]  # fmt: skip
 TEXT_COLUMNS = {"phase", "kind", "tensor", "expectation", "expectation_reason", "policy", "dtype", "shape",
-                "worst_index"}
+                "worst_index", "bound_on"}  # fmt: skip
 HEAT_NOTES = {
     "golden": "the largest ratio, among the cell's tensors, of the candidate's error against the golden to "
               "the reference's (1: the candidate is as close to the truth as the reference), log scale from "
@@ -80,6 +81,8 @@ def _divergence(data: ScenarioData) -> str:
     if fd.norm_ratio is not None:
         pairs.append(("norm_ratio", esc(fmt(fd.norm_ratio))))
     metrics = [(k, esc(fmt(fd.metrics[k], 6))) for k in METRIC_KEYS if k in fd.metrics]
+    if fd.extra.get("bound_on") and "bound" in fd.metrics:
+        metrics.append(("bound on", esc(fd.extra["bound_on"])))
     return (f'<h2>First divergence</h2><p class="mono" id="divergence">{esc(divergence_line(s))}</p>'
             + _kv(pairs) + ("<h3>Metrics</h3>" + _kv(metrics) if metrics else ""))
 
@@ -93,7 +96,7 @@ def _explain(fd: FirstDivergence) -> str:
 
 
 NO_PICTURE = {"input": "sample ids have no shards", "scalar": "a scalar", "loss": "a per-sample loss",
-              "eval": "an evaluation's loss"}
+              "eval": "an evaluation's loss", "raised": "an exception of the code under test"}
 PICTURE_NOTE = ('<p class="small">The logical tensor cut into its (TP, GTP) shard blocks as the candidate '
                 "holds them; red: the block holding the worst element or the faulty region; hatched: GTP pad "
                 "rows; dot: the worst element.</p>")

@@ -271,6 +271,20 @@ def describe_failure(jobs: list[Job], world: int) -> str:
     return f"side {job.side.label()}: every rank lost its peers; " + describe_progress(jobs, world)
 
 
+def raised_record(job: Job, world: int) -> dict | None:
+    """Where the code under test raised in ``job`` (its ranks' error files, written by the
+    worker): the exception's type and message, its innermost frame in that code, the tree, the
+    step and phase, and the ranks that raised it; None where no rank's error is the code under
+    test's (the harness's own failure, a hard exit, a timeout)."""
+    errors = _beats(job, world, "error.json")
+    own = {r: e for r, e in errors.items() if isinstance(e.get("raised"), dict)}
+    if not own:
+        return None
+    first = own[min(own)]
+    return {**first["raised"], "step": first.get("step"), "phase": first.get("phase"), "ranks": sorted(own),
+            "side": job.side.label()}
+
+
 def describe_pending(job: Job, world: int) -> str:
     """Why a planned side has no complete trace (``collect``: nothing is launched)."""
     path = Path(job.trace_dir)

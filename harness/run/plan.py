@@ -27,7 +27,7 @@ from harness.scenario.checkpoint import saver_side
 from harness.common.errors import RunFailed
 from harness.common.jsonio import write_json
 from harness.run.trees import BRIDGE, CodeTree, resolve_all
-from harness.run.launch import Interrupted, describe_pending, launch, worker_env, write_plan
+from harness.run.launch import Interrupted, describe_pending, launch, raised_record, worker_env, write_plan
 from harness.run.provenance import code_identity
 from harness.scenario import COMPARED_ROLES, Role, Scenario
 
@@ -150,6 +150,19 @@ def launches(by_scenario: dict[str, dict[str, Job]], scenarios: list[Scenario],
     return out
 
 
+def after_raise(b: Launch) -> Launch | None:
+    """Where the code under test raised in one of a launch's sides (a parity verdict, not a
+    failed run), the launch of the sides it took with it, that never ran or never finished; None
+    where none raised so, or none is left. Their partial traces are removed first."""
+    raised = {j.key for j in b.jobs if not trace.is_complete(j.trace_dir) and raised_record(j, b.world)}
+    rest = [j for j in b.jobs if not trace.is_complete(j.trace_dir) and j.key not in raised]
+    if not raised or not rest:
+        return None
+    clear_incomplete(rest)
+    timeout_s = {j.key: b.timeout_s[j.key] for j in rest}
+    return Launch(f"{b.name}-after{len(raised)}", b.world, b.phase, rest, timeout_s)
+
+
 def clear_incomplete(jobs) -> None:
     """An incomplete trace left by an earlier failed run is not resumed: remove it."""
     for job in jobs:
@@ -205,6 +218,10 @@ def execute(
             for j in b.jobs:
                 if not trace.is_complete(j.trace_dir):
                     failures[j.key] = str(e)
+            if (after := after_raise(b)) is not None:
+                for j in after.jobs:
+                    failures.pop(j.key, None)
+                one(after)
 
     pool = ThreadPoolExecutor(max_workers=max(1, parallel))
     try:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from harness.scenario.fault import Fault
 from harness.scenario.feature_faults import (
-    EVAL_FAULTS, GROUP_FAULTS, MTP_FAULTS, MUON_FAULTS, PRECISION_FAULTS, feature_reach,
-)
+    EVAL_FAULTS, GROUP_FAULTS, MTP_FAULTS, MUON_FAULTS, PRECISION_FAULTS, VERDICT_FAULTS, feature_reach,
+)  # fmt: skip
 
 
 CATALOG: dict[str, Fault] = {
@@ -288,3 +288,4 @@ CATALOG.update(PRECISION_FAULTS)
 CATALOG.update(GROUP_FAULTS)
 CATALOG.update(MTP_FAULTS)
 CATALOG.update(EVAL_FAULTS)
+CATALOG.update(VERDICT_FAULTS)

@@ -1,5 +1,6 @@
 """The planted faults of the features GTP is combined with: Muon, the precision bug class,
-caller-supplied process groups, multi-token prediction, evaluation. Part of the catalogue
+caller-supplied process groups, multi-token prediction, evaluation; and those at a verdict's edges
+(a NaN, a crash of the code under test). Part of the catalogue
 (:mod:`harness.scenario.faults` merges them into ``CATALOG``); torch-free."""
 
 from __future__ import annotations
@@ -18,6 +19,13 @@ MUON_FAULTS: dict[str, Fault] = {
             "TP blocks' rows",
             {"step": 1, "phase": "optimizer", "kind": "param", "tensor": "decoder.layers.*",
              "signature": "not-bitwise"},
+        ),
+        Fault(
+            "muon-update-padded-scale", "padding counted",
+            "Muon's orthogonalized update of decoder.layers.0.mlp.linear_fc1.weight scaled by sqrt(96/80), "
+            "the spectral scale of its 80 rows padded to 96 (GTP's alignment rows counted in Newton-Schulz)",
+            {"step": 1, "phase": "optimizer", "kind": "param", "tensor": "decoder.layers.0.mlp.linear_fc1.weight",
+             "signature": "update-term"},
         ),
     ]
 }
@@ -233,6 +241,47 @@ def _eval_reach(name: str, side) -> str | None:
     return None
 
 
+# Faults at the edges of a verdict (tests/test_verdict_edges.py plants them): a value that is not a
+# number, a crash of the code under test.
+VERDICT_FAULTS: dict[str, Fault] = {
+    f.name: f
+    for f in [
+        Fault(
+            "gtp-main-grad-nan", "non-finite value",
+            "after finalize at step 2 the last GTP rank writes a NaN into the first element of its shard "
+            "of decoder.layers.1.mlp.linear_fc1.weight's main_grad (an overflow or an uninitialized read)",
+            {"step": 2, "phase": "backward", "kind": "main_grad",
+             "tensor": "decoder.layers.1.mlp.linear_fc1.weight", "signature": "non-finite"},
+            target="decoder.layers.1.mlp.linear_fc1.weight",
+        ),
+        Fault(
+            "gtp-backward-raises", "crash of the code under test",
+            "GTP's wgrad reduce-scatter raises at the first backward (a KeyError inside megatron-core's "
+            "GTPShardedParam.wgrad_reduce_scatter, on every rank of the side)",
+            {"step": 1, "phase": "forward_backward", "kind": "raised", "tensor": "*", "signature": "raised"},
+        ),
+        Fault(
+            "adam-update-scaled", "optimizer update",
+            "the optimizer's update of decoder.layers.0.pre_mlp_layernorm.weight (its fp32 master, then the "
+            "weight) is 1.05 times what the optimizer computed, from step 1 on",
+            {"step": 1, "phase": "optimizer", "kind": "master",
+             "tensor": "decoder.layers.0.pre_mlp_layernorm.weight", "signature": "update-term"},
+            target="decoder.layers.0.pre_mlp_layernorm.weight",
+        ),
+    ]
+}
+
+
+def _verdict_reach(name: str, side) -> str | None:
+    if side.backend != "megatron" or side.gtp == 1:
+        return f"{name!r} is planted on a megatron side with GTP (gtp > 1)"
+    if name == "gtp-main-grad-nan" and side.steps < 2:
+        return f"{name!r} never fires before step 2 (steps = {side.steps})"
+    if name == "adam-update-scaled" and (side.optimizer != "adam" or side.distributed_optimizer):
+        return f"{name!r} needs Adam (optimizer = \"adam\") without the distributed optimizer"
+    return None
+
+
 def feature_reach(name: str, side, data=None) -> str | None:
     """Why fault ``name`` of one of these catalogues cannot fire on ``side`` (None: it can, or it is
     not one of them); :func:`harness.scenario.faults.check_reach` asks this first."""
@@ -246,4 +295,6 @@ def feature_reach(name: str, side, data=None) -> str | None:
         return _mtp_reach(name, side)
     if name in EVAL_FAULTS:
         return _eval_reach(name, side)
+    if name in VERDICT_FAULTS:
+        return _verdict_reach(name, side)
     return None

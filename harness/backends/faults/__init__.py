@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from harness.backends.faults import groups, precision
+from harness.backends.faults import groups, precision, verdicts
 from harness.backends.faults.checkpoint import CHECKPOINT_INSTALLERS
 from harness.backends.faults.evaluation import EVAL_INSTALLERS
 from harness.backends.faults.moe import MOE_INSTALLERS
@@ -199,6 +199,7 @@ INSTALLERS.update(MOE_INSTALLERS)
 INSTALLERS.update(MUON_INSTALLERS)
 INSTALLERS.update(MTP_INSTALLERS)
 INSTALLERS.update(EVAL_INSTALLERS)
+INSTALLERS.update(verdicts.VERDICT_INSTALLERS)
 INSTALLERS.update(precision.PRECISION_INSTALLERS)
 INSTALLERS.update(groups.INSTALLERS)
 INSTALLERS.update(CHECKPOINT_INSTALLERS)
@@ -267,6 +268,7 @@ def finalize_kwargs(ctx: Context, kwargs: dict) -> dict:
 
 
 def after_finalize(ctx: Context) -> None:
+    verdicts.after_finalize(ctx)
     if "gtp-pad-leak" in ctx.active and ctx.coord["gtp"] == ctx.side.gtp - 1:
         for _, p in ctx.named_params:
             pad = getattr(p, "pad_length", 0)
@@ -291,6 +293,7 @@ _GROUP_FAULTS = {"gtp-update-no-weight-decay": ("weight_decay", 0.0), "gtp-updat
 
 
 def before_step(ctx: Context) -> None:
+    verdicts.before_step(ctx)
     for name, (key, value) in _GROUP_FAULTS.items():
         if name in ctx.active:
             groups = _gtp_param_groups(ctx)
@@ -307,6 +310,7 @@ def before_step(ctx: Context) -> None:
 
 def after_step(ctx: Context) -> None:
     precision.after_step(ctx)
+    verdicts.after_step(ctx)
     for name, (key, _) in _GROUP_FAULTS.items():
         for g, old, faulty in ctx.saved.pop(name, []):
             if g[key] == faulty:  # the LR scheduler has not set the next step's value already
@@ -356,6 +360,7 @@ def at_step(ctx: Context, step: int) -> None:
     import os
     import time
 
+    ctx.saved["step"] = step  # what the hooks after it read (verdicts.after_finalize)
     for name in ctx.active:
         parts = name.split(":")
         if len(parts) != 3 or parts[0] not in RANK_FAULTS:
