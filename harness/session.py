@@ -117,7 +117,7 @@ def run_scenarios(scenarios: list[Scenario], out: Path, parallel: int = 2, verbo
             say(f"\n== {s.name}: {what}" + (f", {summary.expectation}" if known else "") + "\n"
                 + "\n".join(f"  {r}: {m}" for r, m in failed.items())
                 + (f"\nverdict: {summary.verdict.upper()}  first divergence: step {fd.step} {fd.phase} "
-                   f"signature {fd.signature}: {fd.explanation}" if fd else ""))  # fmt: skip
+                   f"signature {fd.signature}: {fd.explanation}" if fd else ""))
             # The code under test raising on one side is a verdict (exit 1); a run that failed otherwise, 3.
             code = EXIT_RUN_FAILED if summary.verdict == Verdict.ERROR else EXIT_PARITY_FAIL
             worst = worst if summary.verdict.passes_gate else max(worst, code)

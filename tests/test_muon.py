@@ -129,7 +129,8 @@ def _cfg(**kw) -> dict:
 def test_a_muon_update_is_bitwise_only_where_gtp_gathers_the_whole_matrix(mode, expected):
     # Each judged tensor's own inputs (the rule reads them per tensor): its step-1 main_grad bitwise.
     names = ("decoder.layers.0.mlp.linear_fc1.weight", "output_layer.weight")
-    rows = [{"step": 0, "kind": "param", "tensor": n, "bitwise_equal": True, "policy": "exact"} for n in names]
+    rows = [{"step": 0, "kind": "param", "tensor": n, "bitwise_equal": True, "policy": "exact"}
+            for n in names]
     rows += [{"step": 1, "kind": "main_grad", "tensor": n, "bitwise_equal": True} for n in names]
     up = ex._Upstream(pd.DataFrame(rows))
     ref, cand = _cfg(gtp=1, muon_tp_mode=mode, clip_grad=0.0), _cfg(gtp=2, muon_tp_mode=mode, clip_grad=0.0)

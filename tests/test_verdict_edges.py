@@ -80,7 +80,10 @@ def _loop_trace(path, poison=None):
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     cap = Capture(path, rank=0, world_size=1, coord={"tp": 0, "gtp": 0, "dp": 0}, mesh={})
-    layout = lambda name, p: replicated(tuple(p.shape))
+
+    def layout(name, p):
+        return replicated(tuple(p.shape))
+
     gen = torch.Generator().manual_seed(5)
     for step in (1, 2):
         cap.begin_step(step)
@@ -208,7 +211,7 @@ def test_a_nan_in_one_gtp_shard_is_localized_at_its_step_on_its_ranks(edges_run)
     side = planted[f"edge-{NAN}"].candidate
     last = Mesh.of_side(side)
     holders = sorted(last.rank({"tp": t, "gtp": side.gtp - 1, "dp": d}) for t in range(side.tp)
-                     for d in range(side.world_size // (side.tp * side.gtp)))  # fmt: skip
+                     for d in range(side.world_size // (side.tp * side.gtp)))
     assert fd["ranks"] == holders and fd["region"]["shard"] == {"gtp": side.gtp - 1}
     assert fd["non_finite"] == {"side": "candidate", "nan_cand": 1, "inf_cand": 0, "nan_ref": 0, "inf_ref": 0}
     assert fd["metrics"].get("max_abs") is None  # NaN: no number, never 0
@@ -305,7 +308,7 @@ def test_the_golden_is_not_warned_of_a_megatron_core_it_does_not_import():
 # --- optimizer updates: the per-tensor rule, and what each bound applies to --------------------
 
 
-def _rows(target_grad_bitwise: bool) -> "pd.DataFrame":
+def _rows(target_grad_bitwise: bool):
     import pandas as pd
 
     rows = [{"step": 0, "kind": "param", "tensor": t, "bitwise_equal": True, "policy": "exact",

@@ -287,8 +287,7 @@ class Capture:
 
     def progress(self, phase: str) -> None:
         """Heartbeat read by the launcher to name the last step a hung or crashed rank reached."""
-        self.phase = phase
-        beat = {"rank": self.rank, "step": self.step, "phase": phase}
+        self.phase, beat = phase, {"rank": self.rank, "step": self.step, "phase": phase}
         write_json(self.rank_dir / "progress.json", beat if self.node is None else beat | {"node": self.node})
 
     def end_step(self) -> None:

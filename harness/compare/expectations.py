@@ -108,7 +108,8 @@ class _Upstream:
     def __init__(self, df: pd.DataFrame):
         self.df = df
         equal = df["bitwise_equal"].fillna(False).astype(bool)
-        self._bitwise = {(int(s), k): bool(v) for (s, k), v in equal.groupby([df["step"], df["kind"]]).all().items()}
+        self._bitwise = {(int(s), k): bool(v)
+                         for (s, k), v in equal.groupby([df["step"], df["kind"]]).all().items()}
         keys = zip(df["step"], df["kind"], df["tensor"])
         self._rows = {(int(s), k, t): bool(v) for (s, k, t), v in zip(keys, equal)}
 
@@ -240,7 +241,8 @@ def _optimizer(row: dict, ref: dict, cand: dict, up: _Upstream) -> tuple[str, st
         if not inactive and not up.all_bitwise(step, "main_grad"):
             # The clip factor reads every gradient: the norm computed from them, recorded rounded to
             # fp32, may round two norms alike that scale the update differently.
-            return NOISE, ("the clip factor reads every main_grad of the step (their norm), and not every one "
+            return NOISE, ("the clip factor reads every main_grad of the step (their norm), and not every "
+                           "one "
                            "is bitwise: the recorded fp32 norm does not show the factor applied")
         if norm is None or not (norm.get("bitwise_equal") or inactive):
             return NOISE, "the clip factor reads grad norms that differ (a sum over shards in another order)"

@@ -43,9 +43,7 @@ from typing import NamedTuple
 import pandas as pd
 import torch
 
-from harness.compare import bounds, evaluation, expectations, localize
-from harness.compare import tasks
-from harness.compare import split
+from harness.compare import bounds, evaluation, expectations, localize, split, tasks
 from harness.capture.fingerprint import BLOCK_DIGESTS, DIGESTS
 from harness.compare.assemble import LazyLogical, Logical
 from harness.compare.metrics import PairStats, measure, metrics, ulp_distance  # noqa: F401 (re-exported)

@@ -107,10 +107,13 @@ def failure_outcome(s: Scenario, failed: dict[str, str], jobs: dict,
     if e is not None and e.raises and set(failed) == {Role.CANDIDATE} and e.raises in failed[Role.CANDIDATE]:
         prov = jobs[Role.CANDIDATE].provenance or {}
         tree, version = prov.get("megatron_core"), (prov.get("versions") or {}).get("megatron-core")
-        if not holds_fix(e, tree, version) and (e.introduced_in is None or holds_commit(e.introduced_in, tree)):
-            return ScenarioSummary.of(verdict=Verdict.KNOWN_DIVERGENCE, expectation=f"raised as known ({e.raises!r})",
-                                      expect={k: v for k, v in dataclasses.asdict(e).items() if v is not None},
-                                      **base)  # fmt: skip
+        if not holds_fix(e, tree, version) and (e.introduced_in is None
+                                                or holds_commit(e.introduced_in, tree)):
+            return ScenarioSummary.of(verdict=Verdict.KNOWN_DIVERGENCE,
+                                      expectation=f"raised as known ({e.raises!r})",
+                                      expect={k: v for k, v in dataclasses.asdict(e).items()
+                                              if v is not None},
+                                      **base)
     side = one_side_raised(failed, raised or {})
     if side is None:
         return ScenarioSummary.of(verdict=Verdict.ERROR, **base)

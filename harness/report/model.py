@@ -158,7 +158,8 @@ def divergence_line(summary: ScenarioSummary | dict) -> str:
 
 def _first_divergence_text(s: ScenarioSummary, fd: FirstDivergence, prefix: str = "") -> str:
     where = region_text(fd)
-    detail = ", ".join(f"{k} {fmt(fd.metrics[k])}" for k in ("max_abs", "max_rel", "bound") if k in fd.metrics)
+    detail = ", ".join(f"{k} {fmt(fd.metrics[k])}" for k in ("max_abs", "max_rel", "bound")
+                       if k in fd.metrics)
     if detail and fd.extra.get("bound_on") and "bound" in fd.metrics:
         detail += f" (the bound is on: {fd.extra['bound_on']})"
     return (

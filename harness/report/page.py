@@ -35,9 +35,9 @@ TABLE_COLUMNS = [
     ("cosine", "cosine"), ("mismatched", "mismatched"), ("ref_err_golden", "ref err vs golden"),
     ("cand_err_golden", "cand err vs golden"), ("bound", "bound"), ("bound_on", "bound on"),
     ("worst_index", "worst index"),
-]  # fmt: skip
+]
 TEXT_COLUMNS = {"phase", "kind", "tensor", "expectation", "expectation_reason", "policy", "dtype", "shape",
-                "worst_index", "bound_on"}  # fmt: skip
+                "worst_index", "bound_on"}
 HEAT_NOTES = {
     "golden": "the largest ratio, among the cell's tensors, of the candidate's error against the golden to "
               "the reference's (1: the candidate is as close to the truth as the reference), log scale from "

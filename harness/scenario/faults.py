@@ -9,7 +9,7 @@ from __future__ import annotations
 from harness.scenario.fault import Fault
 from harness.scenario.feature_faults import (
     EVAL_FAULTS, GROUP_FAULTS, MTP_FAULTS, MUON_FAULTS, PRECISION_FAULTS, VERDICT_FAULTS, feature_reach,
-)  # fmt: skip
+)
 
 
 CATALOG: dict[str, Fault] = {

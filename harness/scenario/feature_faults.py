@@ -24,7 +24,8 @@ MUON_FAULTS: dict[str, Fault] = {
             "muon-update-padded-scale", "padding counted",
             "Muon's orthogonalized update of decoder.layers.0.mlp.linear_fc1.weight scaled by sqrt(96/80), "
             "the spectral scale of its 80 rows padded to 96 (GTP's alignment rows counted in Newton-Schulz)",
-            {"step": 1, "phase": "optimizer", "kind": "param", "tensor": "decoder.layers.0.mlp.linear_fc1.weight",
+            {"step": 1, "phase": "optimizer", "kind": "param",
+             "tensor": "decoder.layers.0.mlp.linear_fc1.weight",
              "signature": "update-term"},
         ),
     ]
