@@ -219,6 +219,17 @@ SCENARIOS = [
     ("compare-k-inf", edit("compare", "k = inf"), "[compare].k", "finite"),
     ("compare-policy-unknown", edit("compare", 'policy = "fuzzy"'), "[compare].policy", "one of"),
     ("compare-floor-negative", edit("compare", "floor = -1.0"), "[compare].floor", ">= 0"),
+    # the architecture switches (harness/scenario/arch_rules.py)
+    ("bias-and-qkv-bias", edit("model", "add_bias_linear = true\nadd_qkv_bias = true"), "[model].add_qkv_bias",
+     "already gives the fused QKV projection its bias"),
+    ("bias-with-experts", edit("model", "add_bias_linear = true\nnum_experts = 4"), "[model].add_bias_linear",
+     "routed experts with linear biases"),
+    ("bias-on-bridge", edit("model", "add_bias_linear = true", text=edit("candidate", 'backend = "bridge"')),
+     "[candidate].backend", "only the megatron, mlm, torch backends take [model].add_bias_linear"),
+    ("bias-flag-in-mlm-args", edit("candidate", 'backend = "mlm"\nargs = ["--disable-bias-linear"]'),
+     "[candidate].args", "what the key [model].add_bias_linear sets"),
+    ("qkv-bias-flag-in-mlm-args", edit("candidate", 'backend = "mlm"\nargs = ["--add-qkv-bias"]'),
+     "[candidate].args", "what the key [model].add_qkv_bias sets"),
 ]
 
 def _run(argv: list[str], capsys) -> tuple[int, str, str]:

@@ -60,10 +60,23 @@ def _layer_specs(m: ModelConfig, p: str) -> list[ParamSpec]:
     return [
         *_norm_specs(p + "input_layernorm", h),
         ParamSpec(p + "self_attention.linear_proj.weight", (h, h), 1, True, "scaled_normal"),
+        *_bias_specs(p + "self_attention.linear_proj", h, 1, m.add_bias_linear),
         ParamSpec(p + "self_attention.linear_qkv.weight", (3 * h, h), 0, True, "normal"),
+        *_bias_specs(p + "self_attention.linear_qkv", 3 * h, 0, m.add_bias_linear or m.add_qkv_bias),
         *_norm_specs(p + "pre_mlp_layernorm", h),
         *_mlp_specs(m, p),
     ]
+
+
+def _bias_specs(layer: str, rows: int, weight_tp_dim: int, present: bool) -> list[ParamSpec]:
+    """A linear layer's bias (registered after its weight), where the model has one: cut over TP
+    with a column-parallel weight's rows, whole beside a row-parallel weight; never GTP-sharded
+    (megatron-core's ``wrap_module_params_gtp`` wraps the weight alone: the bias is replicated
+    over the GTP group). Initialized from the normal stream (megatron-core zeroes it; the harness
+    loads canonical weights, and a nonzero bias makes step 1's forward depend on it)."""
+    if not present:
+        return []
+    return [ParamSpec(layer + ".bias", (rows,), 0 if weight_tp_dim == 0 else None, False, "normal")]
 
 
 def _mtp_specs(m: ModelConfig) -> list[ParamSpec]:
@@ -85,7 +98,9 @@ def _mlp_specs(m: ModelConfig, p: str) -> list[ParamSpec]:
     h, f = m.hidden_size, m.ffn_hidden_size
     if not m.num_experts:
         return [ParamSpec(p + "mlp.linear_fc1.weight", (f, h), 0, True, "normal"),
-                ParamSpec(p + "mlp.linear_fc2.weight", (h, f), 1, True, "scaled_normal")]  # fmt: skip
+                *_bias_specs(p + "mlp.linear_fc1", f, 0, m.add_bias_linear),
+                ParamSpec(p + "mlp.linear_fc2.weight", (h, f), 1, True, "scaled_normal"),
+                *_bias_specs(p + "mlp.linear_fc2", h, 1, m.add_bias_linear)]  # fmt: skip
     specs = [ParamSpec(p + "mlp.router.weight", (m.num_experts, h), None, False, "normal")]
     for e in range(m.num_experts):
         q = f"{p}mlp.experts.local_experts.{e}."

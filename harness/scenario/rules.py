@@ -15,6 +15,7 @@ from harness.scenario.faults import check_name, check_reach
 from harness.scenario.eval_rules import validate_eval
 from harness.scenario.mlm_args import flag_problem
 from harness.scenario.moe_rules import moe_parameter_count, validate_moe_model, validate_moe_side
+from harness.scenario.arch_rules import arch_parameter_count, validate_arch_model
 from harness.scenario.mtp_rules import mtp_parameter_count, validate_mtp_model, validate_mtp_side
 from harness.scenario.muon_rules import validate_muon_side
 from harness.scenario.path_rules import validate_paths
@@ -36,6 +37,7 @@ def validate(s: Scenario, limits: bool = True) -> None:
     _validate_model(s)
     validate_moe_model(s)
     validate_mtp_model(s)
+    validate_arch_model(s)
     steps = {}
     for name, side in s.sides.items():
         where = f"{s.source}: [{name}]"
@@ -254,11 +256,11 @@ def _validate_limits(s: Scenario) -> None:
 
 
 def parameter_count(m: ModelConfig) -> int:
-    """Parameters of the GPT (no linear biases; LayerNorms, embeddings), for the size limit."""
+    """Parameters of the GPT (LayerNorms, embeddings, the switches' own), for the size limit."""
     h, f, v = m.hidden_size, m.ffn_hidden_size, m.vocab_size
     layer = 4 * h * h + 2 * h * f + 4 * h  # qkv + proj, fc1 + fc2, two LayerNorms (weight, bias)
     return (m.num_layers * layer + v * h * (2 if m.untie_embeddings else 1) + m.seq_length * h + 2 * h
-            + moe_parameter_count(m) + mtp_parameter_count(m))
+            + moe_parameter_count(m) + mtp_parameter_count(m) + arch_parameter_count(m))
 
 
 # Block formats need whole blocks along both GEMM dims (TE pads nothing here).

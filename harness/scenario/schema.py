@@ -74,12 +74,14 @@ def check_scenario_name(name: Any) -> str | None:
 
 # Routed experts and MTP: megatron-core's, and the golden's.
 MOE_BACKENDS = frozenset({"megatron", "torch"})
+# The architecture switches: megatron-core's, Megatron-LM's (through its flags), and the golden's.
+ARCH_BACKENDS = frozenset({"megatron", "mlm", "torch"})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
-    """The GPT architecture. Fixed choices (no linear bias, LayerNorm, GeLU MLP, learned
-    absolute positions, dropout 0, fp32 softmax, causal mask) match the GTP seed comparison."""
+    """The GPT architecture. Defaults (no linear bias, LayerNorm, GeLU MLP, learned absolute
+    positions) match the GTP seed comparison; dropout 0, fp32 softmax and the causal mask are fixed."""
 
     SECTION: ClassVar[str] = "model"
 
@@ -100,6 +102,15 @@ class ModelConfig:
         True, "architecture", "a separate output layer weight (GTP does not support tied embeddings)",
         mcore=("GPTModel.share_embeddings_and_output_weights (negated)",),
         mlm="--untie-embeddings-and-output-weights")
+    add_bias_linear: bool = option(
+        False, "architecture", """a bias on every linear layer (fused QKV, attention projection, fc1, fc2):
+        a column-parallel layer's bias is cut with its weight's rows over TP, a row-parallel layer's is
+        whole, and under GTP every bias is replicated over the GTP group (never GTP-sharded)""",
+        backends=ARCH_BACKENDS, added_later=True, mcore=("TransformerConfig.add_bias_linear",),
+        mlm="--disable-bias-linear (negated)")
+    add_qkv_bias: bool = option(
+        False, "architecture", "a bias on the fused QKV projection alone (Qwen's); add_bias_linear implies it",
+        backends=ARCH_BACKENDS, added_later=True, mcore=("TransformerConfig.add_qkv_bias",), mlm="--add-qkv-bias")
     init_std: float = option(
         0.02, "architecture", "std of the normal initialization; output projections use std / sqrt(2 x "
         "num_layers)", mcore=("TransformerConfig.init_method_std",), mlm="--init-method-std")

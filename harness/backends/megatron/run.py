@@ -52,7 +52,6 @@ def _transformer_config(job: Job):
         perform_initialization=False,  # canonical weights are loaded after construction
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        add_bias_linear=False,
         gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True,
         bf16=side.precision == "bf16",

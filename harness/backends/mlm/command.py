@@ -60,7 +60,8 @@ READ_BACK = (
     "--weight-decay", "--clip-grad", "--adam-beta1", "--adam-beta2", "--adam-eps", "--sgd-momentum",
     "--eval-interval", "--eval-iters",
 )
-READ_BACK_SWITCHES = ("--bf16", "--mock-data", "--untie-embeddings-and-output-weights")
+READ_BACK_SWITCHES = ("--bf16", "--mock-data", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+                      "--add-qkv-bias")
 
 
 def fixed_values() -> dict[str, str | None]:
@@ -111,6 +112,7 @@ def scenario_of(flags: list[str], nproc: int) -> Scenario:
         ffn_hidden_size=ns.ffn_hidden_size or 4 * ns.hidden_size, num_attention_heads=ns.num_attention_heads,
         seq_length=ns.seq_length, vocab_size=ns.vocab_size or 0,
         untie_embeddings=ns.untie_embeddings_and_output_weights, init_std=ns.init_method_std,
+        add_bias_linear=ns.add_bias_linear, add_qkv_bias=ns.add_qkv_bias and not ns.add_bias_linear,
     )  # fmt: skip
     data_ranks = nproc // side.tp
     data = DataConfig(seed=ns.seed, micro_batch_size=ns.micro_batch_size,

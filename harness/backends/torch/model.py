@@ -3,7 +3,7 @@
 Same math as ``GPTModel`` with ``get_gpt_layer_local_spec()``: learned absolute positions,
 pre-LayerNorm blocks, fused QKV with rows ordered per query group (q, k, v per head here),
 softmax((q k^T) / sqrt(d_head)) with the causal mask filled with -10000 in fp32, GeLU MLP,
-no linear biases, untied output layer, hidden states laid out [s, b, h]; and megatron-core's
+linear biases where ``add_bias_linear`` / ``add_qkv_bias`` say, untied output layer, hidden states laid out [s, b, h]; and megatron-core's
 multi-token prediction block (:class:`MTPBlock`) where the model has one.
 
 In one process every layer is plain ``F.linear`` / ``F.embedding`` on the full weights (the
@@ -29,19 +29,21 @@ LAYERNORM_EPS = 1e-5
 
 
 class Linear(nn.Module):
-    """A bias-free linear layer: ``F.linear`` alone, or the attached parallel context's GEMM."""
+    """A linear layer: ``F.linear`` alone, or the attached parallel context's GEMM; its bias (where
+    it has one) added after the GEMM, a row-parallel layer's after the TP reduction (megatron-core's
+    ``skip_bias_add``: the bias joins in the bias-dropout-add or before the activation)."""
 
-    def __init__(self, in_features: int, out_features: int, kind: str):
+    def __init__(self, in_features: int, out_features: int, kind: str, bias: bool = False):
         super().__init__()
         self.kind = kind
         """``column`` (TP cuts the output dim) or ``row`` (TP cuts the input dim)."""
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.parallel = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.parallel is None:
-            return F.linear(x, self.weight)
-        return self.parallel.linear(self, x)
+        y = F.linear(x, self.weight) if self.parallel is None else self.parallel.linear(self, x)
+        return y if self.bias is None else y + self.bias
 
 
 class WordEmbedding(nn.Module):
@@ -63,8 +65,8 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.heads = m.num_attention_heads // tp  # heads of this TP rank
         self.head_dim = m.hidden_size // m.num_attention_heads
-        self.linear_proj = Linear(m.hidden_size, m.hidden_size, "row")
-        self.linear_qkv = Linear(m.hidden_size, 3 * m.hidden_size, "column")
+        self.linear_proj = Linear(m.hidden_size, m.hidden_size, "row", m.add_bias_linear)
+        self.linear_qkv = Linear(m.hidden_size, 3 * m.hidden_size, "column", m.add_bias_linear or m.add_qkv_bias)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         s, b, _ = x.shape
@@ -82,8 +84,8 @@ class SelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, m: ModelConfig):
         super().__init__()
-        self.linear_fc1 = Linear(m.hidden_size, m.ffn_hidden_size, "column")
-        self.linear_fc2 = Linear(m.ffn_hidden_size, m.hidden_size, "row")
+        self.linear_fc1 = Linear(m.hidden_size, m.ffn_hidden_size, "column", m.add_bias_linear)
+        self.linear_fc2 = Linear(m.ffn_hidden_size, m.hidden_size, "row", m.add_bias_linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(F.gelu(self.linear_fc1(x)))

@@ -1,0 +1,27 @@
+"""The rules of the architecture switches ([model]'s biases, MLP, norm, positions, attention),
+checked before anything is launched. Each is megatron-core 0.19.2's own constraint (its reason, as
+``TransformerConfig.__post_init__`` or the layer states it) or a limit of what the harness covers,
+said as such."""
+
+from __future__ import annotations
+
+from harness.common.errors import BadInput
+from harness.scenario.schema import ModelConfig, Scenario
+
+
+def validate_arch_model(s: Scenario) -> None:
+    m, src = s.model, s.source
+    if m.add_qkv_bias and m.add_bias_linear:
+        raise BadInput(f"{src}: [model].add_qkv_bias",
+                       "add_bias_linear already gives the fused QKV projection its bias: set one of the two")
+    if m.num_experts and m.add_bias_linear:
+        # megatron-core allows it at expert TP 1 (transformer_config.py: "Bias in Moe is only
+        # supported when ETP==1"); the harness's expert parameters carry no bias yet.
+        raise BadInput(f"{src}: [model].add_bias_linear", "routed experts with linear biases are not covered yet")
+
+
+def arch_parameter_count(m: ModelConfig) -> int:
+    """The parameters the architecture switches add per layer, over all layers (for the size limit)."""
+    h, f = m.hidden_size, m.ffn_hidden_size
+    bias = (3 * h if m.add_bias_linear or m.add_qkv_bias else 0) + (h + f + h if m.add_bias_linear else 0)
+    return m.num_layers * bias
