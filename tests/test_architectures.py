@@ -45,26 +45,34 @@ def _expected_linear(m, tp: int) -> dict[str, tuple[tuple[int, ...], dict]]:
     name -> (TP-local shape at GTP off, placements). Written out here, not read from the harness's
     parameter specs, so a wrong spec there fails this test."""
     h, f = m.hidden_size, m.ffn_hidden_size
-    col = {"tp": "S(0)"} if tp > 1 else {}
+    col, row = ({"tp": "S(0)"}, {"tp": "S(1)"}) if tp > 1 else ({}, {})
+    # A gated fc1 is [gate; up]: twice the rows, each half cut over TP (partition_stride 2).
+    k = 2 if m.activation in ("swiglu", "geglu") else 1
+    fc1 = {**col, **({"strides": {"tp": 2}} if k == 2 and tp > 1 else {})}
     p = "decoder.layers.0."
     out = {p + "self_attention.linear_qkv.weight": ((3 * h // tp, h), col),
-           p + "self_attention.linear_proj.weight": ((h, h // tp), {"tp": "S(1)"} if tp > 1 else {}),
-           p + "mlp.linear_fc1.weight": ((f // tp, h), col),
-           p + "mlp.linear_fc2.weight": ((h, f // tp), {"tp": "S(1)"} if tp > 1 else {})}  # fmt: skip
+           p + "self_attention.linear_proj.weight": ((h, h // tp), row),
+           p + "mlp.linear_fc1.weight": ((k * f // tp, h), fc1),
+           p + "mlp.linear_fc2.weight": ((h, f // tp), row)}  # fmt: skip
     if m.add_bias_linear or m.add_qkv_bias:
         out[p + "self_attention.linear_qkv.bias"] = ((3 * h // tp,), col)
     if m.add_bias_linear:
         out[p + "self_attention.linear_proj.bias"] = ((h,), {})
-        out[p + "mlp.linear_fc1.bias"] = ((f // tp,), col)
+        out[p + "mlp.linear_fc1.bias"] = ((k * f // tp,), fc1)
         out[p + "mlp.linear_fc2.bias"] = ((h,), {})
     return out
 
 
 def _params(path: str, step: int = 0) -> dict[str, tuple[tuple[int, ...], dict]]:
-    """Rank 0's parameters at ``step`` in a trace: name -> (shard shape, placements)."""
+    """Rank 0's parameters at ``step`` in a trace: name -> (shard shape, placements, and the
+    layout's strides where it has any)."""
     t = trace.read(path)
-    return {e.name: (tuple(e.local_shape), e.layout.to_json()["placements"]) for e in t.entries
+    return {e.name: (tuple(e.local_shape), _placed(e.layout.to_json())) for e in t.entries
             if e.kind == "param" and e.step == step and e.rank == 0}  # fmt: skip
+
+
+def _placed(doc: dict) -> dict:
+    return {**doc["placements"], **({"strides": doc["strides"]} if "strides" in doc else {})}
 
 
 @pytest.mark.parametrize("name", [s.name for s in MATRIX if s.candidate.tp > 1] + [s.name for s in GOLDEN])
@@ -77,7 +85,7 @@ def test_megatron_core_built_what_the_switch_implies(arch_run, name):
     assert layer0 == want
 
 
-@pytest.mark.parametrize("name", [s.name for s in MATRIX if s.candidate.gtp > 1])
+@pytest.mark.parametrize("name", [s.name for s in MATRIX if s.model.add_bias_linear or s.model.add_qkv_bias])
 def test_biases_are_replicated_over_the_gtp_group(arch_run, name):
     """Beside a GTP-sharded weight its bias stays whole over the GTP peers: megatron-core's
     attributes say no GTP placement, and the peers hold the same bias after every step."""
@@ -105,3 +113,21 @@ def test_the_golden_matches_megatron_core_to_the_noise_floor(arch_run, name):
     # Copies, not computations: the same canonical weights and token ids on both sides.
     copies = tensors[(tensors["step"] == 0) | (tensors["kind"] == "input")]
     assert len(copies) and copies["bitwise_equal"].astype(bool).all()
+
+
+@pytest.mark.parametrize("name", [s.name for s in MATRIX if s.model.activation in ("swiglu", "geglu") and s.candidate.tp > 1])
+def test_a_gated_fc1_is_cut_by_halves_over_tp_and_padded_whole_by_gtp(arch_run, name):
+    """TP 2 x GTP 2, FFN 80: rank (t, g) holds rows [48 g, 48 g + 48) of TP block t = [gate_t; up_t]
+    (80 rows padded to 96, alignment 16 x 2): GTP rank 0's shard crosses from the gate into the up
+    half. megatron-core's attributes say so (the harness checks its own layout against them before
+    loading), and the assembled logical fc1 passed at every step."""
+    _, by_name, out = arch_run
+    t = trace.read(by_name[name]["traces"]["candidate"])
+    fc1 = [e for e in t.entries if e.kind == "param" and e.name.endswith("mlp.linear_fc1.weight")]
+    f, h = BY_NAME[name].model.ffn_hidden_size, BY_NAME[name].model.hidden_size
+    for e in fc1:
+        doc = e.layout.to_json()
+        assert doc["strides"] == {"tp": 2} and doc["pads"] == {"gtp": 96 - f} and tuple(e.local_shape) == (48, h)
+    df = results(out, name)
+    rows = df[df["tensor"].str.endswith("mlp.linear_fc1.weight")]
+    assert set(rows["kind"]) >= {"param", "main_grad", "materialized"} and rows["passed"].astype(bool).all()

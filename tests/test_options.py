@@ -111,7 +111,9 @@ def test_every_megatron_lm_flag_the_declarations_and_the_args_rules_name_exists(
     ("--moe-shared-expert-intermediate-size", "shapes the model's parameters"),
     ("--context-parallel-size", "parallel layout"),
     ("--make-vocab-size-divisible-by", "fixed by the harness"),
-    ("--swiglu", "the golden does not follow"),
+    ("--swiglu", "[model].activation sets"),
+    ("--squared-relu", "[model].activation = \"squared_relu\""),
+    ("--quick-geglu", "the golden does not follow"),
 ])
 def test_args_flags_that_keys_set_or_the_harness_cannot_assemble_are_refused(arg, says):
     assert says in flag_problem(arg)
@@ -141,20 +143,22 @@ def test_a_side_key_only_some_backends_honour_is_refused_elsewhere_by_its_declar
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bias, qkv", [(False, False), (True, False), (False, True)])
-def test_the_bias_switches_reach_megatron_lm_and_read_back(bias, qkv):
+@pytest.mark.parametrize("bias, qkv, activation", [(False, False, "gelu"), (True, False, "swiglu"),
+                                                   (False, True, "squared_relu")])  # fmt: skip
+def test_the_architecture_switches_reach_megatron_lm_and_read_back(bias, qkv, activation):
     """The mlm side's command line carries the keys (``--disable-bias-linear`` where biases are
-    off, ``--add-qkv-bias``), Megatron-LM's parser reads those values, and
-    ``gtp-parity mlm`` reads them back into the same keys."""
+    off, ``--add-qkv-bias``, ``--swiglu`` / ``--squared-relu``), Megatron-LM's parser reads those
+    values, and ``gtp-parity mlm`` reads them back into the same keys."""
     from harness.backends.mlm.args import check_flags, side_argv
     from harness.backends.mlm.command import scenario_of
     from harness.scenario.schema import DataConfig, ModelConfig, Side
 
     model = ModelConfig(num_layers=1, hidden_size=32, ffn_hidden_size=64, seq_length=8, vocab_size=64,
-                        add_bias_linear=bias, add_qkv_bias=qkv)  # fmt: skip
+                        add_bias_linear=bias, add_qkv_bias=qkv, activation=activation)  # fmt: skip
     side = Side(backend="mlm", world_size=1, steps=2, lr_warmup_steps=0)
     argv = side_argv(model, DataConfig(global_batch_size=1), side)
     ns = check_flags(argv + ["--train-iters", "2", "--tensor-model-parallel-size", "1"], "test")
     assert (ns.add_bias_linear, ns.add_qkv_bias) == (bias, qkv)  # validate_args then sets qkv under bias
+    assert (ns.swiglu, ns.squared_relu) == (activation == "swiglu", activation == "squared_relu")
     back = scenario_of(argv + ["--train-iters", "2", "--tensor-model-parallel-size", "1"], 1).model
-    assert (back.add_bias_linear, back.add_qkv_bias) == (bias, qkv)
+    assert (back.add_bias_linear, back.add_qkv_bias, back.activation) == (bias, qkv, activation)

@@ -17,7 +17,7 @@ from torch.distributed.tensor import Shard
 
 from harness.common.layout import Layout, gtp_pad
 from harness.common.mesh import Mesh
-from harness.scenario.schema import ModelConfig, Side
+from harness.scenario.schema import GATED, ModelConfig, Side
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +32,9 @@ class ParamSpec:
     """normal, scaled_normal, ones or zeros."""
     expert: int | None = None
     """The routed expert (global index) whose weight this is; None: not an expert's."""
+    tp_stride: int = 1
+    """Blocks TP cuts one by one (megatron-core's ``partition_stride``): 2 for a gated fc1's
+    ``[gate; up]``, rank r holding ``[gate_r; up_r]``."""
 
 
 def param_specs(m: ModelConfig) -> list[ParamSpec]:
@@ -68,7 +71,7 @@ def _layer_specs(m: ModelConfig, p: str) -> list[ParamSpec]:
     ]
 
 
-def _bias_specs(layer: str, rows: int, weight_tp_dim: int, present: bool) -> list[ParamSpec]:
+def _bias_specs(layer: str, rows: int, weight_tp_dim: int, present: bool, stride: int = 1) -> list[ParamSpec]:
     """A linear layer's bias (registered after its weight), where the model has one: cut over TP
     with a column-parallel weight's rows, whole beside a row-parallel weight; never GTP-sharded
     (megatron-core's ``wrap_module_params_gtp`` wraps the weight alone: the bias is replicated
@@ -76,7 +79,7 @@ def _bias_specs(layer: str, rows: int, weight_tp_dim: int, present: bool) -> lis
     loads canonical weights, and a nonzero bias makes step 1's forward depend on it)."""
     if not present:
         return []
-    return [ParamSpec(layer + ".bias", (rows,), 0 if weight_tp_dim == 0 else None, False, "normal")]
+    return [ParamSpec(layer + ".bias", (rows,), 0 if weight_tp_dim == 0 else None, False, "normal", tp_stride=stride)]
 
 
 def _mtp_specs(m: ModelConfig) -> list[ParamSpec]:
@@ -97,8 +100,9 @@ def _mlp_specs(m: ModelConfig, p: str) -> list[ParamSpec]:
     then each routed expert's MLP, named by its global index."""
     h, f = m.hidden_size, m.ffn_hidden_size
     if not m.num_experts:
-        return [ParamSpec(p + "mlp.linear_fc1.weight", (f, h), 0, True, "normal"),
-                *_bias_specs(p + "mlp.linear_fc1", f, 0, m.add_bias_linear),
+        k = 2 if m.activation in GATED else 1  # a gated fc1: [gate; up], each half cut over TP
+        return [ParamSpec(p + "mlp.linear_fc1.weight", (k * f, h), 0, True, "normal", tp_stride=k),
+                *_bias_specs(p + "mlp.linear_fc1", k * f, 0, m.add_bias_linear, k),
                 ParamSpec(p + "mlp.linear_fc2.weight", (h, f), 1, True, "scaled_normal"),
                 *_bias_specs(p + "mlp.linear_fc2", h, 1, m.add_bias_linear)]  # fmt: skip
     specs = [ParamSpec(p + "mlp.router.weight", (m.num_experts, h), None, False, "normal")]
@@ -141,14 +145,16 @@ def layout_of(spec: ParamSpec, side: Side, num_experts: int = 0) -> Layout:
     if spec.expert is not None:
         return _expert_layout(spec, side, num_experts)
     mesh = mesh_of(side)
-    placements, pads = {}, {}
+    placements, pads, strides = {}, {}, {}
     if spec.tp_dim is not None and side.tp > 1:
         placements["tp"] = Shard(spec.tp_dim)
+        if spec.tp_stride > 1:
+            strides["tp"] = spec.tp_stride
     if spec.gtp and side.gtp > 1:
         local0 = spec.shape[0] // (side.tp if spec.tp_dim == 0 else 1)
         placements["gtp"] = Shard(0)
         pads["gtp"] = gtp_pad(local0, side.gtp, side.gtp_pad_alignment)
-    return Layout(spec.shape, mesh, placements, pads)
+    return Layout(spec.shape, mesh, placements, pads, strides=strides)
 
 
 def _expert_layout(spec: ParamSpec, side: Side, num_experts: int) -> Layout:

@@ -6,7 +6,10 @@ said as such."""
 from __future__ import annotations
 
 from harness.common.errors import BadInput
-from harness.scenario.schema import ModelConfig, Scenario
+from harness.scenario.schema import GATED, ModelConfig, Scenario, Side
+
+# Megatron-LM's flags reach these activations (--swiglu, --squared-relu, gelu by default) and no other.
+MLM_ACTIVATIONS = ("gelu", "swiglu", "squared_relu")
 
 
 def validate_arch_model(s: Scenario) -> None:
@@ -18,10 +21,23 @@ def validate_arch_model(s: Scenario) -> None:
         # megatron-core allows it at expert TP 1 (transformer_config.py: "Bias in Moe is only
         # supported when ETP==1"); the harness's expert parameters carry no bias yet.
         raise BadInput(f"{src}: [model].add_bias_linear", "routed experts with linear biases are not covered yet")
+    if m.num_experts and m.activation in GATED:
+        raise BadInput(f"{src}: [model].activation", f"routed experts with a gated MLP ({m.activation}) are not covered yet")
+
+
+def validate_arch_side(s: Scenario, side: Side, where: str) -> None:
+    m = s.model
+    if side.backend == "mlm" and m.activation not in MLM_ACTIVATIONS:
+        raise BadInput(f"{s.source}: [model].activation",
+                       f"Megatron-LM's flags reach {', '.join(MLM_ACTIVATIONS)} only, not {m.activation!r} ({where})")
+    if side.optimizer == "muon" and m.activation in GATED:
+        # Muon orthogonalizes each TP block; a gated fc1's TP block is [gate_r; up_r].
+        raise BadInput(f"{where}.optimizer", f"Muon with a gated MLP ({m.activation}) is not covered yet")
 
 
 def arch_parameter_count(m: ModelConfig) -> int:
     """The parameters the architecture switches add per layer, over all layers (for the size limit)."""
     h, f = m.hidden_size, m.ffn_hidden_size
-    bias = (3 * h if m.add_bias_linear or m.add_qkv_bias else 0) + (h + f + h if m.add_bias_linear else 0)
-    return m.num_layers * bias
+    k = 2 if m.activation in GATED else 1
+    bias = (3 * h if m.add_bias_linear or m.add_qkv_bias else 0) + (h + k * f + h if m.add_bias_linear else 0)
+    return m.num_layers * (bias + (k - 1) * f * h)

@@ -42,7 +42,7 @@ REFUSED = {
         "--heterogeneous-layers-config-encoded-json",
     ), _PARAMETERS),
     **dict.fromkeys((
-        "--swiglu", "--squared-relu", "--quick-geglu", "--openai-gelu", "--glu-linear-offset",
+        "--quick-geglu", "--openai-gelu", "--glu-linear-offset",
         "--fp32-residual-connection", "--apply-residual-connection-post-layernorm", "--use-mup",
         "--apply-query-key-layer-scaling", "--window-size", "--qk-clip", "--activation-func-clamp-value",
     ), _COMPUTATION),
@@ -59,6 +59,7 @@ REFUSED = {
         "--skip-train", "--multiple-validation-sets", "--train-samples",
     ), _DATA),
     **dict.fromkeys(("--fp16",), _PRECISION),
+    "--squared-relu": "is what the key [model].activation = \"squared_relu\" sets: set activation instead",
 }
 # Families of flags, by prefix.
 REFUSED_PREFIXES = {

@@ -15,13 +15,13 @@ from harness.scenario.faults import check_name, check_reach
 from harness.scenario.eval_rules import validate_eval
 from harness.scenario.mlm_args import flag_problem
 from harness.scenario.moe_rules import moe_parameter_count, validate_moe_model, validate_moe_side
-from harness.scenario.arch_rules import arch_parameter_count, validate_arch_model
+from harness.scenario.arch_rules import arch_parameter_count, validate_arch_model, validate_arch_side
 from harness.scenario.mtp_rules import mtp_parameter_count, validate_mtp_model, validate_mtp_side
 from harness.scenario.muon_rules import validate_muon_side
 from harness.scenario.path_rules import validate_paths
 from harness.scenario.options import backend_problem, declared, need_problem, value_problem
 from harness.scenario.schema import (
-    CAPTURE_KINDS, CAPTURE_MODES, LIMITS, POLICIES, PRECISIONS, DataConfig, ModelConfig, Scenario, Side,
+    CAPTURE_KINDS, CAPTURE_MODES, GATED, LIMITS, POLICIES, PRECISIONS, DataConfig, ModelConfig, Scenario, Side,
 )
 from harness.scenario.tree_specs import spec_problem
 
@@ -53,6 +53,7 @@ def validate(s: Scenario, limits: bool = True) -> None:
         validate_moe_side(s, name, side, where)
         validate_muon_side(s, side, where)
         validate_mtp_side(s, name, side, where)
+        validate_arch_side(s, side, where)
         _validate_pipeline(s, side, where)
         _validate_code(side, where)
         _validate_reach(s, side, where)
@@ -272,7 +273,7 @@ def _gtp_dim0s(m: ModelConfig, tp: int) -> dict[str, int]:
     return {
         "linear_qkv": 3 * m.hidden_size // tp,
         "linear_proj": m.hidden_size,
-        "linear_fc1": m.ffn_hidden_size // tp,
+        "linear_fc1": (2 if m.activation in GATED else 1) * m.ffn_hidden_size // tp,
         "linear_fc2": m.hidden_size,
         "word_embeddings": m.vocab_size // tp,
         "output_layer": m.vocab_size // tp,

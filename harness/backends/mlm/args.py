@@ -59,7 +59,8 @@ def side_argv(model: ModelConfig, data: DataConfig, side: Side) -> list[str]:
 
 def model_flags(model: ModelConfig) -> list[str]:
     """The flags of the model's keys whose Megatron-LM flag is derived (negated, or a choice)."""
-    return [] if model.add_bias_linear else ["--disable-bias-linear"]
+    flags = [] if model.add_bias_linear else ["--disable-bias-linear"]
+    return flags + {"swiglu": ["--swiglu"], "squared_relu": ["--squared-relu"]}.get(model.activation, [])
 
 
 def _eval_flags(side: Side) -> list[str]:

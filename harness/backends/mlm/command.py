@@ -61,7 +61,7 @@ READ_BACK = (
     "--eval-interval", "--eval-iters",
 )
 READ_BACK_SWITCHES = ("--bf16", "--mock-data", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
-                      "--add-qkv-bias")
+                      "--add-qkv-bias", "--swiglu", "--squared-relu")
 
 
 def fixed_values() -> dict[str, str | None]:
@@ -113,6 +113,7 @@ def scenario_of(flags: list[str], nproc: int) -> Scenario:
         seq_length=ns.seq_length, vocab_size=ns.vocab_size or 0,
         untie_embeddings=ns.untie_embeddings_and_output_weights, init_std=ns.init_method_std,
         add_bias_linear=ns.add_bias_linear, add_qkv_bias=ns.add_qkv_bias and not ns.add_bias_linear,
+        activation="swiglu" if ns.swiglu else "squared_relu" if ns.squared_relu else "gelu",
     )  # fmt: skip
     data_ranks = nproc // side.tp
     data = DataConfig(seed=ns.seed, micro_batch_size=ns.micro_batch_size,

@@ -2,7 +2,8 @@
 
 Same math as ``GPTModel`` with ``get_gpt_layer_local_spec()``: learned absolute positions,
 pre-LayerNorm blocks, fused QKV with rows ordered per query group (q, k, v per head here),
-softmax((q k^T) / sqrt(d_head)) with the causal mask filled with -10000 in fp32, GeLU MLP,
+softmax((q k^T) / sqrt(d_head)) with the causal mask filled with -10000 in fp32, the MLP's
+activation (gated or plain) as ``[model].activation`` says,
 linear biases where ``add_bias_linear`` / ``add_qkv_bias`` say, untied output layer, hidden states laid out [s, b, h]; and megatron-core's
 multi-token prediction block (:class:`MTPBlock`) where the model has one.
 
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness.scenario.schema import ModelConfig
+from harness.scenario.schema import GATED, ModelConfig
 
 from .moe import MoE
 
@@ -81,14 +82,32 @@ class SelfAttention(nn.Module):
         return self.linear_proj(ctx)
 
 
+def squared_relu(x: torch.Tensor) -> torch.Tensor:
+    return torch.pow(F.relu(x), 2)  # megatron-core's activations.squared_relu
+
+
+# The activation (the gate's, for a gated one) by the [model] key's name, as megatron-core's.
+ACTIVATIONS = {"gelu": F.gelu, "swiglu": F.silu, "geglu": F.gelu, "relu": F.relu, "squared_relu": squared_relu}
+
+
 class MLP(nn.Module):
+    """fc1, the activation, fc2. Gated (``swiglu``, ``geglu``): fc1's output is [gate; up] (on a TP
+    rank its own rows of each half) and the activation is ``act(gate) * up``, as megatron-core's
+    ``glu``."""
+
     def __init__(self, m: ModelConfig):
         super().__init__()
-        self.linear_fc1 = Linear(m.hidden_size, m.ffn_hidden_size, "column", m.add_bias_linear)
+        self.gated, self.act = m.activation in GATED, ACTIVATIONS[m.activation]
+        rows = (2 if self.gated else 1) * m.ffn_hidden_size
+        self.linear_fc1 = Linear(m.hidden_size, rows, "column", m.add_bias_linear)
         self.linear_fc2 = Linear(m.ffn_hidden_size, m.hidden_size, "row", m.add_bias_linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+        y = self.linear_fc1(x)
+        if self.gated:
+            gate, up = torch.chunk(y, 2, dim=-1)
+            return self.linear_fc2(self.act(gate) * up)
+        return self.linear_fc2(self.act(y))
 
 
 class TransformerLayer(nn.Module):
