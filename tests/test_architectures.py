@@ -60,6 +60,10 @@ def _expected_linear(m, tp: int) -> dict[str, tuple[tuple[int, ...], dict]]:
         out[p + "self_attention.linear_proj.bias"] = ((h,), {})
         out[p + "mlp.linear_fc1.bias"] = ((k * f // tp,), fc1)
         out[p + "mlp.linear_fc2.bias"] = ((h,), {})
+    for norm in ("input_layernorm", "pre_mlp_layernorm"):  # RMSNorm: a weight, no bias
+        out[p + norm + ".weight"] = ((h,), {})
+        if m.normalization == "LayerNorm":
+            out[p + norm + ".bias"] = ((h,), {})
     return out
 
 
@@ -75,14 +79,21 @@ def _placed(doc: dict) -> dict:
     return {**doc["placements"], **({"strides": doc["strides"]} if "strides" in doc else {})}
 
 
-@pytest.mark.parametrize("name", [s.name for s in MATRIX if s.candidate.tp > 1] + [s.name for s in GOLDEN])
+BUILT = [s.name for s in MATRIX if s.candidate.tp > 1 or s.model.normalization != "LayerNorm"]
+GATED_TP = [s.name for s in MATRIX if s.model.activation in ("swiglu", "geglu") and s.candidate.tp > 1]
+
+
+@pytest.mark.parametrize("name", BUILT + [s.name for s in GOLDEN])
 def test_megatron_core_built_what_the_switch_implies(arch_run, name):
     _, by_name, _ = arch_run
     s = BY_NAME[name]
     got = _params(by_name[name]["traces"]["reference"])  # megatron-core, GTP off
     want = _expected_linear(s.model, s.reference.tp)
-    layer0 = {n: v for n, v in got.items() if n.startswith("decoder.layers.0.") and "layernorm" not in n}
+    layer0 = {n: v for n, v in got.items() if n.startswith("decoder.layers.0.")}
     assert layer0 == want
+    final = {n for n in got if n.startswith("decoder.final_layernorm.")}
+    bias = {"decoder.final_layernorm.bias"} if s.model.normalization == "LayerNorm" else set()
+    assert final == {"decoder.final_layernorm.weight"} | bias
 
 
 @pytest.mark.parametrize("name", [s.name for s in MATRIX if s.model.add_bias_linear or s.model.add_qkv_bias])
@@ -109,13 +120,13 @@ def test_the_golden_matches_megatron_core_to_the_noise_floor(arch_run, name):
     tensors = df[df["kind"] != "scalar"]
     assert tensors["passed"].astype(bool).all()
     names = set(tensors[tensors["kind"] == "main_grad"]["tensor"])
-    assert {n for n in _expected_linear(BY_NAME[name].model, 1) if n.endswith(".bias")} <= names
+    assert set(_expected_linear(BY_NAME[name].model, 1)) <= names
     # Copies, not computations: the same canonical weights and token ids on both sides.
     copies = tensors[(tensors["step"] == 0) | (tensors["kind"] == "input")]
     assert len(copies) and copies["bitwise_equal"].astype(bool).all()
 
 
-@pytest.mark.parametrize("name", [s.name for s in MATRIX if s.model.activation in ("swiglu", "geglu") and s.candidate.tp > 1])
+@pytest.mark.parametrize("name", GATED_TP)
 def test_a_gated_fc1_is_cut_by_halves_over_tp_and_padded_whole_by_gtp(arch_run, name):
     """TP 2 x GTP 2, FFN 80: rank (t, g) holds rows [48 g, 48 g + 48) of TP block t = [gate_t; up_t]
     (80 rows padded to 96, alignment 16 x 2): GTP rank 0's shard crosses from the gate into the up
@@ -127,7 +138,8 @@ def test_a_gated_fc1_is_cut_by_halves_over_tp_and_padded_whole_by_gtp(arch_run, 
     f, h = BY_NAME[name].model.ffn_hidden_size, BY_NAME[name].model.hidden_size
     for e in fc1:
         doc = e.layout.to_json()
-        assert doc["strides"] == {"tp": 2} and doc["pads"] == {"gtp": 96 - f} and tuple(e.local_shape) == (48, h)
+        assert doc["strides"] == {"tp": 2} and doc["pads"] == {"gtp": 96 - f}
+        assert tuple(e.local_shape) == (48, h)
     df = results(out, name)
     rows = df[df["tensor"].str.endswith("mlp.linear_fc1.weight")]
     assert set(rows["kind"]) >= {"param", "main_grad", "materialized"} and rows["passed"].astype(bool).all()

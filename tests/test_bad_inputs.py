@@ -220,8 +220,8 @@ SCENARIOS = [
     ("compare-policy-unknown", edit("compare", 'policy = "fuzzy"'), "[compare].policy", "one of"),
     ("compare-floor-negative", edit("compare", "floor = -1.0"), "[compare].floor", ">= 0"),
     # the architecture switches (harness/scenario/arch_rules.py)
-    ("bias-and-qkv-bias", edit("model", "add_bias_linear = true\nadd_qkv_bias = true"), "[model].add_qkv_bias",
-     "already gives the fused QKV projection its bias"),
+    ("bias-and-qkv-bias", edit("model", "add_bias_linear = true\nadd_qkv_bias = true"),
+     "[model].add_qkv_bias", "already gives the fused QKV projection its bias"),
     ("bias-with-experts", edit("model", "add_bias_linear = true\nnum_experts = 4"), "[model].add_bias_linear",
      "routed experts with linear biases"),
     ("bias-on-bridge", edit("model", "add_bias_linear = true", text=edit("candidate", 'backend = "bridge"')),
@@ -237,6 +237,11 @@ SCENARIOS = [
     ("activation-unknown", edit("model", 'activation = "tanh"'), "[model].activation", "unknown activation"),
     ("squared-relu-flag-in-mlm-args", edit("candidate", 'backend = "mlm"\nargs = ["--squared-relu"]'),
      "[candidate].args", "[model].activation = \"squared_relu\""),
+    ("normalization-unknown", edit("model", 'normalization = "L2Norm"'), "[model].normalization",
+     "unknown normalization"),
+    ("normalization-flag-in-mlm-args",
+     edit("candidate", 'backend = "mlm"\nargs = ["--normalization=RMSNorm"]'), "[candidate].args",
+     "what the key [model].normalization sets"),
     ("qkv-bias-flag-in-mlm-args", edit("candidate", 'backend = "mlm"\nargs = ["--add-qkv-bias"]'),
      "[candidate].args", "what the key [model].add_qkv_bias sets"),
 ]

@@ -99,7 +99,8 @@ def test_from_mcore_param_attributes():
 
 def test_a_strided_tp_cut_holds_each_block_s_piece_and_gtp_cuts_the_tp_local_block():
     # A gated fc1 [gate; up] (2 x 10 rows) at TP 2 x GTP 2, alignment 2: TP rank t holds [gate_t; up_t]
-    # (megatron-core's partition_stride 2), 10 rows padded to 12; GTP rank 0 holds gate_t and up_t's first row.
+    # (megatron-core's partition_stride 2), 10 rows padded to 12; GTP rank 0 holds gate_t and up_t's
+    # first row.
     full = torch.arange(20.0 * 3).view(20, 3)
     layout = Layout((20, 3), {"tp": 2, "gtp": 2, "dp": 1}, {"tp": Shard(0), "gtp": Shard(0)},
                     {"gtp": gtp_pad(10, 2, 2)}, strides={"tp": 2})  # fmt: skip

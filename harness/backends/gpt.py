@@ -46,27 +46,32 @@ def param_specs(m: ModelConfig) -> list[ParamSpec]:
     ]
     for i in range(m.num_layers):
         specs += _layer_specs(m, f"decoder.layers.{i}.")
-    specs += _norm_specs("decoder.final_layernorm", h)
+    specs += _norm_specs("decoder.final_layernorm", m)
     specs += _mtp_specs(m)
     if m.untie_embeddings:
         specs.append(ParamSpec("output_layer.weight", (v, h), 0, True, "normal"))
     return specs
 
 
-def _norm_specs(name: str, h: int) -> list[ParamSpec]:
-    return [ParamSpec(name + ".weight", (h,), None, False, "ones"), ParamSpec(name + ".bias", (h,), None, False, "zeros")]
+def _norm_specs(name: str, m: ModelConfig) -> list[ParamSpec]:
+    """A norm's parameters: LayerNorm's weight and bias, RMSNorm's weight alone."""
+    h = m.hidden_size
+    weight = ParamSpec(name + ".weight", (h,), None, False, "ones")
+    if m.normalization == "RMSNorm":
+        return [weight]
+    return [weight, ParamSpec(name + ".bias", (h,), None, False, "zeros")]
 
 
 def _layer_specs(m: ModelConfig, p: str) -> list[ParamSpec]:
     """One transformer layer under prefix ``p`` (a decoder layer, or an MTP layer's ``mtp_model_layer``)."""
     h = m.hidden_size
     return [
-        *_norm_specs(p + "input_layernorm", h),
+        *_norm_specs(p + "input_layernorm", m),
         ParamSpec(p + "self_attention.linear_proj.weight", (h, h), 1, True, "scaled_normal"),
         *_bias_specs(p + "self_attention.linear_proj", h, 1, m.add_bias_linear),
         ParamSpec(p + "self_attention.linear_qkv.weight", (3 * h, h), 0, True, "normal"),
         *_bias_specs(p + "self_attention.linear_qkv", 3 * h, 0, m.add_bias_linear or m.add_qkv_bias),
-        *_norm_specs(p + "pre_mlp_layernorm", h),
+        *_norm_specs(p + "pre_mlp_layernorm", m),
         *_mlp_specs(m, p),
     ]
 
@@ -79,7 +84,8 @@ def _bias_specs(layer: str, rows: int, weight_tp_dim: int, present: bool, stride
     loads canonical weights, and a nonzero bias makes step 1's forward depend on it)."""
     if not present:
         return []
-    return [ParamSpec(layer + ".bias", (rows,), 0 if weight_tp_dim == 0 else None, False, "normal", tp_stride=stride)]
+    tp_dim = 0 if weight_tp_dim == 0 else None
+    return [ParamSpec(layer + ".bias", (rows,), tp_dim, False, "normal", tp_stride=stride)]
 
 
 def _mtp_specs(m: ModelConfig) -> list[ParamSpec]:
@@ -89,9 +95,10 @@ def _mtp_specs(m: ModelConfig) -> list[ParamSpec]:
     h, specs = m.hidden_size, []
     for k in range(1 if m.mtp_use_repeated_layer else m.mtp_num_layers):
         p = f"mtp.layers.{k}."
-        specs += [*_norm_specs(p + "enorm", h), *_norm_specs(p + "hnorm", h),
+        specs += [*_norm_specs(p + "enorm", m), *_norm_specs(p + "hnorm", m),
                   ParamSpec(p + "eh_proj.weight", (h, 2 * h), 0, True, "normal"),
-                  *_layer_specs(m, p + "mtp_model_layer."), *_norm_specs(p + "final_layernorm", h)]  # fmt: skip
+                  *_layer_specs(m, p + "mtp_model_layer."),
+                  *_norm_specs(p + "final_layernorm", m)]  # fmt: skip
     return specs
 
 

@@ -159,7 +159,8 @@ def assemble(layout: Layout, shard_of: Callable[[dict[str, int]], torch.Tensor])
             return t
         parts = [build(level + 1, {**fixed, axis: i}) for i in range(n)]
         if isinstance(p, Shard):
-            return _strip(_unstride(parts, p.dim, layout.strides.get(axis, 1)), p.dim, layout.pads.get(axis, 0))
+            whole = _unstride(parts, p.dim, layout.strides.get(axis, 1))
+            return _strip(whole, p.dim, layout.pads.get(axis, 0))
         total = torch.stack(parts).sum(0)
         return total / n if p.reduce_op == "avg" else total
 
@@ -187,8 +188,9 @@ def _strip(t: torch.Tensor, dim: int, pad: int) -> torch.Tensor:
 def from_mcore_param(param: torch.Tensor, mesh: Mapping[str, int]) -> Layout:
     """Read a parameter's layout off megatron-core's attributes.
 
-    ``tensor_model_parallel`` / ``partition_dim`` / ``partition_stride`` give the TP placement; ``is_gtp_weight_remat`` and ``pad_length`` the GTP placement: GTP always cuts
-    dim 0 of the TP-local block, padded at the tail.
+    ``tensor_model_parallel`` / ``partition_dim`` / ``partition_stride`` give the TP placement;
+    ``is_gtp_weight_remat`` and ``pad_length`` the GTP placement: GTP always cuts dim 0 of the
+    TP-local block, padded at the tail.
     """
     shape = list(param.shape)
     placements: dict[str, Placement] = {}

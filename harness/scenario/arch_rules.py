@@ -20,16 +20,19 @@ def validate_arch_model(s: Scenario) -> None:
     if m.num_experts and m.add_bias_linear:
         # megatron-core allows it at expert TP 1 (transformer_config.py: "Bias in Moe is only
         # supported when ETP==1"); the harness's expert parameters carry no bias yet.
-        raise BadInput(f"{src}: [model].add_bias_linear", "routed experts with linear biases are not covered yet")
+        raise BadInput(f"{src}: [model].add_bias_linear",
+                       "routed experts with linear biases are not covered yet")
     if m.num_experts and m.activation in GATED:
-        raise BadInput(f"{src}: [model].activation", f"routed experts with a gated MLP ({m.activation}) are not covered yet")
+        raise BadInput(f"{src}: [model].activation",
+                       f"routed experts with a gated MLP ({m.activation}) are not covered yet")
 
 
 def validate_arch_side(s: Scenario, side: Side, where: str) -> None:
     m = s.model
     if side.backend == "mlm" and m.activation not in MLM_ACTIVATIONS:
+        reach = ", ".join(MLM_ACTIVATIONS)
         raise BadInput(f"{s.source}: [model].activation",
-                       f"Megatron-LM's flags reach {', '.join(MLM_ACTIVATIONS)} only, not {m.activation!r} ({where})")
+                       f"Megatron-LM's flags reach {reach} only, not {m.activation!r} ({where})")
     if side.optimizer == "muon" and m.activation in GATED:
         # Muon orthogonalizes each TP block; a gated fc1's TP block is [gate_r; up_r].
         raise BadInput(f"{where}.optimizer", f"Muon with a gated MLP ({m.activation}) is not covered yet")

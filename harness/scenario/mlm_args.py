@@ -34,7 +34,7 @@ _PRECISION = "changes the side's precision: the precision and recipe keys say it
 REFUSED = {
     **dict.fromkeys((
         "--num-query-groups", "--group-query-attention", "--kv-channels", "--softmax-type",
-        "--qk-layernorm", "--qk-l2-norm", "--normalization", "--apply-layernorm-1p",
+        "--qk-layernorm", "--qk-l2-norm", "--apply-layernorm-1p",
         "--position-embedding-type", "--use-rotary-position-embeddings", "--no-position-embedding",
         "--max-position-embeddings", "--multi-latent-attention", "--attention-output-gate",
         "--experimental-attention-variant", "--encoder-num-layers", "--decoder-num-layers",

@@ -21,7 +21,8 @@ from harness.scenario.muon_rules import validate_muon_side
 from harness.scenario.path_rules import validate_paths
 from harness.scenario.options import backend_problem, declared, need_problem, value_problem
 from harness.scenario.schema import (
-    CAPTURE_KINDS, CAPTURE_MODES, GATED, LIMITS, POLICIES, PRECISIONS, DataConfig, ModelConfig, Scenario, Side,
+    CAPTURE_KINDS, CAPTURE_MODES, GATED, LIMITS, POLICIES, PRECISIONS, DataConfig, ModelConfig, Scenario,
+    Side,
 )
 from harness.scenario.tree_specs import spec_problem
 

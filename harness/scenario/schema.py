@@ -18,7 +18,8 @@ from typing import Any, ClassVar
 
 from harness.common.errors import shown
 from harness.scenario.choices import (  # noqa: F401
-    BACKENDS, GATED, PRECISIONS, RECIPE_NAMES, Activation, Backend, LossMask, MlmData, Precision, Recipe,
+    BACKENDS, GATED, PRECISIONS, RECIPE_NAMES, Activation, Backend, LossMask, MlmData, Normalization,
+    Precision, Recipe,
 )
 from harness.scenario.options import option
 # The policies are part of the schema: parsing resolves their fields' types in this namespace.
@@ -109,15 +110,24 @@ class ModelConfig:
         backends=ARCH_BACKENDS, added_later=True, mcore=("TransformerConfig.add_bias_linear",),
         mlm="--disable-bias-linear (negated)")
     add_qkv_bias: bool = option(
-        False, "architecture", "a bias on the fused QKV projection alone (Qwen's); add_bias_linear implies it",
-        backends=ARCH_BACKENDS, added_later=True, mcore=("TransformerConfig.add_qkv_bias",), mlm="--add-qkv-bias")
+        False, "architecture", """a bias on the fused QKV projection alone (Qwen's); add_bias_linear
+        implies it""",
+        backends=ARCH_BACKENDS, added_later=True, mcore=("TransformerConfig.add_qkv_bias",),
+        mlm="--add-qkv-bias")
     activation: Activation = option(
         "gelu", "architecture", """the MLP's activation. ``swiglu`` (silu) and ``geglu`` (gelu) gate it: fc1
         holds [gate; up], 2 x ffn_hidden_size rows, and TP cuts each half (rank r holds [gate_r; up_r],
         megatron-core's partition_stride 2), GTP the TP-local block; ``gelu``, ``relu`` and ``squared_relu``
         are plain""", backends=ARCH_BACKENDS, added_later=True,
-        mcore=("TransformerConfig.gated_linear_unit (swiglu, geglu)", "TransformerConfig.activation_func (derived)"),
+        mcore=("TransformerConfig.gated_linear_unit (swiglu, geglu)",
+               "TransformerConfig.activation_func (derived)"),
         mlm="--swiglu (swiglu; --squared-relu: squared_relu)")
+    normalization: Normalization = option(
+        "LayerNorm", "architecture", """every norm of the model (the layers' two, the final one, MTP's):
+        torch's ``LayerNorm`` (weight and bias) or ``RMSNorm`` (weight only), eps 1e-5; replicated over
+        TP and GTP""",
+        backends=ARCH_BACKENDS, added_later=True, mcore=("TransformerConfig.normalization",),
+        mlm="--normalization (RMSNorm)")
     init_std: float = option(
         0.02, "architecture", "std of the normal initialization; output projections use std / sqrt(2 x "
         "num_layers)", mcore=("TransformerConfig.init_method_std",), mlm="--init-method-std")

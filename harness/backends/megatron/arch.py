@@ -13,7 +13,8 @@ def activation_func(name: str):
     """megatron-core's function for an activation's name (the gate's, for a gated one)."""
     from megatron.core.activations import squared_relu
 
-    return {"gelu": F.gelu, "swiglu": F.silu, "geglu": F.gelu, "relu": F.relu, "squared_relu": squared_relu}[name]
+    funcs = {"gelu": F.gelu, "swiglu": F.silu, "geglu": F.gelu, "relu": F.relu, "squared_relu": squared_relu}
+    return funcs[name]
 
 
 def config_kwargs(m: ModelConfig) -> dict:

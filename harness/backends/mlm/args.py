@@ -60,7 +60,8 @@ def side_argv(model: ModelConfig, data: DataConfig, side: Side) -> list[str]:
 def model_flags(model: ModelConfig) -> list[str]:
     """The flags of the model's keys whose Megatron-LM flag is derived (negated, or a choice)."""
     flags = [] if model.add_bias_linear else ["--disable-bias-linear"]
-    return flags + {"swiglu": ["--swiglu"], "squared_relu": ["--squared-relu"]}.get(model.activation, [])
+    flags += {"swiglu": ["--swiglu"], "squared_relu": ["--squared-relu"]}.get(model.activation, [])
+    return flags + (["--normalization", model.normalization] if model.normalization != "LayerNorm" else [])
 
 
 def _eval_flags(side: Side) -> list[str]:

@@ -1,11 +1,11 @@
 """The GPT of megatron-core's local layer spec, in plain PyTorch, with MCore's parameter names.
 
 Same math as ``GPTModel`` with ``get_gpt_layer_local_spec()``: learned absolute positions,
-pre-LayerNorm blocks, fused QKV with rows ordered per query group (q, k, v per head here),
-softmax((q k^T) / sqrt(d_head)) with the causal mask filled with -10000 in fp32, the MLP's
-activation (gated or plain) as ``[model].activation`` says,
-linear biases where ``add_bias_linear`` / ``add_qkv_bias`` say, untied output layer, hidden states laid out [s, b, h]; and megatron-core's
-multi-token prediction block (:class:`MTPBlock`) where the model has one.
+pre-norm blocks (LayerNorm or RMSNorm), fused QKV with rows ordered per query group (q, k, v per
+head here), softmax((q k^T) / sqrt(d_head)) with the causal mask filled with -10000 in fp32, the
+MLP's activation (gated or plain) as ``[model].activation`` says, linear biases where
+``add_bias_linear`` / ``add_qkv_bias`` say, untied output layer, hidden states laid out [s, b, h];
+and megatron-core's multi-token prediction block (:class:`MTPBlock`) where the model has one.
 
 In one process every layer is plain ``F.linear`` / ``F.embedding`` on the full weights (the
 golden model). Distributed, the model is built with its TP-local head count and a
@@ -27,6 +27,12 @@ from harness.scenario.schema import GATED, ModelConfig
 from .moe import MoE
 
 LAYERNORM_EPS = 1e-5
+
+
+def norm(m: ModelConfig) -> nn.Module:
+    """One of the model's norms, as megatron-core's ``WrappedTorchNorm`` builds it: torch's own."""
+    cls = nn.RMSNorm if m.normalization == "RMSNorm" else nn.LayerNorm
+    return cls(m.hidden_size, eps=LAYERNORM_EPS)
 
 
 class Linear(nn.Module):
@@ -67,7 +73,8 @@ class SelfAttention(nn.Module):
         self.heads = m.num_attention_heads // tp  # heads of this TP rank
         self.head_dim = m.hidden_size // m.num_attention_heads
         self.linear_proj = Linear(m.hidden_size, m.hidden_size, "row", m.add_bias_linear)
-        self.linear_qkv = Linear(m.hidden_size, 3 * m.hidden_size, "column", m.add_bias_linear or m.add_qkv_bias)
+        qkv_bias = m.add_bias_linear or m.add_qkv_bias
+        self.linear_qkv = Linear(m.hidden_size, 3 * m.hidden_size, "column", qkv_bias)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         s, b, _ = x.shape
@@ -87,7 +94,8 @@ def squared_relu(x: torch.Tensor) -> torch.Tensor:
 
 
 # The activation (the gate's, for a gated one) by the [model] key's name, as megatron-core's.
-ACTIVATIONS = {"gelu": F.gelu, "swiglu": F.silu, "geglu": F.gelu, "relu": F.relu, "squared_relu": squared_relu}
+ACTIVATIONS = {"gelu": F.gelu, "swiglu": F.silu, "geglu": F.gelu, "relu": F.relu,
+               "squared_relu": squared_relu}  # fmt: skip
 
 
 class MLP(nn.Module):
@@ -113,9 +121,9 @@ class MLP(nn.Module):
 class TransformerLayer(nn.Module):
     def __init__(self, m: ModelConfig, tp: int = 1):
         super().__init__()
-        self.input_layernorm = nn.LayerNorm(m.hidden_size, eps=LAYERNORM_EPS)
+        self.input_layernorm = norm(m)
         self.self_attention = SelfAttention(m, tp)
-        self.pre_mlp_layernorm = nn.LayerNorm(m.hidden_size, eps=LAYERNORM_EPS)
+        self.pre_mlp_layernorm = norm(m)
         self.mlp = MoE(m, MLP) if m.num_experts else MLP(m)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -139,7 +147,7 @@ class Decoder(nn.Module):
     def __init__(self, m: ModelConfig, tp: int = 1):
         super().__init__()
         self.layers = nn.ModuleList(TransformerLayer(m, tp) for _ in range(m.num_layers))
-        self.final_layernorm = nn.LayerNorm(m.hidden_size, eps=LAYERNORM_EPS)
+        self.final_layernorm = norm(m)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -154,11 +162,11 @@ class MTPLayer(nn.Module):
 
     def __init__(self, m: ModelConfig, tp: int = 1):
         super().__init__()
-        self.enorm = nn.LayerNorm(m.hidden_size, eps=LAYERNORM_EPS)
-        self.hnorm = nn.LayerNorm(m.hidden_size, eps=LAYERNORM_EPS)
+        self.enorm = norm(m)
+        self.hnorm = norm(m)
         self.eh_proj = Linear(2 * m.hidden_size, m.hidden_size, "column")
         self.mtp_model_layer = TransformerLayer(m, tp)
-        self.final_layernorm = nn.LayerNorm(m.hidden_size, eps=LAYERNORM_EPS)
+        self.final_layernorm = norm(m)
 
     def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         x = self.eh_proj(torch.cat((self.enorm(embedded), self.hnorm(hidden)), -1))
