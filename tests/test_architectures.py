@@ -79,7 +79,8 @@ def _placed(doc: dict) -> dict:
     return {**doc["placements"], **({"strides": doc["strides"]} if "strides" in doc else {})}
 
 
-BUILT = [s.name for s in MATRIX if s.candidate.tp > 1 or s.model.normalization != "LayerNorm"]
+BUILT = [s.name for s in MATRIX if s.candidate.tp > 1 or s.model.normalization != "LayerNorm"
+         or s.model.position_embedding_type != "learned_absolute"]
 GATED_TP = [s.name for s in MATRIX if s.model.activation in ("swiglu", "geglu") and s.candidate.tp > 1]
 
 
@@ -94,6 +95,11 @@ def test_megatron_core_built_what_the_switch_implies(arch_run, name):
     final = {n for n in got if n.startswith("decoder.final_layernorm.")}
     bias = {"decoder.final_layernorm.bias"} if s.model.normalization == "LayerNorm" else set()
     assert final == {"decoder.final_layernorm.weight"} | bias
+    # Only learned absolute positions have a table (RoPE's frequencies are no parameter).
+    h, learned = s.model.hidden_size, s.model.position_embedding_type == "learned_absolute"
+    embedding = {n: v for n, v in got.items() if n.startswith("embedding.position")}
+    table = {"embedding.position_embeddings.weight": ((s.model.seq_length, h), {})}
+    assert embedding == (table if learned else {})
 
 
 @pytest.mark.parametrize("name", [s.name for s in MATRIX if s.model.add_bias_linear or s.model.add_qkv_bias])

@@ -143,27 +143,31 @@ def test_a_side_key_only_some_backends_honour_is_refused_elsewhere_by_its_declar
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bias, qkv, activation, norm", [
-    (False, False, "gelu", "LayerNorm"), (True, False, "swiglu", "RMSNorm"),
-    (False, True, "squared_relu", "LayerNorm"),
+@pytest.mark.parametrize("bias, qkv, activation, norm, positions", [
+    (False, False, "gelu", "LayerNorm", "learned_absolute"), (True, False, "swiglu", "RMSNorm", "rope"),
+    (False, True, "squared_relu", "LayerNorm", "none"),
 ])  # fmt: skip
-def test_the_architecture_switches_reach_megatron_lm_and_read_back(bias, qkv, activation, norm):
+def test_the_architecture_switches_reach_megatron_lm_and_read_back(bias, qkv, activation, norm, positions):
     """The mlm side's command line carries the keys (``--disable-bias-linear`` where biases are
-    off, ``--add-qkv-bias``, ``--swiglu`` / ``--squared-relu``, ``--normalization``), Megatron-LM's
-    parser reads those values, and ``gtp-parity mlm`` reads them back into the same keys."""
+    off, ``--add-qkv-bias``, ``--swiglu`` / ``--squared-relu``, ``--normalization``, the positions'
+    flags), Megatron-LM's parser reads those values, and ``gtp-parity mlm`` reads them back into the
+    same model."""
     from harness.backends.mlm.args import check_flags, side_argv
     from harness.backends.mlm.command import scenario_of
     from harness.scenario.schema import DataConfig, ModelConfig, Side
 
     model = ModelConfig(num_layers=1, hidden_size=32, ffn_hidden_size=64, seq_length=8, vocab_size=64,
                         add_bias_linear=bias, add_qkv_bias=qkv, activation=activation,
-                        normalization=norm)  # fmt: skip
+                        normalization=norm, position_embedding_type=positions,
+                        **({"rotary_percent": 0.5, "rotary_base": 500} if positions == "rope" else {}),
+                        )  # fmt: skip
     side = Side(backend="mlm", world_size=1, steps=2, lr_warmup_steps=0)
     argv = side_argv(model, DataConfig(global_batch_size=1), side)
     ns = check_flags(argv + ["--train-iters", "2", "--tensor-model-parallel-size", "1"], "test")
     assert (ns.add_bias_linear, ns.add_qkv_bias) == (bias, qkv)  # validate_args then sets qkv under bias
     assert (ns.swiglu, ns.squared_relu) == (activation == "swiglu", activation == "squared_relu")
-    assert ns.normalization == norm
+    assert ns.normalization == norm and ns.position_embedding_type == positions
+    assert (ns.rotary_percent, ns.rotary_base) == ((0.5, 500) if positions == "rope" else (1.0, 10000))
     back = scenario_of(argv + ["--train-iters", "2", "--tensor-model-parallel-size", "1"], 1).model
     read = (back.add_bias_linear, back.add_qkv_bias, back.activation, back.normalization)
-    assert read == (bias, qkv, activation, norm)
+    assert read == (bias, qkv, activation, norm) and back == model

@@ -40,10 +40,10 @@ class ParamSpec:
 def param_specs(m: ModelConfig) -> list[ParamSpec]:
     """Every parameter of the GPT, in megatron-core's registration order."""
     h, v = m.hidden_size, m.vocab_size
-    specs = [
-        ParamSpec("embedding.word_embeddings.weight", (v, h), 0, True, "normal"),
-        ParamSpec("embedding.position_embeddings.weight", (m.seq_length, h), None, False, "normal"),
-    ]
+    specs = [ParamSpec("embedding.word_embeddings.weight", (v, h), 0, True, "normal")]
+    if m.position_embedding_type == "learned_absolute":  # RoPE and none have no parameters
+        specs.append(ParamSpec("embedding.position_embeddings.weight", (m.seq_length, h), None, False,
+                               "normal"))
     for i in range(m.num_layers):
         specs += _layer_specs(m, f"decoder.layers.{i}.")
     specs += _norm_specs("decoder.final_layernorm", m)

@@ -22,9 +22,31 @@ def validate_arch_model(s: Scenario) -> None:
         # supported when ETP==1"); the harness's expert parameters carry no bias yet.
         raise BadInput(f"{src}: [model].add_bias_linear",
                        "routed experts with linear biases are not covered yet")
+    _validate_positions(s)
     if m.num_experts and m.activation in GATED:
         raise BadInput(f"{src}: [model].activation",
                        f"routed experts with a gated MLP ({m.activation}) are not covered yet")
+
+
+def _validate_positions(s: Scenario) -> None:
+    m, src = s.model, s.source
+    if m.position_embedding_type != "learned_absolute" and m.mtp_num_layers:
+        raise BadInput(f"{src}: [model].position_embedding_type",
+                       "MTP is covered with learned absolute positions only (its depths re-embed positions)")
+    if m.position_embedding_type != "rope":
+        for key, default in (("rotary_percent", 1.0), ("rotary_base", 10000)):
+            if getattr(m, key) != default:
+                raise BadInput(f"{src}: [model].{key}",
+                               "takes effect only with position_embedding_type = \"rope\"")
+        return
+    head = m.hidden_size // m.num_attention_heads
+    dim = int(head * m.rotary_percent) if m.rotary_percent < 1.0 else head
+    if dim <= 0 or dim % 2:
+        # megatron-core's RotaryEmbedding takes dim // 2 frequencies, each twice: an odd or empty
+        # rotary dimension does not match the channels it rotates.
+        raise BadInput(f"{src}: [model].rotary_percent",
+                       f"the rotary dimension int(head dim {head} x {m.rotary_percent}) = {dim} must be even "
+                       "and > 0")
 
 
 def validate_arch_side(s: Scenario, side: Side, where: str) -> None:
@@ -42,5 +64,6 @@ def arch_parameter_count(m: ModelConfig) -> int:
     """The parameters the architecture switches add per layer, over all layers (for the size limit)."""
     h, f = m.hidden_size, m.ffn_hidden_size
     k = 2 if m.activation in GATED else 1
+    positions = 0 if m.position_embedding_type == "learned_absolute" else -m.seq_length * h
     bias = (3 * h if m.add_bias_linear or m.add_qkv_bias else 0) + (h + k * f + h if m.add_bias_linear else 0)
-    return m.num_layers * (bias + (k - 1) * f * h)
+    return m.num_layers * (bias + (k - 1) * f * h) + positions

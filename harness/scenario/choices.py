@@ -21,6 +21,7 @@ LossMask = Literal["none", "variable"]
 Activation = Literal["gelu", "swiglu", "geglu", "relu", "squared_relu"]
 GATED = frozenset({"swiglu", "geglu"})
 Normalization = Literal["LayerNorm", "RMSNorm"]
+PositionEmbedding = Literal["learned_absolute", "rope", "none"]
 ProcessGroups = Literal["parallel-state", "collection", "collection-permuted"]
 # The mlm and bridge backends' data: the frontend's --mock-data pipeline, or the harness's samples.
 MlmData = Literal["synthetic", "mock"]

@@ -35,7 +35,7 @@ REFUSED = {
     **dict.fromkeys((
         "--num-query-groups", "--group-query-attention", "--kv-channels", "--softmax-type",
         "--qk-layernorm", "--qk-l2-norm", "--apply-layernorm-1p",
-        "--position-embedding-type", "--use-rotary-position-embeddings", "--no-position-embedding",
+        "--use-rotary-position-embeddings", "--no-position-embedding",
         "--max-position-embeddings", "--multi-latent-attention", "--attention-output-gate",
         "--experimental-attention-variant", "--encoder-num-layers", "--decoder-num-layers",
         "--is-hybrid-model", "--padded-vocab-size", "--heterogeneous-layers-config-path",

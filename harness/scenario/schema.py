@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 from harness.common.errors import shown
 from harness.scenario.choices import (  # noqa: F401
     BACKENDS, GATED, PRECISIONS, RECIPE_NAMES, Activation, Backend, LossMask, MlmData, Normalization,
-    Precision, Recipe,
+    PositionEmbedding, Precision, Recipe,
 )
 from harness.scenario.options import option
 # The policies are part of the schema: parsing resolves their fields' types in this namespace.
@@ -128,6 +128,20 @@ class ModelConfig:
         TP and GTP""",
         backends=ARCH_BACKENDS, added_later=True, mcore=("TransformerConfig.normalization",),
         mlm="--normalization (RMSNorm)")
+    position_embedding_type: PositionEmbedding = option(
+        "learned_absolute", "architecture", """``learned_absolute``: a position embedding table (replicated
+        over TP and GTP) added to the word embedding; ``rope``: rotary embeddings on the queries and keys (no
+        parameters); ``none``: no positions""", backends=ARCH_BACKENDS, added_later=True,
+        mcore=("GPTModel.position_embedding_type",), mlm="--position-embedding-type (rope, none)")
+    rotary_percent: float = option(
+        1.0, "architecture", """the share of each head's channels RoPE rotates (the first int(head dim x
+        rotary_percent), an even count); with ``rope`` only""", low=0.0, high=1.0, high_inclusive=True,
+        backends=ARCH_BACKENDS, added_later=True, mcore=("GPTModel.rotary_percent",),
+        mlm="--rotary-percent (with rope)")
+    rotary_base: int = option(
+        10000, "architecture", "RoPE's base: the inverse frequencies are base^(-2i / rotary dim); with "
+        "``rope`` only", low=1, backends=ARCH_BACKENDS, added_later=True, mcore=("GPTModel.rotary_base",),
+        mlm="--rotary-base (with rope)")
     init_std: float = option(
         0.02, "architecture", "std of the normal initialization; output projections use std / sqrt(2 x "
         "num_layers)", mcore=("TransformerConfig.init_method_std",), mlm="--init-method-std")

@@ -106,7 +106,6 @@ def _build(job: Job):
             transformer_layer_spec=moe.layer_spec(job),
             **mcore_kwargs("GPTModel", m),
             share_embeddings_and_output_weights=not m.untie_embeddings,
-            position_embedding_type="learned_absolute",
             mtp_block_spec=mtp.block_spec(job, config, moe.layer_spec(job)),
             **pipeline.stage_flags(vp),
             **groups.kwargs(pgc),

@@ -61,7 +61,12 @@ def model_flags(model: ModelConfig) -> list[str]:
     """The flags of the model's keys whose Megatron-LM flag is derived (negated, or a choice)."""
     flags = [] if model.add_bias_linear else ["--disable-bias-linear"]
     flags += {"swiglu": ["--swiglu"], "squared_relu": ["--squared-relu"]}.get(model.activation, [])
-    return flags + (["--normalization", model.normalization] if model.normalization != "LayerNorm" else [])
+    flags += ["--normalization", model.normalization] if model.normalization != "LayerNorm" else []
+    if model.position_embedding_type != "learned_absolute":
+        flags += ["--position-embedding-type", model.position_embedding_type]
+    if model.position_embedding_type == "rope":
+        flags += ["--rotary-percent", repr(model.rotary_percent), "--rotary-base", str(model.rotary_base)]
+    return flags
 
 
 def _eval_flags(side: Side) -> list[str]:

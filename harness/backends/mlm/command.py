@@ -58,7 +58,8 @@ READ_BACK = (
     "--tensor-model-parallel-size", "--tensor-parallel-num-weight-shards", "--train-iters", "--seed",
     "--optimizer", "--lr", "--min-lr", "--lr-warmup-iters", "--lr-decay-iters", "--lr-decay-style",
     "--weight-decay", "--clip-grad", "--adam-beta1", "--adam-beta2", "--adam-eps", "--sgd-momentum",
-    "--eval-interval", "--eval-iters", "--normalization",
+    "--eval-interval", "--eval-iters", "--normalization", "--position-embedding-type", "--rotary-percent",
+    "--rotary-base",
 )
 READ_BACK_SWITCHES = ("--bf16", "--mock-data", "--untie-embeddings-and-output-weights",
                       "--disable-bias-linear", "--add-qkv-bias", "--swiglu", "--squared-relu")
@@ -114,7 +115,8 @@ def scenario_of(flags: list[str], nproc: int) -> Scenario:
         untie_embeddings=ns.untie_embeddings_and_output_weights, init_std=ns.init_method_std,
         add_bias_linear=ns.add_bias_linear, add_qkv_bias=ns.add_qkv_bias and not ns.add_bias_linear,
         activation="swiglu" if ns.swiglu else "squared_relu" if ns.squared_relu else "gelu",
-        normalization=ns.normalization,
+        normalization=ns.normalization, position_embedding_type=ns.position_embedding_type,
+        rotary_percent=ns.rotary_percent, rotary_base=ns.rotary_base,
     )  # fmt: skip
     data_ranks = nproc // side.tp
     data = DataConfig(seed=ns.seed, micro_batch_size=ns.micro_batch_size,

@@ -1,6 +1,6 @@
 """The GPT of megatron-core's local layer spec, in plain PyTorch, with MCore's parameter names.
 
-Same math as ``GPTModel`` with ``get_gpt_layer_local_spec()``: learned absolute positions,
+Same math as ``GPTModel`` with ``get_gpt_layer_local_spec()``: positions learned, rotary or none,
 pre-norm blocks (LayerNorm or RMSNorm), fused QKV with rows ordered per query group (q, k, v per
 head here), softmax((q k^T) / sqrt(d_head)) with the causal mask filled with -10000 in fp32, the
 MLP's activation (gated or plain) as ``[model].activation`` says, linear biases where
@@ -67,11 +67,34 @@ class WordEmbedding(nn.Module):
         return self.parallel.embed(self, tokens)
 
 
+def rope_freqs(m: ModelConfig) -> torch.Tensor | None:
+    """megatron-core's ``RotaryEmbedding`` table [s, 1, 1, rotary dim] in fp32 (non-interleaved:
+    the frequencies twice), or None without RoPE."""
+    if m.position_embedding_type != "rope":
+        return None
+    dim = m.hidden_size // m.num_attention_heads
+    dim = int(dim * m.rotary_percent) if m.rotary_percent < 1.0 else dim
+    inv_freq = 1.0 / (m.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    freqs = torch.outer(torch.arange(m.seq_length, dtype=torch.float32), inv_freq)
+    return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+
+
+def apply_rope(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """megatron-core's ``_apply_rotary_pos_emb_bshd``: the first rotary-dim channels of t [s, b, n, hn]
+    rotated (cos and sin in fp32, then in t's dtype), the rest passed through."""
+    rot = freqs.shape[-1]
+    t, rest = t[..., :rot], t[..., rot:]
+    cos, sin = torch.cos(freqs).to(t.dtype), torch.sin(freqs).to(t.dtype)
+    x1, x2 = torch.chunk(t, 2, dim=-1)
+    return torch.cat((t * cos + torch.cat((-x2, x1), dim=-1) * sin, rest), dim=-1)
+
+
 class SelfAttention(nn.Module):
     def __init__(self, m: ModelConfig, tp: int = 1):
         super().__init__()
         self.heads = m.num_attention_heads // tp  # heads of this TP rank
         self.head_dim = m.hidden_size // m.num_attention_heads
+        self.rope = rope_freqs(m)  # a constant table, not a buffer: it stays fp32 as megatron-core's
         self.linear_proj = Linear(m.hidden_size, m.hidden_size, "row", m.add_bias_linear)
         qkv_bias = m.add_bias_linear or m.add_qkv_bias
         self.linear_qkv = Linear(m.hidden_size, 3 * m.hidden_size, "column", qkv_bias)
@@ -80,6 +103,8 @@ class SelfAttention(nn.Module):
         s, b, _ = x.shape
         qkv = self.linear_qkv(x).view(s, b, self.heads, 3 * self.head_dim)
         q, k, v = qkv.split(self.head_dim, dim=-1)  # [s, b, np, hn] each
+        if self.rope is not None:
+            q, k = apply_rope(q, self.rope[:s]), apply_rope(k, self.rope[:s])
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, np, s, hn]
         scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.head_dim)
         scores = scores.float().masked_fill(mask, -10000.0)
@@ -135,11 +160,14 @@ class Embedding(nn.Module):
     def __init__(self, m: ModelConfig):
         super().__init__()
         self.word_embeddings = WordEmbedding(m.vocab_size, m.hidden_size)
-        self.position_embeddings = nn.Embedding(m.seq_length, m.hidden_size)
+        if m.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(m.seq_length, m.hidden_size)
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
-        pos = torch.arange(tokens.shape[1])[None] if pos is None else pos  # [1 or b, s]
-        x = self.word_embeddings(tokens) + self.position_embeddings(pos)
+        x = self.word_embeddings(tokens)
+        if hasattr(self, "position_embeddings"):
+            pos = torch.arange(tokens.shape[1])[None] if pos is None else pos  # [1 or b, s]
+            x = x + self.position_embeddings(pos)
         return x.transpose(0, 1).contiguous()  # [s, b, h]
 
 
