@@ -45,17 +45,19 @@ def _expected_linear(m, tp: int) -> dict[str, tuple[tuple[int, ...], dict]]:
     name -> (TP-local shape at GTP off, placements). Written out here, not read from the harness's
     parameter specs, so a wrong spec there fails this test."""
     h, f = m.hidden_size, m.ffn_hidden_size
+    # per query group: its query heads, a key head, a value head
+    qkv = h + 2 * (m.num_query_groups or m.num_attention_heads) * (h // m.num_attention_heads)
     col, row = ({"tp": "S(0)"}, {"tp": "S(1)"}) if tp > 1 else ({}, {})
     # A gated fc1 is [gate; up]: twice the rows, each half cut over TP (partition_stride 2).
     k = 2 if m.activation in ("swiglu", "geglu") else 1
     fc1 = {**col, **({"strides": {"tp": 2}} if k == 2 and tp > 1 else {})}
     p = "decoder.layers.0."
-    out = {p + "self_attention.linear_qkv.weight": ((3 * h // tp, h), col),
+    out = {p + "self_attention.linear_qkv.weight": ((qkv // tp, h), col),
            p + "self_attention.linear_proj.weight": ((h, h // tp), row),
            p + "mlp.linear_fc1.weight": ((k * f // tp, h), fc1),
-           p + "mlp.linear_fc2.weight": ((h, f // tp), row)}  # fmt: skip
+           p + "mlp.linear_fc2.weight": ((h, f // tp), row)}
     if m.add_bias_linear or m.add_qkv_bias:
-        out[p + "self_attention.linear_qkv.bias"] = ((3 * h // tp,), col)
+        out[p + "self_attention.linear_qkv.bias"] = ((qkv // tp,), col)
     if m.add_bias_linear:
         out[p + "self_attention.linear_proj.bias"] = ((h,), {})
         out[p + "mlp.linear_fc1.bias"] = ((k * f // tp,), fc1)
@@ -72,7 +74,7 @@ def _params(path: str, step: int = 0) -> dict[str, tuple[tuple[int, ...], dict]]
     layout's strides where it has any)."""
     t = trace.read(path)
     return {e.name: (tuple(e.local_shape), _placed(e.layout.to_json())) for e in t.entries
-            if e.kind == "param" and e.step == step and e.rank == 0}  # fmt: skip
+            if e.kind == "param" and e.step == step and e.rank == 0}
 
 
 def _placed(doc: dict) -> dict:
@@ -80,7 +82,7 @@ def _placed(doc: dict) -> dict:
 
 
 BUILT = [s.name for s in MATRIX if s.candidate.tp > 1 or s.model.normalization != "LayerNorm"
-         or s.model.position_embedding_type != "learned_absolute"]
+         or s.model.position_embedding_type != "learned_absolute" or s.model.num_query_groups]
 GATED_TP = [s.name for s in MATRIX if s.model.activation in ("swiglu", "geglu") and s.candidate.tp > 1]
 
 
@@ -149,3 +151,16 @@ def test_a_gated_fc1_is_cut_by_halves_over_tp_and_padded_whole_by_gtp(arch_run, 
     df = results(out, name)
     rows = df[df["tensor"].str.endswith("mlp.linear_fc1.weight")]
     assert set(rows["kind"]) >= {"param", "main_grad", "materialized"} and rows["passed"].astype(bool).all()
+
+
+@pytest.mark.parametrize("name", ["mqa-tp1-gtp2-fp32", "gqa-tp2-gtp2-fp32"])
+def test_a_qkv_shaped_like_the_padded_embedding_shares_its_gather_buffer(arch_run, name):
+    """The recorded GQA divergence is what its reason says: the embedding's forward lookup read layer
+    0's QKV weight (the gather recorder's evidence), and the same model with prefetch off is at parity."""
+    _, by_name, _ = arch_run
+    first = by_name[name]["first_divergence"]
+    assert by_name[name]["verdict"] == "known-divergence" and first["step"] == 1
+    pairs = {(c["param"], c["consumed"]) for c in first["consumed"]}
+    qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
+    assert pairs == {("embedding.word_embeddings.weight", qkv)}
+    assert by_name["gqa-tp2-gtp2-prefetch-off-fp32"]["verdict"] == "pass"

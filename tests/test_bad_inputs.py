@@ -250,6 +250,13 @@ SCENARIOS = [
      "[model].position_embedding_type", "MTP is covered with learned absolute positions only"),
     ("rotary-base-flag-in-mlm-args", edit("candidate", 'backend = "mlm"\nargs = ["--rotary-base", "100"]'),
      "[candidate].args", "what the key [model].rotary_base sets"),
+    ("query-groups-not-dividing-heads", edit("model", "num_query_groups = 3"), "[model].num_query_groups",
+     "must divide num_attention_heads"),
+    ("query-groups-fewer-than-tp", edit("model", "num_query_groups = 1", text=edit("train", "tp = 2")),
+     "[reference].tp", "not covered yet"),
+    ("query-groups-flag-in-mlm-args",
+     edit("candidate", 'backend = "mlm"\nargs = ["--num-query-groups", "2"]'), "[candidate].args",
+     "what the key [model].num_query_groups sets"),
     ("qkv-bias-flag-in-mlm-args", edit("candidate", 'backend = "mlm"\nargs = ["--add-qkv-bias"]'),
      "[candidate].args", "what the key [model].add_qkv_bias sets"),
 ]

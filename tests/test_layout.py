@@ -103,7 +103,7 @@ def test_a_strided_tp_cut_holds_each_block_s_piece_and_gtp_cuts_the_tp_local_blo
     # first row.
     full = torch.arange(20.0 * 3).view(20, 3)
     layout = Layout((20, 3), {"tp": 2, "gtp": 2, "dp": 1}, {"tp": Shard(0), "gtp": Shard(0)},
-                    {"gtp": gtp_pad(10, 2, 2)}, strides={"tp": 2})  # fmt: skip
+                    {"gtp": gtp_pad(10, 2, 2)}, strides={"tp": 2})
     assert layout.pads == {"gtp": 2} and layout.local_shape() == (6, 3)
     block = torch.cat([shard(full, layout, {"tp": 1, "gtp": g}) for g in (0, 1)])[:10]
     assert torch.equal(block, torch.cat([full[5:10], full[15:20]]))  # [gate_1; up_1]

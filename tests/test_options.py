@@ -146,7 +146,7 @@ def test_a_side_key_only_some_backends_honour_is_refused_elsewhere_by_its_declar
 @pytest.mark.parametrize("bias, qkv, activation, norm, positions", [
     (False, False, "gelu", "LayerNorm", "learned_absolute"), (True, False, "swiglu", "RMSNorm", "rope"),
     (False, True, "squared_relu", "LayerNorm", "none"),
-])  # fmt: skip
+])  # the third also with 2 query groups
 def test_the_architecture_switches_reach_megatron_lm_and_read_back(bias, qkv, activation, norm, positions):
     """The mlm side's command line carries the keys (``--disable-bias-linear`` where biases are
     off, ``--add-qkv-bias``, ``--swiglu`` / ``--squared-relu``, ``--normalization``, the positions'
@@ -160,7 +160,8 @@ def test_the_architecture_switches_reach_megatron_lm_and_read_back(bias, qkv, ac
                         add_bias_linear=bias, add_qkv_bias=qkv, activation=activation,
                         normalization=norm, position_embedding_type=positions,
                         **({"rotary_percent": 0.5, "rotary_base": 500} if positions == "rope" else {}),
-                        )  # fmt: skip
+                        num_query_groups=2 if positions == "none" else None,
+                        )
     side = Side(backend="mlm", world_size=1, steps=2, lr_warmup_steps=0)
     argv = side_argv(model, DataConfig(global_batch_size=1), side)
     ns = check_flags(argv + ["--train-iters", "2", "--tensor-model-parallel-size", "1"], "test")
@@ -168,6 +169,8 @@ def test_the_architecture_switches_reach_megatron_lm_and_read_back(bias, qkv, ac
     assert (ns.swiglu, ns.squared_relu) == (activation == "swiglu", activation == "squared_relu")
     assert ns.normalization == norm and ns.position_embedding_type == positions
     assert (ns.rotary_percent, ns.rotary_base) == ((0.5, 500) if positions == "rope" else (1.0, 10000))
+    groups = (True, 2) if positions == "none" else (False, 1)
+    assert (ns.group_query_attention, ns.num_query_groups) == groups
     back = scenario_of(argv + ["--train-iters", "2", "--tensor-model-parallel-size", "1"], 1).model
     read = (back.add_bias_linear, back.add_qkv_bias, back.activation, back.normalization)
     assert read == (bias, qkv, activation, norm) and back == model

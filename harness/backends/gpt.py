@@ -17,6 +17,7 @@ from torch.distributed.tensor import Shard
 
 from harness.common.layout import Layout, gtp_pad
 from harness.common.mesh import Mesh
+from harness.scenario.arch_rules import qkv_rows
 from harness.scenario.schema import GATED, ModelConfig, Side
 
 
@@ -64,13 +65,13 @@ def _norm_specs(name: str, m: ModelConfig) -> list[ParamSpec]:
 
 def _layer_specs(m: ModelConfig, p: str) -> list[ParamSpec]:
     """One transformer layer under prefix ``p`` (a decoder layer, or an MTP layer's ``mtp_model_layer``)."""
-    h = m.hidden_size
+    h, qkv = m.hidden_size, qkv_rows(m)
     return [
         *_norm_specs(p + "input_layernorm", m),
         ParamSpec(p + "self_attention.linear_proj.weight", (h, h), 1, True, "scaled_normal"),
         *_bias_specs(p + "self_attention.linear_proj", h, 1, m.add_bias_linear),
-        ParamSpec(p + "self_attention.linear_qkv.weight", (3 * h, h), 0, True, "normal"),
-        *_bias_specs(p + "self_attention.linear_qkv", 3 * h, 0, m.add_bias_linear or m.add_qkv_bias),
+        ParamSpec(p + "self_attention.linear_qkv.weight", (qkv, h), 0, True, "normal"),
+        *_bias_specs(p + "self_attention.linear_qkv", qkv, 0, m.add_bias_linear or m.add_qkv_bias),
         *_norm_specs(p + "pre_mlp_layernorm", m),
         *_mlp_specs(m, p),
     ]

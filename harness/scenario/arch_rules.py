@@ -23,6 +23,10 @@ def validate_arch_model(s: Scenario) -> None:
         raise BadInput(f"{src}: [model].add_bias_linear",
                        "routed experts with linear biases are not covered yet")
     _validate_positions(s)
+    if (g := m.num_query_groups) is not None and m.num_attention_heads % g:
+        raise BadInput(f"{src}: [model].num_query_groups",
+                       f"must divide num_attention_heads = {m.num_attention_heads} (each group's query heads "
+                       "share its key and value)")
     if m.num_experts and m.activation in GATED:
         raise BadInput(f"{src}: [model].activation",
                        f"routed experts with a gated MLP ({m.activation}) are not covered yet")
@@ -51,6 +55,13 @@ def _validate_positions(s: Scenario) -> None:
 
 def validate_arch_side(s: Scenario, side: Side, where: str) -> None:
     m = s.model
+    if (g := m.num_query_groups) is not None and g % side.tp:
+        # megatron-core takes a divisor of TP too (transformer_config.py: "num_query_groups must be a
+        # multiple or divisor of tensor_model_parallel_size"), replicating key and value heads over TP.
+        why = ("must be a multiple or divisor of tensor_model_parallel_size" if side.tp % g else
+               "fewer query groups than TP ranks (key and value heads replicated over TP) are not covered "
+               "yet")
+        raise BadInput(f"{where}.tp", f"[model].num_query_groups = {g} with TP {side.tp}: {why}")
     if side.backend == "mlm" and m.activation not in MLM_ACTIVATIONS:
         reach = ", ".join(MLM_ACTIVATIONS)
         raise BadInput(f"{s.source}: [model].activation",
@@ -60,10 +71,17 @@ def validate_arch_side(s: Scenario, side: Side, where: str) -> None:
         raise BadInput(f"{where}.optimizer", f"Muon with a gated MLP ({m.activation}) is not covered yet")
 
 
+def qkv_rows(m: ModelConfig) -> int:
+    """Rows of the fused QKV: per query group its query heads, a key head and a value head."""
+    head, groups = m.hidden_size // m.num_attention_heads, m.num_query_groups or m.num_attention_heads
+    return m.hidden_size + 2 * groups * head
+
+
 def arch_parameter_count(m: ModelConfig) -> int:
     """The parameters the architecture switches add per layer, over all layers (for the size limit)."""
     h, f = m.hidden_size, m.ffn_hidden_size
     k = 2 if m.activation in GATED else 1
     positions = 0 if m.position_embedding_type == "learned_absolute" else -m.seq_length * h
-    bias = (3 * h if m.add_bias_linear or m.add_qkv_bias else 0) + (h + k * f + h if m.add_bias_linear else 0)
-    return m.num_layers * (bias + (k - 1) * f * h) + positions
+    qkv = qkv_rows(m)
+    bias = (qkv if m.add_bias_linear or m.add_qkv_bias else 0) + (h + k * f + h if m.add_bias_linear else 0)
+    return m.num_layers * (bias + (k - 1) * f * h + (qkv - 3 * h) * h) + positions

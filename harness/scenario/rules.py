@@ -15,7 +15,9 @@ from harness.scenario.faults import check_name, check_reach
 from harness.scenario.eval_rules import validate_eval
 from harness.scenario.mlm_args import flag_problem
 from harness.scenario.moe_rules import moe_parameter_count, validate_moe_model, validate_moe_side
-from harness.scenario.arch_rules import arch_parameter_count, validate_arch_model, validate_arch_side
+from harness.scenario.arch_rules import (
+    arch_parameter_count, qkv_rows, validate_arch_model, validate_arch_side,
+)
 from harness.scenario.mtp_rules import mtp_parameter_count, validate_mtp_model, validate_mtp_side
 from harness.scenario.muon_rules import validate_muon_side
 from harness.scenario.path_rules import validate_paths
@@ -272,7 +274,7 @@ _RECIPE_BLOCK = {"mxfp8": 32, "nvfp4": 16}
 def _gtp_dim0s(m: ModelConfig, tp: int) -> dict[str, int]:
     """Dim 0 of each GTP-sharded weight's TP-local block."""
     return {
-        "linear_qkv": 3 * m.hidden_size // tp,
+        "linear_qkv": qkv_rows(m) // tp,
         "linear_proj": m.hidden_size,
         "linear_fc1": (2 if m.activation in GATED else 1) * m.ffn_hidden_size // tp,
         "linear_fc2": m.hidden_size,

@@ -93,7 +93,7 @@ class ModelConfig:
     ffn_hidden_size: int = option(256, "architecture", "MLP inner width", low=1,
                                   mcore=("TransformerConfig.ffn_hidden_size",), mlm="--ffn-hidden-size")
     num_attention_heads: int = option(
-        4, "architecture", "attention heads (query groups equal heads: plain multi-head attention)", low=1,
+        4, "architecture", "attention heads (query heads where num_query_groups is set)", low=1,
         mcore=("TransformerConfig.num_attention_heads",), mlm="--num-attention-heads")
     seq_length: int = option(64, "architecture", "tokens per sample", low=1,
                              mcore=("GPTModel.max_sequence_length",), mlm="--seq-length")
@@ -128,6 +128,12 @@ class ModelConfig:
         TP and GTP""",
         backends=ARCH_BACKENDS, added_later=True, mcore=("TransformerConfig.normalization",),
         mlm="--normalization (RMSNorm)")
+    num_query_groups: int | None = option(
+        None, "architecture", """key/value heads, each shared by num_attention_heads / num_query_groups query
+        heads (grouped-query attention; 1: multi-query; none: one per head, multi-head attention). The fused
+        QKV holds per group its query heads, its key, its value; TP cuts whole groups""", low=1,
+        backends=ARCH_BACKENDS, added_later=True, mcore=("TransformerConfig.num_query_groups",),
+        mlm="--num-query-groups (with --group-query-attention)")
     position_embedding_type: PositionEmbedding = option(
         "learned_absolute", "architecture", """``learned_absolute``: a position embedding table (replicated
         over TP and GTP) added to the word embedding; ``rope``: rotary embeddings on the queries and keys (no

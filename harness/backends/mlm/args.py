@@ -62,6 +62,8 @@ def model_flags(model: ModelConfig) -> list[str]:
     flags = [] if model.add_bias_linear else ["--disable-bias-linear"]
     flags += {"swiglu": ["--swiglu"], "squared_relu": ["--squared-relu"]}.get(model.activation, [])
     flags += ["--normalization", model.normalization] if model.normalization != "LayerNorm" else []
+    if model.num_query_groups is not None:
+        flags += ["--group-query-attention", "--num-query-groups", str(model.num_query_groups)]
     if model.position_embedding_type != "learned_absolute":
         flags += ["--position-embedding-type", model.position_embedding_type]
     if model.position_embedding_type == "rope":

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from harness.scenario.arch_rules import qkv_rows
 from harness.scenario.schema import GATED, ModelConfig
 
 from .moe import MoE
@@ -90,21 +91,30 @@ def apply_rope(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 
 
 class SelfAttention(nn.Module):
+    """Fused QKV rows per query group (its query heads, a key, a value), as megatron-core's
+    ``get_query_key_value_tensors``; each group's key and value repeated for its query heads
+    (``repeat_interleave``, as its ``DotProductAttention``). Multi-head attention: one head a group."""
+
     def __init__(self, m: ModelConfig, tp: int = 1):
         super().__init__()
         self.heads = m.num_attention_heads // tp  # heads of this TP rank
+        self.groups = (m.num_query_groups or m.num_attention_heads) // tp  # query groups of this TP rank
         self.head_dim = m.hidden_size // m.num_attention_heads
         self.rope = rope_freqs(m)  # a constant table, not a buffer: it stays fp32 as megatron-core's
         self.linear_proj = Linear(m.hidden_size, m.hidden_size, "row", m.add_bias_linear)
         qkv_bias = m.add_bias_linear or m.add_qkv_bias
-        self.linear_qkv = Linear(m.hidden_size, 3 * m.hidden_size, "column", qkv_bias)
+        self.linear_qkv = Linear(m.hidden_size, qkv_rows(m), "column", qkv_bias)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         s, b, _ = x.shape
-        qkv = self.linear_qkv(x).view(s, b, self.heads, 3 * self.head_dim)
-        q, k, v = qkv.split(self.head_dim, dim=-1)  # [s, b, np, hn] each
+        per, hn = self.heads // self.groups, self.head_dim
+        qkv = self.linear_qkv(x).view(s, b, self.groups, (per + 2) * hn)
+        q, k, v = qkv.split([per * hn, hn, hn], dim=-1)
+        q = q.reshape(s, b, self.heads, hn)  # [s, b, np, hn]; k, v: [s, b, ng, hn]
         if self.rope is not None:
             q, k = apply_rope(q, self.rope[:s]), apply_rope(k, self.rope[:s])
+        if per > 1:
+            k, v = k.repeat_interleave(per, dim=2), v.repeat_interleave(per, dim=2)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, np, s, hn]
         scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.head_dim)
         scores = scores.float().masked_fill(mask, -10000.0)
@@ -120,7 +130,7 @@ def squared_relu(x: torch.Tensor) -> torch.Tensor:
 
 # The activation (the gate's, for a gated one) by the [model] key's name, as megatron-core's.
 ACTIVATIONS = {"gelu": F.gelu, "swiglu": F.silu, "geglu": F.gelu, "relu": F.relu,
-               "squared_relu": squared_relu}  # fmt: skip
+               "squared_relu": squared_relu}
 
 
 class MLP(nn.Module):
