@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The main job: set up, run the default scenario matrix (megatron-core GTP), the FP8/FP4
-# matrix (emulated recipes), GTP's other code paths and GTP with the features users turn on
-# alongside it, on CPU; reports/index.html, reports/fp8/index.html, reports/paths/index.html
-# and reports/features/index.html.
+# matrix (emulated recipes), GTP's other code paths, GTP with the features users turn on
+# alongside it and the architectures they train, on CPU; reports/index.html,
+# reports/fp8/index.html, reports/paths/index.html, reports/features/index.html and
+# reports/architectures/index.html.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit $?
@@ -14,6 +15,8 @@ fp8=$?
 paths=$?
 .venv/bin/gtp-parity matrix scenarios/features.toml --out runs/features --report reports/features "$@"
 features=$?
+.venv/bin/gtp-parity matrix scenarios/architectures.toml --out runs/architectures --report reports/architectures "$@"
+architectures=$?
 worst=0
-for code in $main $fp8 $paths $features; do worst=$(( code > worst ? code : worst )); done
+for code in $main $fp8 $paths $features $architectures; do worst=$(( code > worst ? code : worst )); done
 exit $worst

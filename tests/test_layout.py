@@ -96,3 +96,25 @@ def test_from_mcore_param_attributes():
     q = torch.nn.Parameter(torch.zeros(64))
     assert from_mcore_param(q, {"tp": 2, "gtp": 2}).placements == {}
     assert all(axis in ("tp", "gtp", "dp") for axis in MESH_AXES)
+
+
+def test_a_strided_tp_cut_holds_each_block_s_piece_and_gtp_cuts_the_tp_local_block():
+    # A gated fc1 [gate; up] (2 x 10 rows) at TP 2 x GTP 2, alignment 2: TP rank t holds [gate_t; up_t]
+    # (megatron-core's partition_stride 2), 10 rows padded to 12; GTP rank 0 holds gate_t and up_t's
+    # first row.
+    full = torch.arange(20.0 * 3).view(20, 3)
+    layout = Layout((20, 3), {"tp": 2, "gtp": 2, "dp": 1}, {"tp": Shard(0), "gtp": Shard(0)},
+                    {"gtp": gtp_pad(10, 2, 2)}, strides={"tp": 2})
+    assert layout.pads == {"gtp": 2} and layout.local_shape() == (6, 3)
+    block = torch.cat([shard(full, layout, {"tp": 1, "gtp": g}) for g in (0, 1)])[:10]
+    assert torch.equal(block, torch.cat([full[5:10], full[15:20]]))  # [gate_1; up_1]
+    shards = {(c["tp"], c["gtp"]): shard(full, layout, c) for c in coords(layout.mesh)}
+    assert torch.equal(assemble(layout, lambda c: shards[(c.get("tp", 0), c.get("gtp", 0))]), full)
+    assert Layout.from_json(layout.to_json()) == layout and layout.to_json()["strides"] == {"tp": 2}
+    p = torch.nn.Parameter(torch.zeros(6, 3))
+    p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, 0, 2
+    p.is_gtp_weight_remat, p.pad_length = True, 2
+    assert from_mcore_param(p, {"tp": 2, "gtp": 2, "dp": 1}) == layout
+    # Without the stride, rank 1 would hold the up half whole: another cut.
+    plain = Layout((20, 3), {"tp": 2}, {"tp": Shard(0)})
+    assert torch.equal(shard(full, plain, {"tp": 1}), full[10:])

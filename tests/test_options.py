@@ -111,7 +111,9 @@ def test_every_megatron_lm_flag_the_declarations_and_the_args_rules_name_exists(
     ("--moe-shared-expert-intermediate-size", "shapes the model's parameters"),
     ("--context-parallel-size", "parallel layout"),
     ("--make-vocab-size-divisible-by", "fixed by the harness"),
-    ("--swiglu", "the golden does not follow"),
+    ("--swiglu", "[model].activation sets"),
+    ("--squared-relu", "[model].activation = \"squared_relu\""),
+    ("--quick-geglu", "the golden does not follow"),
 ])
 def test_args_flags_that_keys_set_or_the_harness_cannot_assemble_are_refused(arg, says):
     assert says in flag_problem(arg)
@@ -140,32 +142,35 @@ def test_a_side_key_only_some_backends_honour_is_refused_elsewhere_by_its_declar
     assert "[golden].recompute: only the megatron backend takes this option (backend 'torch')" in err
 
 
-def test_the_trees_own_defaults_are_recorded_and_a_changed_one_is_named():
-    """The megatron backend records each declared option's default as the imported tree declares
-    it: 0.19.2's muon_tp_mode defaults to blockwise, which the harness pins (duplicated by default)
-    so the golden knows the mode; a default that differs between the sides' trees is named, and
-    whether it changed what ran."""
-    from harness.backends.megatron.defaults import tree_defaults
-    from harness.capture.trace import Trace
-    from harness.compare.outcome import tree_default_notes
+@pytest.mark.slow
+@pytest.mark.parametrize("bias, qkv, activation, norm, positions", [
+    (False, False, "gelu", "LayerNorm", "learned_absolute"), (True, False, "swiglu", "RMSNorm", "rope"),
+    (False, True, "squared_relu", "LayerNorm", "none"),
+])  # the third also with 2 query groups
+def test_the_architecture_switches_reach_megatron_lm_and_read_back(bias, qkv, activation, norm, positions):
+    """The mlm side's command line carries the keys (``--disable-bias-linear`` where biases are
+    off, ``--add-qkv-bias``, ``--swiglu`` / ``--squared-relu``, ``--normalization``, the positions'
+    flags), Megatron-LM's parser reads those values, and ``gtp-parity mlm`` reads them back into the
+    same model."""
+    from harness.backends.mlm.args import check_flags, side_argv
+    from harness.backends.mlm.command import scenario_of
+    from harness.scenario.schema import DataConfig, ModelConfig, Side
 
-    side, model, data = Side(optimizer="muon"), ModelConfig(), DataConfig()
-    wheel = tree_defaults(model, data, side)
-    assert wheel["muon_tp_mode"] == {"target": "OptimizerConfig.muon_tp_mode", "default": "blockwise",
-                                     "left_to_tree": False}
-    assert (wheel["bucket_size"]["left_to_tree"]
-            and not tree_defaults(Side(bucket_size=64))["bucket_size"]["left_to_tree"])
-
-    def traced(defaults):
-        return Trace(path=Path("."), manifest={}, entries=[], scalars=[],
-                     infos={0: {"tree_defaults": defaults}})
-
-    main = {**wheel, "muon_tp_mode": {**wheel["muon_tp_mode"], "default": "duplicated"},
-            "bucket_size": {**wheel["bucket_size"], "default": 40_000_000}}
-    notes = tree_default_notes({"reference": traced(wheel), "candidate": traced(main), "golden": traced({})})
-    assert len(notes) == 2
-    assert (notes[0].startswith("bucket_size (DistributedDataParallelConfig.bucket_size)")
-            and "values that ran" in notes[0])
-    assert (notes[1].startswith("muon_tp_mode") and "'blockwise' vs 'duplicated'" in notes[1]
-            and "no effect" in notes[1])
-    assert tree_default_notes({"reference": traced(wheel), "candidate": traced(wheel)}) == []
+    model = ModelConfig(num_layers=1, hidden_size=32, ffn_hidden_size=64, seq_length=8, vocab_size=64,
+                        add_bias_linear=bias, add_qkv_bias=qkv, activation=activation,
+                        normalization=norm, position_embedding_type=positions,
+                        **({"rotary_percent": 0.5, "rotary_base": 500} if positions == "rope" else {}),
+                        num_query_groups=2 if positions == "none" else None,
+                        )
+    side = Side(backend="mlm", world_size=1, steps=2, lr_warmup_steps=0)
+    argv = side_argv(model, DataConfig(global_batch_size=1), side)
+    ns = check_flags(argv + ["--train-iters", "2", "--tensor-model-parallel-size", "1"], "test")
+    assert (ns.add_bias_linear, ns.add_qkv_bias) == (bias, qkv)  # validate_args then sets qkv under bias
+    assert (ns.swiglu, ns.squared_relu) == (activation == "swiglu", activation == "squared_relu")
+    assert ns.normalization == norm and ns.position_embedding_type == positions
+    assert (ns.rotary_percent, ns.rotary_base) == ((0.5, 500) if positions == "rope" else (1.0, 10000))
+    groups = (True, 2) if positions == "none" else (False, 1)
+    assert (ns.group_query_attention, ns.num_query_groups) == groups
+    back = scenario_of(argv + ["--train-iters", "2", "--tensor-model-parallel-size", "1"], 1).model
+    read = (back.add_bias_linear, back.add_qkv_bias, back.activation, back.normalization)
+    assert read == (bias, qkv, activation, norm) and back == model

@@ -85,6 +85,13 @@ def test_counted_once_for_replicated_params_always_for_shards():
             assert counted(p_ln, layout_of(ln, side), c) == (t == 0 and g == 0)
     # TP-sharded but not GTP-sharded (GTP off): every TP rank holds distinct rows.
     assert counted(torch.zeros(1), layout_of(fc1, Side(world_size=2, tp=2)), {"tp": 1, "gtp": 0, "dp": 0})
+    # A column-parallel layer's bias: TP-sharded, replicated over GTP: counted once per GTP group.
+    biased = param_specs(ModelConfig(num_layers=1, hidden_size=16, ffn_hidden_size=32, num_attention_heads=2,
+                                     seq_length=8, vocab_size=32, add_bias_linear=True))
+    bias = next(s for s in biased if s.name == "decoder.layers.0.mlp.linear_fc1.bias")
+    for t in (0, 1):
+        for g in (0, 1):
+            assert counted(torch.zeros(8), layout_of(bias, side), {"tp": t, "gtp": g, "dp": 0}) == (g == 0)
 
 
 def test_grad_stats_and_clip():

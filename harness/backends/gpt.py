@@ -17,7 +17,8 @@ from torch.distributed.tensor import Shard
 
 from harness.common.layout import Layout, gtp_pad
 from harness.common.mesh import Mesh
-from harness.scenario.schema import ModelConfig, Side
+from harness.scenario.arch_rules import qkv_rows
+from harness.scenario.schema import GATED, ModelConfig, Side
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,39 +33,60 @@ class ParamSpec:
     """normal, scaled_normal, ones or zeros."""
     expert: int | None = None
     """The routed expert (global index) whose weight this is; None: not an expert's."""
+    tp_stride: int = 1
+    """Blocks TP cuts one by one (megatron-core's ``partition_stride``): 2 for a gated fc1's
+    ``[gate; up]``, rank r holding ``[gate_r; up_r]``."""
 
 
 def param_specs(m: ModelConfig) -> list[ParamSpec]:
     """Every parameter of the GPT, in megatron-core's registration order."""
     h, v = m.hidden_size, m.vocab_size
-    specs = [
-        ParamSpec("embedding.word_embeddings.weight", (v, h), 0, True, "normal"),
-        ParamSpec("embedding.position_embeddings.weight", (m.seq_length, h), None, False, "normal"),
-    ]
+    specs = [ParamSpec("embedding.word_embeddings.weight", (v, h), 0, True, "normal")]
+    if m.position_embedding_type == "learned_absolute":  # RoPE and none have no parameters
+        specs.append(ParamSpec("embedding.position_embeddings.weight", (m.seq_length, h), None, False,
+                               "normal"))
     for i in range(m.num_layers):
         specs += _layer_specs(m, f"decoder.layers.{i}.")
-    specs += _norm_specs("decoder.final_layernorm", h)
+    specs += _norm_specs("decoder.final_layernorm", m)
     specs += _mtp_specs(m)
     if m.untie_embeddings:
         specs.append(ParamSpec("output_layer.weight", (v, h), 0, True, "normal"))
     return specs
 
 
-def _norm_specs(name: str, h: int) -> list[ParamSpec]:
-    return [ParamSpec(name + ".weight", (h,), None, False, "ones"), ParamSpec(name + ".bias", (h,), None,
-                                                                              False, "zeros")]
+def _norm_specs(name: str, m: ModelConfig) -> list[ParamSpec]:
+    """A norm's parameters: LayerNorm's weight and bias, RMSNorm's weight alone."""
+    h = m.hidden_size
+    weight = ParamSpec(name + ".weight", (h,), None, False, "ones")
+    if m.normalization == "RMSNorm":
+        return [weight]
+    return [weight, ParamSpec(name + ".bias", (h,), None, False, "zeros")]
 
 
 def _layer_specs(m: ModelConfig, p: str) -> list[ParamSpec]:
     """One transformer layer under prefix ``p`` (a decoder layer, or an MTP layer's ``mtp_model_layer``)."""
-    h = m.hidden_size
+    h, qkv = m.hidden_size, qkv_rows(m)
     return [
-        *_norm_specs(p + "input_layernorm", h),
+        *_norm_specs(p + "input_layernorm", m),
         ParamSpec(p + "self_attention.linear_proj.weight", (h, h), 1, True, "scaled_normal"),
-        ParamSpec(p + "self_attention.linear_qkv.weight", (3 * h, h), 0, True, "normal"),
-        *_norm_specs(p + "pre_mlp_layernorm", h),
+        *_bias_specs(p + "self_attention.linear_proj", h, 1, m.add_bias_linear),
+        ParamSpec(p + "self_attention.linear_qkv.weight", (qkv, h), 0, True, "normal"),
+        *_bias_specs(p + "self_attention.linear_qkv", qkv, 0, m.add_bias_linear or m.add_qkv_bias),
+        *_norm_specs(p + "pre_mlp_layernorm", m),
         *_mlp_specs(m, p),
     ]
+
+
+def _bias_specs(layer: str, rows: int, weight_tp_dim: int, present: bool, stride: int = 1) -> list[ParamSpec]:
+    """A linear layer's bias (registered after its weight), where the model has one: cut over TP
+    with a column-parallel weight's rows, whole beside a row-parallel weight; never GTP-sharded
+    (megatron-core's ``wrap_module_params_gtp`` wraps the weight alone: the bias is replicated
+    over the GTP group). Initialized from the normal stream (megatron-core zeroes it; the harness
+    loads canonical weights, and a nonzero bias makes step 1's forward depend on it)."""
+    if not present:
+        return []
+    tp_dim = 0 if weight_tp_dim == 0 else None
+    return [ParamSpec(layer + ".bias", (rows,), tp_dim, False, "normal", tp_stride=stride)]
 
 
 def _mtp_specs(m: ModelConfig) -> list[ParamSpec]:
@@ -74,9 +96,10 @@ def _mtp_specs(m: ModelConfig) -> list[ParamSpec]:
     h, specs = m.hidden_size, []
     for k in range(1 if m.mtp_use_repeated_layer else m.mtp_num_layers):
         p = f"mtp.layers.{k}."
-        specs += [*_norm_specs(p + "enorm", h), *_norm_specs(p + "hnorm", h),
+        specs += [*_norm_specs(p + "enorm", m), *_norm_specs(p + "hnorm", m),
                   ParamSpec(p + "eh_proj.weight", (h, 2 * h), 0, True, "normal"),
-                  *_layer_specs(m, p + "mtp_model_layer."), *_norm_specs(p + "final_layernorm", h)]
+                  *_layer_specs(m, p + "mtp_model_layer."),
+                  *_norm_specs(p + "final_layernorm", m)]  # fmt: skip
     return specs
 
 
@@ -85,8 +108,11 @@ def _mlp_specs(m: ModelConfig, p: str) -> list[ParamSpec]:
     then each routed expert's MLP, named by its global index."""
     h, f = m.hidden_size, m.ffn_hidden_size
     if not m.num_experts:
-        return [ParamSpec(p + "mlp.linear_fc1.weight", (f, h), 0, True, "normal"),
-                ParamSpec(p + "mlp.linear_fc2.weight", (h, f), 1, True, "scaled_normal")]
+        k = 2 if m.activation in GATED else 1  # a gated fc1: [gate; up], each half cut over TP
+        return [ParamSpec(p + "mlp.linear_fc1.weight", (k * f, h), 0, True, "normal", tp_stride=k),
+                *_bias_specs(p + "mlp.linear_fc1", k * f, 0, m.add_bias_linear, k),
+                ParamSpec(p + "mlp.linear_fc2.weight", (h, f), 1, True, "scaled_normal"),
+                *_bias_specs(p + "mlp.linear_fc2", h, 1, m.add_bias_linear)]  # fmt: skip
     specs = [ParamSpec(p + "mlp.router.weight", (m.num_experts, h), None, False, "normal")]
     for e in range(m.num_experts):
         q = f"{p}mlp.experts.local_experts.{e}."
@@ -127,14 +153,16 @@ def layout_of(spec: ParamSpec, side: Side, num_experts: int = 0) -> Layout:
     if spec.expert is not None:
         return _expert_layout(spec, side, num_experts)
     mesh = mesh_of(side)
-    placements, pads = {}, {}
+    placements, pads, strides = {}, {}, {}
     if spec.tp_dim is not None and side.tp > 1:
         placements["tp"] = Shard(spec.tp_dim)
+        if spec.tp_stride > 1:
+            strides["tp"] = spec.tp_stride
     if spec.gtp and side.gtp > 1:
         local0 = spec.shape[0] // (side.tp if spec.tp_dim == 0 else 1)
         placements["gtp"] = Shard(0)
         pads["gtp"] = gtp_pad(local0, side.gtp, side.gtp_pad_alignment)
-    return Layout(spec.shape, mesh, placements, pads)
+    return Layout(spec.shape, mesh, placements, pads, strides=strides)
 
 
 def _expert_layout(spec: ParamSpec, side: Side, num_experts: int) -> Layout:

@@ -42,6 +42,11 @@ class Layout:
     fixed: Mapping[str, int] = field(default_factory=dict)
     """Coordinates outside the placement axes that select the ranks holding the tensor (a
     routed expert's weight lives on the ranks of one EP coordinate: ``{"ep": r}``)."""
+    strides: Mapping[str, int] = field(default_factory=dict)
+    """Blocks the sharded dim holds before this axis cuts it (megatron-core's ``partition_stride``):
+    each of the k equal blocks is cut along the axis and a rank holds its piece of every block, in
+    block order. A gated fc1 ``[gate; up]`` is cut with stride 2 over TP: rank r holds
+    ``[gate_r; up_r]`` (DTensor's ``_StridedShard``)."""
 
     def placement(self, axis: str) -> Placement:
         return self.placements.get(axis, Replicate())
@@ -53,6 +58,7 @@ class Layout:
             "placements": {a: placement_str(p) for a, p in self.placements.items()},
             "pads": dict(self.pads),
             **({"grid": self.grid, "fixed": dict(self.fixed)} if self.grid != "dense" else {}),
+            **({"strides": dict(self.strides)} if self.strides else {}),
         }
 
     @staticmethod
@@ -64,6 +70,7 @@ class Layout:
             pads=dict(doc.get("pads", {})),
             grid=doc.get("grid", "dense"),
             fixed=dict(doc.get("fixed", {})),
+            strides=dict(doc.get("strides", {})),
         )
 
     def local_shape(self) -> tuple[int, ...]:
@@ -124,9 +131,10 @@ def shard(full: torch.Tensor, layout: Layout, coord: Mapping[str, int]) -> torch
             if pad:
                 widths = [0, 0] * (t.dim() - 1 - d) + [0, pad]
                 t = torch.nn.functional.pad(t, widths)
-            if t.shape[d] % n:
-                raise ValueError(f"dim {d} of size {t.shape[d]} does not split {n} ways on {axis}")
-            t = t.chunk(n, dim=d)[coord.get(axis, 0)]
+            k = layout.strides.get(axis, 1)
+            if t.shape[d] % (n * k):
+                raise ValueError(f"dim {d} of size {t.shape[d]} does not split {n} x {k} ways on {axis}")
+            t = torch.cat([b.chunk(n, dim=d)[coord.get(axis, 0)] for b in t.chunk(k, dim=d)], dim=d)
         elif isinstance(p, Partial):
             raise ValueError("a Partial tensor has no shard of a logical value")
     return t.clone()
@@ -151,7 +159,8 @@ def assemble(layout: Layout, shard_of: Callable[[dict[str, int]], torch.Tensor])
             return t
         parts = [build(level + 1, {**fixed, axis: i}) for i in range(n)]
         if isinstance(p, Shard):
-            return _strip(torch.cat(parts, dim=p.dim), p.dim, layout.pads.get(axis, 0))
+            whole = _unstride(parts, p.dim, layout.strides.get(axis, 1))
+            return _strip(whole, p.dim, layout.pads.get(axis, 0))
         total = torch.stack(parts).sum(0)
         return total / n if p.reduce_op == "avg" else total
 
@@ -159,6 +168,14 @@ def assemble(layout: Layout, shard_of: Callable[[dict[str, int]], torch.Tensor])
     if tuple(out.shape) != tuple(layout.logical_shape):
         raise ValueError(f"assembled shape {tuple(out.shape)} != logical shape {layout.logical_shape}")
     return out
+
+
+def _unstride(parts: list[torch.Tensor], dim: int, k: int) -> torch.Tensor:
+    """The ranks' pieces put back: block by block (each rank's piece of it in rank order)."""
+    if k == 1:
+        return torch.cat(parts, dim=dim)
+    pieces = [part.chunk(k, dim=dim) for part in parts]
+    return torch.cat([piece[b] for b in range(k) for piece in pieces], dim=dim)
 
 
 def _strip(t: torch.Tensor, dim: int, pad: int) -> torch.Tensor:
@@ -171,15 +188,14 @@ def _strip(t: torch.Tensor, dim: int, pad: int) -> torch.Tensor:
 def from_mcore_param(param: torch.Tensor, mesh: Mapping[str, int]) -> Layout:
     """Read a parameter's layout off megatron-core's attributes.
 
-    ``tensor_model_parallel`` / ``partition_dim`` give the TP placement (partition_stride 1
-    only); ``is_gtp_weight_remat`` and ``pad_length`` the GTP placement: GTP always cuts
-    dim 0 of the TP-local block, padded at the tail.
+    ``tensor_model_parallel`` / ``partition_dim`` / ``partition_stride`` give the TP placement;
+    ``is_gtp_weight_remat`` and ``pad_length`` the GTP placement: GTP always cuts dim 0 of the
+    TP-local block, padded at the tail.
     """
-    if getattr(param, "partition_stride", 1) != 1:
-        raise ValueError("strided TP partitions are not supported")
     shape = list(param.shape)
     placements: dict[str, Placement] = {}
     pads: dict[str, int] = {}
+    strides: dict[str, int] = {}
     if getattr(param, "is_gtp_weight_remat", False):
         pad = int(getattr(param, "pad_length", 0))
         placements["gtp"] = Shard(0)
@@ -189,4 +205,6 @@ def from_mcore_param(param: torch.Tensor, mesh: Mapping[str, int]) -> Layout:
         d = param.partition_dim
         placements["tp"] = Shard(d)
         shape[d] *= mesh["tp"]
-    return Layout(tuple(shape), dict(mesh), placements, pads)
+        if (stride := int(getattr(param, "partition_stride", 1))) != 1:
+            strides["tp"] = stride
+    return Layout(tuple(shape), dict(mesh), placements, pads, strides=strides)

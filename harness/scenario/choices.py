@@ -17,6 +17,11 @@ Recompute = Literal["none", "selective", "full"]
 PerTokenLoss = Literal["none", "transformer-config", "both"]
 Collectives = Literal["async", "eager", "lagging"]
 LossMask = Literal["none", "variable"]
+# The MLP's activation: swiglu and geglu gate it (a gated linear unit), the others are plain.
+Activation = Literal["gelu", "swiglu", "geglu", "relu", "squared_relu"]
+GATED = frozenset({"swiglu", "geglu"})
+Normalization = Literal["LayerNorm", "RMSNorm"]
+PositionEmbedding = Literal["learned_absolute", "rope", "none"]
 ProcessGroups = Literal["parallel-state", "collection", "collection-permuted"]
 # The mlm and bridge backends' data: the frontend's --mock-data pipeline, or the harness's samples.
 MlmData = Literal["synthetic", "mock"]

@@ -13,11 +13,11 @@ from __future__ import annotations
 from harness.scenario.options import Option, mlm_flags
 from harness.scenario.schema import DataConfig, ModelConfig, Side
 
-# What the harness fixes for every mlm side: the model's fixed choices (no linear bias, no
-# dropout, an unpadded vocabulary), the data loader and the logging the hooks read.
+# What the harness fixes for every mlm side: the model's fixed choices (no dropout, an unpadded
+# vocabulary), the data loader and the logging the hooks read.
 FIXED_FLAGS = (
     "--tokenizer-type", "NullTokenizer", "--weight-decay-incr-style", "constant",
-    "--disable-bias-linear", "--no-gradient-accumulation-fusion",
+    "--no-gradient-accumulation-fusion",
     "--attention-dropout", "0", "--hidden-dropout", "0", "--attention-softmax-in-fp32",
     "--pipeline-model-parallel-size", "1", "--log-interval", "1", "--dataloader-type", "single",
     "--num-workers", "0", "--log-num-zeros-in-grad", "--make-vocab-size-divisible-by", "1",
@@ -33,16 +33,16 @@ _PRECISION = "changes the side's precision: the precision and recipe keys say it
 # Megatron-LM's flags (megatron/training/arguments.py) a side's args may not set, by what they change.
 REFUSED = {
     **dict.fromkeys((
-        "--num-query-groups", "--group-query-attention", "--kv-channels", "--softmax-type", "--add-qkv-bias",
-        "--qk-layernorm", "--qk-l2-norm", "--normalization", "--apply-layernorm-1p",
-        "--position-embedding-type", "--use-rotary-position-embeddings", "--no-position-embedding",
+        "--kv-channels", "--softmax-type",
+        "--qk-layernorm", "--qk-l2-norm", "--apply-layernorm-1p",
+        "--use-rotary-position-embeddings", "--no-position-embedding",
         "--max-position-embeddings", "--multi-latent-attention", "--attention-output-gate",
         "--experimental-attention-variant", "--encoder-num-layers", "--decoder-num-layers",
         "--is-hybrid-model", "--padded-vocab-size", "--heterogeneous-layers-config-path",
         "--heterogeneous-layers-config-encoded-json",
     ), _PARAMETERS),
     **dict.fromkeys((
-        "--swiglu", "--squared-relu", "--quick-geglu", "--openai-gelu", "--glu-linear-offset",
+        "--quick-geglu", "--openai-gelu", "--glu-linear-offset",
         "--fp32-residual-connection", "--apply-residual-connection-post-layernorm", "--use-mup",
         "--apply-query-key-layer-scaling", "--window-size", "--qk-clip", "--activation-func-clamp-value",
     ), _COMPUTATION),
@@ -59,6 +59,7 @@ REFUSED = {
         "--skip-train", "--multiple-validation-sets", "--train-samples",
     ), _DATA),
     **dict.fromkeys(("--fp16",), _PRECISION),
+    "--squared-relu": "is what the key [model].activation = \"squared_relu\" sets: set activation instead",
 }
 # Families of flags, by prefix.
 REFUSED_PREFIXES = {

@@ -15,12 +15,16 @@ from harness.scenario.faults import check_name, check_reach
 from harness.scenario.eval_rules import validate_eval
 from harness.scenario.mlm_args import flag_problem
 from harness.scenario.moe_rules import moe_parameter_count, validate_moe_model, validate_moe_side
+from harness.scenario.arch_rules import (
+    arch_parameter_count, qkv_rows, validate_arch_model, validate_arch_side,
+)
 from harness.scenario.mtp_rules import mtp_parameter_count, validate_mtp_model, validate_mtp_side
 from harness.scenario.muon_rules import validate_muon_side
 from harness.scenario.path_rules import validate_paths
 from harness.scenario.options import backend_problem, declared, need_problem, value_problem
 from harness.scenario.schema import (
-    CAPTURE_KINDS, CAPTURE_MODES, LIMITS, POLICIES, PRECISIONS, DataConfig, ModelConfig, Scenario, Side,
+    CAPTURE_KINDS, CAPTURE_MODES, GATED, LIMITS, POLICIES, PRECISIONS, DataConfig, ModelConfig, Scenario,
+    Side,
 )
 from harness.scenario.tree_specs import spec_problem
 
@@ -36,6 +40,7 @@ def validate(s: Scenario, limits: bool = True) -> None:
     _validate_model(s)
     validate_moe_model(s)
     validate_mtp_model(s)
+    validate_arch_model(s)
     steps = {}
     for name, side in s.sides.items():
         where = f"{s.source}: [{name}]"
@@ -51,6 +56,7 @@ def validate(s: Scenario, limits: bool = True) -> None:
         validate_moe_side(s, name, side, where)
         validate_muon_side(s, side, where)
         validate_mtp_side(s, name, side, where)
+        validate_arch_side(s, side, where)
         _validate_pipeline(s, side, where)
         _validate_code(side, where)
         _validate_reach(s, side, where)
@@ -268,11 +274,11 @@ def _validate_limits(s: Scenario) -> None:
 
 
 def parameter_count(m: ModelConfig) -> int:
-    """Parameters of the GPT (no linear biases; LayerNorms, embeddings), for the size limit."""
+    """Parameters of the GPT (LayerNorms, embeddings, the switches' own), for the size limit."""
     h, f, v = m.hidden_size, m.ffn_hidden_size, m.vocab_size
     layer = 4 * h * h + 2 * h * f + 4 * h  # qkv + proj, fc1 + fc2, two LayerNorms (weight, bias)
     return (m.num_layers * layer + v * h * (2 if m.untie_embeddings else 1) + m.seq_length * h + 2 * h
-            + moe_parameter_count(m) + mtp_parameter_count(m))
+            + moe_parameter_count(m) + mtp_parameter_count(m) + arch_parameter_count(m))
 
 
 # Block formats need whole blocks along both GEMM dims (TE pads nothing here).
@@ -282,9 +288,9 @@ _RECIPE_BLOCK = {"mxfp8": 32, "nvfp4": 16}
 def _gtp_dim0s(m: ModelConfig, tp: int) -> dict[str, int]:
     """Dim 0 of each GTP-sharded weight's TP-local block."""
     return {
-        "linear_qkv": 3 * m.hidden_size // tp,
+        "linear_qkv": qkv_rows(m) // tp,
         "linear_proj": m.hidden_size,
-        "linear_fc1": m.ffn_hidden_size // tp,
+        "linear_fc1": (2 if m.activation in GATED else 1) * m.ffn_hidden_size // tp,
         "linear_fc2": m.hidden_size,
         "word_embeddings": m.vocab_size // tp,
         "output_layer": m.vocab_size // tp,

@@ -18,7 +18,8 @@ from typing import Any, ClassVar
 
 from harness.common.errors import shown
 from harness.scenario.choices import (  # noqa: F401
-    BACKENDS, PRECISIONS, RECIPE_NAMES, Backend, LossMask, MlmData, Precision, Recipe,
+    BACKENDS, GATED, PRECISIONS, RECIPE_NAMES, Activation, Backend, LossMask, MlmData, Normalization,
+    PositionEmbedding, Precision, Recipe,
 )
 from harness.scenario.options import option
 # The policies are part of the schema: parsing resolves their fields' types in this namespace.
@@ -74,12 +75,14 @@ def check_scenario_name(name: Any) -> str | None:
 
 # Routed experts and MTP: megatron-core's, and the golden's.
 MOE_BACKENDS = frozenset({"megatron", "torch"})
+# The architecture switches: megatron-core's, Megatron-LM's (through its flags), and the golden's.
+ARCH_BACKENDS = frozenset({"megatron", "mlm", "torch"})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
-    """The GPT architecture. Fixed choices (no linear bias, LayerNorm, GeLU MLP, learned
-    absolute positions, dropout 0, fp32 softmax, causal mask) match the GTP seed comparison."""
+    """The GPT architecture. Defaults (no linear bias, LayerNorm, GeLU MLP, learned absolute
+    positions) match the GTP seed comparison; dropout 0, fp32 softmax and the causal mask are fixed."""
 
     SECTION: ClassVar[str] = "model"
 
@@ -90,7 +93,7 @@ class ModelConfig:
     ffn_hidden_size: int = option(256, "architecture", "MLP inner width", low=1,
                                   mcore=("TransformerConfig.ffn_hidden_size",), mlm="--ffn-hidden-size")
     num_attention_heads: int = option(
-        4, "architecture", "attention heads (query groups equal heads: plain multi-head attention)", low=1,
+        4, "architecture", "attention heads (query heads where num_query_groups is set)", low=1,
         mcore=("TransformerConfig.num_attention_heads",), mlm="--num-attention-heads")
     seq_length: int = option(64, "architecture", "tokens per sample", low=1,
                              mcore=("GPTModel.max_sequence_length",), mlm="--seq-length")
@@ -100,6 +103,51 @@ class ModelConfig:
         True, "architecture", "a separate output layer weight (GTP does not support tied embeddings)",
         mcore=("GPTModel.share_embeddings_and_output_weights (negated)",),
         mlm="--untie-embeddings-and-output-weights")
+    add_bias_linear: bool = option(
+        False, "architecture", """a bias on every linear layer (fused QKV, attention projection, fc1, fc2):
+        a column-parallel layer's bias is cut with its weight's rows over TP, a row-parallel layer's is
+        whole, and under GTP every bias is replicated over the GTP group (never GTP-sharded)""",
+        backends=ARCH_BACKENDS, added_later=True, mcore=("TransformerConfig.add_bias_linear",),
+        mlm="--disable-bias-linear (negated)")
+    add_qkv_bias: bool = option(
+        False, "architecture", """a bias on the fused QKV projection alone (Qwen's); add_bias_linear
+        implies it""",
+        backends=ARCH_BACKENDS, added_later=True, mcore=("TransformerConfig.add_qkv_bias",),
+        mlm="--add-qkv-bias")
+    activation: Activation = option(
+        "gelu", "architecture", """the MLP's activation. ``swiglu`` (silu) and ``geglu`` (gelu) gate it: fc1
+        holds [gate; up], 2 x ffn_hidden_size rows, and TP cuts each half (rank r holds [gate_r; up_r],
+        megatron-core's partition_stride 2), GTP the TP-local block; ``gelu``, ``relu`` and ``squared_relu``
+        are plain""", backends=ARCH_BACKENDS, added_later=True,
+        mcore=("TransformerConfig.gated_linear_unit (swiglu, geglu)",
+               "TransformerConfig.activation_func (derived)"),
+        mlm="--swiglu (swiglu; --squared-relu: squared_relu)")
+    normalization: Normalization = option(
+        "LayerNorm", "architecture", """every norm of the model (the layers' two, the final one, MTP's):
+        torch's ``LayerNorm`` (weight and bias) or ``RMSNorm`` (weight only), eps 1e-5; replicated over
+        TP and GTP""",
+        backends=ARCH_BACKENDS, added_later=True, mcore=("TransformerConfig.normalization",),
+        mlm="--normalization (RMSNorm)")
+    num_query_groups: int | None = option(
+        None, "architecture", """key/value heads, each shared by num_attention_heads / num_query_groups query
+        heads (grouped-query attention; 1: multi-query; none: one per head, multi-head attention). The fused
+        QKV holds per group its query heads, its key, its value; TP cuts whole groups""", low=1,
+        backends=ARCH_BACKENDS, added_later=True, mcore=("TransformerConfig.num_query_groups",),
+        mlm="--num-query-groups (with --group-query-attention)")
+    position_embedding_type: PositionEmbedding = option(
+        "learned_absolute", "architecture", """``learned_absolute``: a position embedding table (replicated
+        over TP and GTP) added to the word embedding; ``rope``: rotary embeddings on the queries and keys (no
+        parameters); ``none``: no positions""", backends=ARCH_BACKENDS, added_later=True,
+        mcore=("GPTModel.position_embedding_type",), mlm="--position-embedding-type (rope, none)")
+    rotary_percent: float = option(
+        1.0, "architecture", """the share of each head's channels RoPE rotates (the first int(head dim x
+        rotary_percent), an even count); with ``rope`` only""", low=0.0, high=1.0, high_inclusive=True,
+        backends=ARCH_BACKENDS, added_later=True, mcore=("GPTModel.rotary_percent",),
+        mlm="--rotary-percent (with rope)")
+    rotary_base: int = option(
+        10000, "architecture", "RoPE's base: the inverse frequencies are base^(-2i / rotary dim); with "
+        "``rope`` only", low=1, backends=ARCH_BACKENDS, added_later=True, mcore=("GPTModel.rotary_base",),
+        mlm="--rotary-base (with rope)")
     init_std: float = option(
         0.02, "architecture", "std of the normal initialization; output projections use std / sqrt(2 x "
         "num_layers)", mcore=("TransformerConfig.init_method_std",), mlm="--init-method-std")

@@ -19,7 +19,7 @@ from harness.backends import faults
 from harness.run.job import Job
 from harness.backends.evaluation import EvalRecorder
 from harness.backends.megatron import checkpoint, compat, evaluation, groups, moe, pipeline
-from harness.backends.megatron import defaults, mtp
+from harness.backends.megatron import arch, mtp
 from harness.backends.megatron.gathers import record_gathers
 from harness.backends.megatron.optimizer_ranges import optimizer_state, reduced_grad, updated_param
 from harness.backends.megatron.terms import GradTerms
@@ -52,7 +52,6 @@ def _transformer_config(job: Job):
         perform_initialization=False,  # canonical weights are loaded after construction
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        add_bias_linear=False,
         gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True,
         bf16=side.precision == "bf16",
@@ -63,6 +62,7 @@ def _transformer_config(job: Job):
         **_RECOMPUTE[side.recompute],
         **moe.config_kwargs(job),
         **mtp.config_kwargs(job),
+        **arch.config_kwargs(m),
         **pipeline.config_kwargs(side),
     )
 
@@ -106,7 +106,6 @@ def _build(job: Job):
             transformer_layer_spec=moe.layer_spec(job),
             **mcore_kwargs("GPTModel", m),
             share_embeddings_and_output_weights=not m.untie_embeddings,
-            position_embedding_type="learned_absolute",
             mtp_block_spec=mtp.block_spec(job, config, moe.layer_spec(job)),
             **pipeline.stage_flags(vp),
             **groups.kwargs(pgc),

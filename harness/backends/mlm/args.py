@@ -43,7 +43,7 @@ def declared_flags(*objects) -> list[str]:
 def side_argv(model: ModelConfig, data: DataConfig, side: Side) -> list[str]:
     """The pretrain_gpt.py flags of ``side`` (then the side's own ``args``)."""
     argv = [
-        *FIXED_FLAGS, *declared_flags(model, data, side),
+        *FIXED_FLAGS, *declared_flags(model, data, side), *model_flags(model),
         "--max-position-embeddings", str(model.seq_length),  # learned positions, one per token
         "--lr-decay-iters", str(side.lr_decay_steps or side.steps), *_eval_flags(side),
         "--tensor-parallel-num-weight-shards", str(side.tp * side.gtp),
@@ -55,6 +55,20 @@ def side_argv(model: ModelConfig, data: DataConfig, side: Side) -> list[str]:
     if side.data == "mock":
         argv.append("--mock-data")
     return argv + list(side.args)
+
+
+def model_flags(model: ModelConfig) -> list[str]:
+    """The flags of the model's keys whose Megatron-LM flag is derived (negated, or a choice)."""
+    flags = [] if model.add_bias_linear else ["--disable-bias-linear"]
+    flags += {"swiglu": ["--swiglu"], "squared_relu": ["--squared-relu"]}.get(model.activation, [])
+    flags += ["--normalization", model.normalization] if model.normalization != "LayerNorm" else []
+    if model.num_query_groups is not None:
+        flags += ["--group-query-attention", "--num-query-groups", str(model.num_query_groups)]
+    if model.position_embedding_type != "learned_absolute":
+        flags += ["--position-embedding-type", model.position_embedding_type]
+    if model.position_embedding_type == "rope":
+        flags += ["--rotary-percent", repr(model.rotary_percent), "--rotary-base", str(model.rotary_base)]
+    return flags
 
 
 def _eval_flags(side: Side) -> list[str]:

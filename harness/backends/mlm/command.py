@@ -61,9 +61,12 @@ READ_BACK = (
     "--tensor-model-parallel-size", "--tensor-parallel-num-weight-shards", "--train-iters", "--seed",
     "--optimizer", "--lr", "--min-lr", "--lr-warmup-iters", "--lr-decay-iters", "--lr-decay-style",
     "--weight-decay", "--clip-grad", "--adam-beta1", "--adam-beta2", "--adam-eps", "--sgd-momentum",
-    "--eval-interval", "--eval-iters",
+    "--eval-interval", "--eval-iters", "--normalization", "--position-embedding-type", "--rotary-percent",
+    "--rotary-base", "--num-query-groups",
 )
-READ_BACK_SWITCHES = ("--bf16", "--mock-data", "--untie-embeddings-and-output-weights")
+READ_BACK_SWITCHES = ("--bf16", "--mock-data", "--untie-embeddings-and-output-weights",
+                      "--disable-bias-linear", "--add-qkv-bias", "--swiglu", "--squared-relu",
+                      "--group-query-attention")
 
 
 def fixed_values() -> dict[str, str | None]:
@@ -114,7 +117,12 @@ def scenario_of(flags: list[str], nproc: int) -> Scenario:
         ffn_hidden_size=ns.ffn_hidden_size or 4 * ns.hidden_size, num_attention_heads=ns.num_attention_heads,
         seq_length=ns.seq_length, vocab_size=ns.vocab_size or 0,
         untie_embeddings=ns.untie_embeddings_and_output_weights, init_std=ns.init_method_std,
-    )
+        add_bias_linear=ns.add_bias_linear, add_qkv_bias=ns.add_qkv_bias and not ns.add_bias_linear,
+        activation="swiglu" if ns.swiglu else "squared_relu" if ns.squared_relu else "gelu",
+        normalization=ns.normalization, position_embedding_type=ns.position_embedding_type,
+        rotary_percent=ns.rotary_percent, rotary_base=ns.rotary_base,
+        num_query_groups=ns.num_query_groups if ns.group_query_attention else None,
+    )  # fmt: skip
     data_ranks = nproc // side.tp
     data = DataConfig(seed=ns.seed, micro_batch_size=ns.micro_batch_size,
                       global_batch_size=ns.global_batch_size or ns.micro_batch_size * data_ranks)

@@ -101,9 +101,9 @@ def model_provider(after_build: Callable[[torch.nn.Module], None]):
             vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
             pre_process=pre_process, post_process=post_process, parallel_output=True,
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            position_embedding_type=args.position_embedding_type, vp_stage=vp_stage,
-                pg_collection=pg_collection,
-        )
+            position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
+            rotary_base=args.rotary_base, vp_stage=vp_stage, pg_collection=pg_collection,
+        )  # fmt: skip
         after_build(model)
         return model
 

@@ -1,10 +1,11 @@
 """The GPT of megatron-core's local layer spec, in plain PyTorch, with MCore's parameter names.
 
-Same math as ``GPTModel`` with ``get_gpt_layer_local_spec()``: learned absolute positions,
-pre-LayerNorm blocks, fused QKV with rows ordered per query group (q, k, v per head here),
-softmax((q k^T) / sqrt(d_head)) with the causal mask filled with -10000 in fp32, GeLU MLP,
-no linear biases, untied output layer, hidden states laid out [s, b, h]; and megatron-core's
-multi-token prediction block (:class:`MTPBlock`) where the model has one.
+Same math as ``GPTModel`` with ``get_gpt_layer_local_spec()``: positions learned, rotary or none,
+pre-norm blocks (LayerNorm or RMSNorm), fused QKV with rows ordered per query group (q, k, v per
+head here), softmax((q k^T) / sqrt(d_head)) with the causal mask filled with -10000 in fp32, the
+MLP's activation (gated or plain) as ``[model].activation`` says, linear biases where
+``add_bias_linear`` / ``add_qkv_bias`` say, untied output layer, hidden states laid out [s, b, h];
+and megatron-core's multi-token prediction block (:class:`MTPBlock`) where the model has one.
 
 In one process every layer is plain ``F.linear`` / ``F.embedding`` on the full weights (the
 golden model). Distributed, the model is built with its TP-local head count and a
@@ -21,27 +22,36 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness.scenario.schema import ModelConfig
+from harness.scenario.arch_rules import qkv_rows
+from harness.scenario.schema import GATED, ModelConfig
 
 from .moe import MoE
 
 LAYERNORM_EPS = 1e-5
 
 
-class Linear(nn.Module):
-    """A bias-free linear layer: ``F.linear`` alone, or the attached parallel context's GEMM."""
+def norm(m: ModelConfig) -> nn.Module:
+    """One of the model's norms, as megatron-core's ``WrappedTorchNorm`` builds it: torch's own."""
+    cls = nn.RMSNorm if m.normalization == "RMSNorm" else nn.LayerNorm
+    return cls(m.hidden_size, eps=LAYERNORM_EPS)
 
-    def __init__(self, in_features: int, out_features: int, kind: str):
+
+class Linear(nn.Module):
+    """A linear layer: ``F.linear`` alone, or the attached parallel context's GEMM; its bias (where
+    it has one) added after the GEMM, a row-parallel layer's after the TP reduction (megatron-core's
+    ``skip_bias_add``: the bias joins in the bias-dropout-add or before the activation)."""
+
+    def __init__(self, in_features: int, out_features: int, kind: str, bias: bool = False):
         super().__init__()
         self.kind = kind
         """``column`` (TP cuts the output dim) or ``row`` (TP cuts the input dim)."""
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.parallel = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.parallel is None:
-            return F.linear(x, self.weight)
-        return self.parallel.linear(self, x)
+        y = F.linear(x, self.weight) if self.parallel is None else self.parallel.linear(self, x)
+        return y if self.bias is None else y + self.bias
 
 
 class WordEmbedding(nn.Module):
@@ -58,18 +68,53 @@ class WordEmbedding(nn.Module):
         return self.parallel.embed(self, tokens)
 
 
+def rope_freqs(m: ModelConfig) -> torch.Tensor | None:
+    """megatron-core's ``RotaryEmbedding`` table [s, 1, 1, rotary dim] in fp32 (non-interleaved:
+    the frequencies twice), or None without RoPE."""
+    if m.position_embedding_type != "rope":
+        return None
+    dim = m.hidden_size // m.num_attention_heads
+    dim = int(dim * m.rotary_percent) if m.rotary_percent < 1.0 else dim
+    inv_freq = 1.0 / (m.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    freqs = torch.outer(torch.arange(m.seq_length, dtype=torch.float32), inv_freq)
+    return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+
+
+def apply_rope(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """megatron-core's ``_apply_rotary_pos_emb_bshd``: the first rotary-dim channels of t [s, b, n, hn]
+    rotated (cos and sin in fp32, then in t's dtype), the rest passed through."""
+    rot = freqs.shape[-1]
+    t, rest = t[..., :rot], t[..., rot:]
+    cos, sin = torch.cos(freqs).to(t.dtype), torch.sin(freqs).to(t.dtype)
+    x1, x2 = torch.chunk(t, 2, dim=-1)
+    return torch.cat((t * cos + torch.cat((-x2, x1), dim=-1) * sin, rest), dim=-1)
+
+
 class SelfAttention(nn.Module):
+    """Fused QKV rows per query group (its query heads, a key, a value), as megatron-core's
+    ``get_query_key_value_tensors``; each group's key and value repeated for its query heads
+    (``repeat_interleave``, as its ``DotProductAttention``). Multi-head attention: one head a group."""
+
     def __init__(self, m: ModelConfig, tp: int = 1):
         super().__init__()
         self.heads = m.num_attention_heads // tp  # heads of this TP rank
+        self.groups = (m.num_query_groups or m.num_attention_heads) // tp  # query groups of this TP rank
         self.head_dim = m.hidden_size // m.num_attention_heads
-        self.linear_proj = Linear(m.hidden_size, m.hidden_size, "row")
-        self.linear_qkv = Linear(m.hidden_size, 3 * m.hidden_size, "column")
+        self.rope = rope_freqs(m)  # a constant table, not a buffer: it stays fp32 as megatron-core's
+        self.linear_proj = Linear(m.hidden_size, m.hidden_size, "row", m.add_bias_linear)
+        qkv_bias = m.add_bias_linear or m.add_qkv_bias
+        self.linear_qkv = Linear(m.hidden_size, qkv_rows(m), "column", qkv_bias)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         s, b, _ = x.shape
-        qkv = self.linear_qkv(x).view(s, b, self.heads, 3 * self.head_dim)
-        q, k, v = qkv.split(self.head_dim, dim=-1)  # [s, b, np, hn] each
+        per, hn = self.heads // self.groups, self.head_dim
+        qkv = self.linear_qkv(x).view(s, b, self.groups, (per + 2) * hn)
+        q, k, v = qkv.split([per * hn, hn, hn], dim=-1)
+        q = q.reshape(s, b, self.heads, hn)  # [s, b, np, hn]; k, v: [s, b, ng, hn]
+        if self.rope is not None:
+            q, k = apply_rope(q, self.rope[:s]), apply_rope(k, self.rope[:s])
+        if per > 1:
+            k, v = k.repeat_interleave(per, dim=2), v.repeat_interleave(per, dim=2)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, np, s, hn]
         scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.head_dim)
         scores = scores.float().masked_fill(mask, -10000.0)
@@ -79,22 +124,41 @@ class SelfAttention(nn.Module):
         return self.linear_proj(ctx)
 
 
+def squared_relu(x: torch.Tensor) -> torch.Tensor:
+    return torch.pow(F.relu(x), 2)  # megatron-core's activations.squared_relu
+
+
+# The activation (the gate's, for a gated one) by the [model] key's name, as megatron-core's.
+ACTIVATIONS = {"gelu": F.gelu, "swiglu": F.silu, "geglu": F.gelu, "relu": F.relu,
+               "squared_relu": squared_relu}
+
+
 class MLP(nn.Module):
+    """fc1, the activation, fc2. Gated (``swiglu``, ``geglu``): fc1's output is [gate; up] (on a TP
+    rank its own rows of each half) and the activation is ``act(gate) * up``, as megatron-core's
+    ``glu``."""
+
     def __init__(self, m: ModelConfig):
         super().__init__()
-        self.linear_fc1 = Linear(m.hidden_size, m.ffn_hidden_size, "column")
-        self.linear_fc2 = Linear(m.ffn_hidden_size, m.hidden_size, "row")
+        self.gated, self.act = m.activation in GATED, ACTIVATIONS[m.activation]
+        rows = (2 if self.gated else 1) * m.ffn_hidden_size
+        self.linear_fc1 = Linear(m.hidden_size, rows, "column", m.add_bias_linear)
+        self.linear_fc2 = Linear(m.ffn_hidden_size, m.hidden_size, "row", m.add_bias_linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+        y = self.linear_fc1(x)
+        if self.gated:
+            gate, up = torch.chunk(y, 2, dim=-1)
+            return self.linear_fc2(self.act(gate) * up)
+        return self.linear_fc2(self.act(y))
 
 
 class TransformerLayer(nn.Module):
     def __init__(self, m: ModelConfig, tp: int = 1):
         super().__init__()
-        self.input_layernorm = nn.LayerNorm(m.hidden_size, eps=LAYERNORM_EPS)
+        self.input_layernorm = norm(m)
         self.self_attention = SelfAttention(m, tp)
-        self.pre_mlp_layernorm = nn.LayerNorm(m.hidden_size, eps=LAYERNORM_EPS)
+        self.pre_mlp_layernorm = norm(m)
         self.mlp = MoE(m, MLP) if m.num_experts else MLP(m)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -106,11 +170,14 @@ class Embedding(nn.Module):
     def __init__(self, m: ModelConfig):
         super().__init__()
         self.word_embeddings = WordEmbedding(m.vocab_size, m.hidden_size)
-        self.position_embeddings = nn.Embedding(m.seq_length, m.hidden_size)
+        if m.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(m.seq_length, m.hidden_size)
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
-        pos = torch.arange(tokens.shape[1])[None] if pos is None else pos  # [1 or b, s]
-        x = self.word_embeddings(tokens) + self.position_embeddings(pos)
+        x = self.word_embeddings(tokens)
+        if hasattr(self, "position_embeddings"):
+            pos = torch.arange(tokens.shape[1])[None] if pos is None else pos  # [1 or b, s]
+            x = x + self.position_embeddings(pos)
         return x.transpose(0, 1).contiguous()  # [s, b, h]
 
 
@@ -118,7 +185,7 @@ class Decoder(nn.Module):
     def __init__(self, m: ModelConfig, tp: int = 1):
         super().__init__()
         self.layers = nn.ModuleList(TransformerLayer(m, tp) for _ in range(m.num_layers))
-        self.final_layernorm = nn.LayerNorm(m.hidden_size, eps=LAYERNORM_EPS)
+        self.final_layernorm = norm(m)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -133,11 +200,11 @@ class MTPLayer(nn.Module):
 
     def __init__(self, m: ModelConfig, tp: int = 1):
         super().__init__()
-        self.enorm = nn.LayerNorm(m.hidden_size, eps=LAYERNORM_EPS)
-        self.hnorm = nn.LayerNorm(m.hidden_size, eps=LAYERNORM_EPS)
+        self.enorm = norm(m)
+        self.hnorm = norm(m)
         self.eh_proj = Linear(2 * m.hidden_size, m.hidden_size, "column")
         self.mtp_model_layer = TransformerLayer(m, tp)
-        self.final_layernorm = nn.LayerNorm(m.hidden_size, eps=LAYERNORM_EPS)
+        self.final_layernorm = norm(m)
 
     def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         x = self.eh_proj(torch.cat((self.enorm(embedded), self.hnorm(hidden)), -1))

@@ -76,10 +76,11 @@ class GoldenMuon(OrthogonalizedOptimizer):
 
 
 def qkv_split_shapes(model) -> list[int]:
-    """Rows of q, k and v per query group (megatron-core ``_get_qkv_split_shapes``; the harness's
-    GPT has as many query groups as heads)."""
+    """Rows of q, k and v per query group (megatron-core ``_get_qkv_split_shapes``: the group's
+    query heads, one key head, one value head)."""
     kv_channels = model.hidden_size // model.num_attention_heads
-    return [kv_channels, kv_channels, kv_channels]
+    per = model.num_attention_heads // (model.num_query_groups or model.num_attention_heads)
+    return [per * kv_channels, kv_channels, kv_channels]
 
 
 class Chained:

@@ -93,12 +93,13 @@ def clip(grads: Iterable[torch.Tensor], max_norm: float, norm: float) -> None:
 
 def counted(param: torch.Tensor, layout, coord: dict) -> bool:
     """Whether this rank's copy of a grad enters the norm and the zero count, as megatron-core
-    counts them: shards of TP- or GTP-sharded params always, a param replicated over TP and
-    GTP only on TP rank 0 and GTP rank 0 (DP replicas each compute the same total)."""
+    counts them (``param_is_not_tensor_parallel_duplicate`` and ``param_is_not_gtp_duplicate``, each
+    on its own axis): over TP, a TP shard on every rank and a TP replica on TP rank 0; over GTP, a
+    GTP shard on every rank and a GTP replica (a norm, a bias beside a GTP-sharded weight, TP-sharded
+    or not) on GTP rank 0. DP replicas each compute the same total."""
     tp_sharded = "tp" in layout.placements and layout.mesh.get("tp", 1) > 1
-    if tp_sharded or getattr(param, "is_gtp_weight_remat", False):
-        return True
-    return coord["tp"] == 0 and coord["gtp"] == 0
+    return ((tp_sharded or coord["tp"] == 0)
+            and (getattr(param, "is_gtp_weight_remat", False) or coord["gtp"] == 0))
 
 
 def grad_stats(named, layouts: dict, coord: dict, group) -> tuple[float, float]:
