@@ -99,7 +99,7 @@ def _mtp_specs(m: ModelConfig) -> list[ParamSpec]:
         specs += [*_norm_specs(p + "enorm", m), *_norm_specs(p + "hnorm", m),
                   ParamSpec(p + "eh_proj.weight", (h, 2 * h), 0, True, "normal"),
                   *_layer_specs(m, p + "mtp_model_layer."),
-                  *_norm_specs(p + "final_layernorm", m)]  # fmt: skip
+                  *_norm_specs(p + "final_layernorm", m)]
     return specs
 
 
@@ -112,7 +112,7 @@ def _mlp_specs(m: ModelConfig, p: str) -> list[ParamSpec]:
         return [ParamSpec(p + "mlp.linear_fc1.weight", (k * f, h), 0, True, "normal", tp_stride=k),
                 *_bias_specs(p + "mlp.linear_fc1", k * f, 0, m.add_bias_linear, k),
                 ParamSpec(p + "mlp.linear_fc2.weight", (h, f), 1, True, "scaled_normal"),
-                *_bias_specs(p + "mlp.linear_fc2", h, 1, m.add_bias_linear)]  # fmt: skip
+                *_bias_specs(p + "mlp.linear_fc2", h, 1, m.add_bias_linear)]
     specs = [ParamSpec(p + "mlp.router.weight", (m.num_experts, h), None, False, "normal")]
     for e in range(m.num_experts):
         q = f"{p}mlp.experts.local_experts.{e}."

@@ -19,7 +19,7 @@ from harness.backends import faults
 from harness.run.job import Job
 from harness.backends.evaluation import EvalRecorder
 from harness.backends.megatron import checkpoint, compat, evaluation, groups, moe, pipeline
-from harness.backends.megatron import arch, mtp
+from harness.backends.megatron import arch, defaults, mtp
 from harness.backends.megatron.gathers import record_gathers
 from harness.backends.megatron.optimizer_ranges import optimizer_state, reduced_grad, updated_param
 from harness.backends.megatron.terms import GradTerms

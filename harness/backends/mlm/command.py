@@ -122,7 +122,7 @@ def scenario_of(flags: list[str], nproc: int) -> Scenario:
         normalization=ns.normalization, position_embedding_type=ns.position_embedding_type,
         rotary_percent=ns.rotary_percent, rotary_base=ns.rotary_base,
         num_query_groups=ns.num_query_groups if ns.group_query_attention else None,
-    )  # fmt: skip
+    )
     data_ranks = nproc // side.tp
     data = DataConfig(seed=ns.seed, micro_batch_size=ns.micro_batch_size,
                       global_batch_size=ns.global_batch_size or ns.micro_batch_size * data_ranks)

@@ -103,7 +103,7 @@ def model_provider(after_build: Callable[[torch.nn.Module], None]):
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
             position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
             rotary_base=args.rotary_base, vp_stage=vp_stage, pg_collection=pg_collection,
-        )  # fmt: skip
+        )
         after_build(model)
         return model
 
