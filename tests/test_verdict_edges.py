@@ -141,6 +141,33 @@ def test_an_exception_of_megatron_core_names_its_innermost_frame_and_tree():
     assert Path(inner.filename).resolve().is_relative_to(rec["tree"])
 
 
+def _raise_through(kind: type, megatron_file: str) -> Exception:
+    """``kind`` raised inside torch.distributed's Python, called from megatron-core (frames
+    compiled under those two folders, as a failed collective's traceback has them)."""
+    import megatron.core
+
+    dist_file = str(Path(torch.distributed.__file__).parent / "distributed_c10d_fake.py")
+    ns = {"kind": kind}
+    exec(compile("def collective():\n    raise kind('Connection closed by peer')\n", dist_file, "exec"), ns)
+    exec(compile("def caller():\n    collective()\n",
+                 str(Path(megatron.core.__file__).parent / megatron_file), "exec"), ns)
+    try:
+        ns["caller"]()
+    except kind as e:
+        return e
+    raise AssertionError("nothing raised")
+
+
+def test_a_failed_collective_is_not_the_code_under_tests_raise():
+    """A peer that stopped breaks the collective the survivors are in (gloo raises a RuntimeError
+    inside torch.distributed, under megatron-core's call): the launch names the rank that
+    stopped, no verdict blames megatron-core. A ValueError there (a collective misused by the
+    caller) stays the caller's."""
+    assert worker.raised_by_code_under_test(_raise_through(RuntimeError, "gtp_caller.py")) is None
+    rec = worker.raised_by_code_under_test(_raise_through(ValueError, "gtp_caller.py"))
+    assert rec["type"] == "ValueError" and rec["frame"]["file"] == "megatron/core/gtp_caller.py"
+
+
 def test_an_exception_of_the_harness_is_no_verdict():
     try:
         {}[None]

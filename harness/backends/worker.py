@@ -77,16 +77,23 @@ _CODE_UNDER_TEST = ("megatron",)  # megatron-core, Megatron-LM's training loop, 
 _PATCHES = (Path(__file__).resolve().parent / "faults",)  # planted faults and mutants stand in for that code
 
 
+_DIST = Path(dist.__file__).resolve().parent  # torch.distributed's Python
+
+
 def raised_by_code_under_test(e: Exception) -> dict | None:
     """Where the code under test raised ``e``: its type, message and innermost frame in that code
     (file relative to the tree, function, line) and the tree; None where the harness raised it.
     Walking out from the innermost frame, the first frame of the code under test (or of a fault
     planted in it) decides for it, the first other frame of the harness against it; library frames
-    (torch, the standard library) are passed through."""
+    (torch, the standard library) are passed through. A RuntimeError raised inside
+    torch.distributed is a collective's failure (a peer that stopped, a broken transport), not
+    the code's own raise, whoever called the collective."""
     roots = [Path(p).resolve() for name in _CODE_UNDER_TEST if (m := sys.modules.get(name)) is not None
              for p in getattr(m, "__path__", [])]
     harness_root = Path(__file__).resolve().parents[1]
     frames = traceback.extract_tb(e.__traceback__)
+    if frames and isinstance(e, RuntimeError) and Path(frames[-1].filename).resolve().is_relative_to(_DIST):
+        return None  # a collective failed (a peer stopped, the transport broke): the launch names who
     decided = False
     for f in reversed(frames):
         path = Path(f.filename).resolve()
