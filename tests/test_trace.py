@@ -16,8 +16,9 @@ from harness.common.layout import Layout, replicated
 from harness.scenario.schema import CapturePolicy
 
 
-def plain_loop_trace(path, policy=CapturePolicy(), width=3):
-    """A user's own single-process loop captured in a few lines."""
+def plain_loop_trace(path, policy=CapturePolicy(), width=3, poison=None):
+    """A user's own single-process loop captured in a few lines; ``poison`` = (step, name): that
+    gradient is NaN in every element."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Linear(width, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -31,6 +32,9 @@ def plain_loop_trace(path, policy=CapturePolicy(), width=3):
         x = torch.randn(1, 2, 4)  # [s, b, h]
         loss = model(x).pow(2).mean()
         loss.backward()
+        for name, p in model.named_parameters():
+            if poison == (step, name):
+                p.grad.fill_(float("nan"))
         cap.params("main_grad", model.named_parameters(), layout, value=lambda p: p.grad)
         opt.step()
         opt.zero_grad()

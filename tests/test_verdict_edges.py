@@ -15,8 +15,6 @@ import torch
 from harness import scenario
 from harness.backends import worker
 from harness.capture import trace
-from harness.capture.api import Capture
-from harness.common.layout import replicated
 from harness.common.mesh import Mesh
 from harness.compare import metrics as M
 from harness.compare.judge import compare
@@ -27,6 +25,7 @@ from harness.scenario import Role
 from harness.scenario.faults import CATALOG
 from harness.session import run_scenarios
 from tests.helpers import ASSETS, results, summary
+from tests.test_trace import plain_loop_trace
 
 NAN, RAISE, ADAM = "gtp-main-grad-nan", "gtp-backward-raises", "adam-update-scaled"
 
@@ -74,38 +73,9 @@ def test_a_nonfinite_event_names_its_side_and_counts():
     assert nonfinite_of({"policy": "padding", "max_abs": 1e-3}) is None  # pad-rows, as before
 
 
-def _loop_trace(path, poison=None):
-    """A plain two-step loop (world 1); ``poison`` = (step, name): that gradient is NaN."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    cap = Capture(path, rank=0, world_size=1, coord={"tp": 0, "gtp": 0, "dp": 0}, mesh={})
-
-    def layout(name, p):
-        return replicated(tuple(p.shape))
-
-    gen = torch.Generator().manual_seed(5)
-    for step in (1, 2):
-        cap.begin_step(step)
-        cap.micro_batch(0, [2 * step, 2 * step + 1])
-        loss = model(torch.randn(1, 2, 4, generator=gen)).pow(2).mean()
-        loss.backward()
-        for name, p in model.named_parameters():
-            if poison == (step, name):
-                p.grad.fill_(float("nan"))  # every element: the issue's all-NaN gradient
-        cap.params("main_grad", model.named_parameters(), layout, value=lambda p: p.grad)
-        opt.step()
-        opt.zero_grad()
-        cap.params("param", model.named_parameters(), layout)
-        cap.scalar("reduced_loss", loss.item())
-        cap.end_step()
-    cap.close()
-    Capture.finalize(path, world_size=1, coords={0: {"tp": 0, "gtp": 0, "dp": 0}}, mesh={})
-
-
 def test_an_all_nan_gradient_is_the_first_divergence_named_nonfinite(tmp_path):
-    _loop_trace(tmp_path / "ref")
-    _loop_trace(tmp_path / "cand", poison=(2, "1.weight"))
+    plain_loop_trace(tmp_path / "ref")
+    plain_loop_trace(tmp_path / "cand", poison=(2, "1.weight"))
     traces = {"reference": trace.read(tmp_path / "ref"), "candidate": trace.read(tmp_path / "cand")}
     doc, rows = compare(traces)
     fd = doc.first_divergence
