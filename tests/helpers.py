@@ -47,8 +47,10 @@ def at_revision(spec: str, rev: str) -> str:
 
 
 def run(path, out: Path, **kw) -> tuple[int, dict]:
-    """Run a scenario or matrix file into ``out``; return (exit code, run summary)."""
-    code = run_scenarios(scenario.load(path), out, parallel=kw.get("parallel", 1))
+    """Run a scenario or matrix file (or loaded scenarios) into ``out``; return (exit code, run
+    summary)."""
+    scenarios = path if isinstance(path, list) else scenario.load(path)
+    code = run_scenarios(scenarios, out, parallel=kw.get("parallel", 1))
     return code, json.loads((out / "summary.json").read_text())
 
 

@@ -8,14 +8,12 @@ as megatron-core's attributes give it), and the golden matches megatron-core to 
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
 from harness import scenario
 from harness.capture import trace
-from harness.session import run_scenarios
-from tests.helpers import ASSETS, ROOT, results, summary
+from tests.helpers import ASSETS, ROOT, results, run, summary
 
 MATRIX = scenario.load(ROOT / "scenarios" / "architectures.toml")
 GOLDEN = scenario.load(ASSETS / "architectures_golden.toml")
@@ -27,8 +25,7 @@ pytestmark = pytest.mark.multirank
 @pytest.fixture(scope="module")
 def arch_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("arch")
-    code = run_scenarios(MATRIX + GOLDEN, out, parallel=2)
-    doc = json.loads((out / "summary.json").read_text())
+    code, doc = run(MATRIX + GOLDEN, out, parallel=2)
     return code, {s["scenario"]: s for s in doc["scenarios"]}, out
 
 
