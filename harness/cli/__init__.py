@@ -13,7 +13,7 @@ import sys
 import threading
 from pathlib import Path
 
-from harness.cli import trees
+from harness.cli import fuzz, trees
 from harness.cli.args import Parser, count, limits_option, non_negative, out_dir, positive_int
 from harness.common.errors import EXIT_BAD_INPUT, BadInput, HarnessError
 from harness.scenario.schema import POLICIES
@@ -349,6 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _mutate_parser(sub)
     trees.add_parsers(sub)
+    fuzz.add_parser(sub)
 
     o = sub.add_parser("options",
                        help="the scenario keys as declared: defaults, backends, golden, what each reaches")

@@ -4,7 +4,7 @@ Same math as ``GPTModel`` with ``get_gpt_layer_local_spec()``: positions learned
 pre-norm blocks (LayerNorm or RMSNorm), fused QKV with rows ordered per query group (q, k, v per
 head here), softmax((q k^T) / sqrt(d_head)) with the causal mask filled with -10000 in fp32, the
 MLP's activation (gated or plain) as ``[model].activation`` says, linear biases where
-``add_bias_linear`` / ``add_qkv_bias`` say, untied output layer, hidden states laid out [s, b, h];
+``add_bias_linear`` / ``add_qkv_bias`` say, the output layer untied or tied to the word embedding (``untie_embeddings``), hidden states laid out [s, b, h];
 and megatron-core's multi-token prediction block (:class:`MTPBlock`) where the model has one.
 
 In one process every layer is plain ``F.linear`` / ``F.embedding`` on the full weights (the
@@ -253,6 +253,8 @@ class GPT(nn.Module):
         if m.mtp_num_layers:
             self.mtp = MTPBlock(m, tp)
         self.output_layer = Linear(m.hidden_size, m.vocab_size, "column")
+        if not m.untie_embeddings:  # tied: the output layer computes with the word embedding's parameter
+            self.output_layer.weight = self.embedding.word_embeddings.weight
         self.register_buffer(
             "causal_mask", torch.triu(torch.ones(m.seq_length, m.seq_length, dtype=torch.bool), 1),
             persistent=False,

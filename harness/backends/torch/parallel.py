@@ -136,7 +136,7 @@ def shard_model(model: GPT, side: Side, specs: dict[str, ParamSpec], state: dict
     for mname, module in modules.items():
         if not isinstance(module, (Linear, WordEmbedding)):
             continue
-        name = f"{mname}.weight"
+        name = next(n for n, q in model.named_parameters() if q is module.weight)  # a tied one's first name
         lay = layouts[name]
         st = LayerState(name=name, layout=lay, pad=lay.pads.get("gtp", 0) if "gtp" in lay.placements else 0)
         # megatron-core's output layer is a plain ColumnParallelLinear even in the TE layer spec:

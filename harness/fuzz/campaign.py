@@ -1,0 +1,291 @@
+"""A fuzz campaign: draw, judge in batches, shrink what fails, cluster, write what is done.
+
+The state lives in ``OUT/fuzz.json``, rewritten after every batch and shrink: the same command
+on the same folder continues a campaign (its seed, space, tree and faults must match; draws
+are a function of the seed and of the draws before, so a resumed campaign draws what an
+uninterrupted one would). Ctrl-C keeps what is done.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import tomli_w
+
+from harness.common.errors import BadInput
+from harness.common.jsonio import write_json
+from harness.compare.summary import FirstDivergence, ScenarioSummary, Verdict
+from harness.fuzz import page
+from harness.fuzz.cluster import Cluster, fingerprint, known_as, needs_of, recorded_divergences, tensor_pattern
+from harness.fuzz.shrink import shrink
+from harness.fuzz.space import Coverage, Draw, Space, draw_for
+from harness.scenario import parse_scenario
+from harness.session import run_scenarios, skip_reason
+
+FORMAT = 1
+
+
+@dataclass
+class Settings:
+    """What a campaign is: its seed, space, tree and faults (a resume must match them), and how
+    it runs (budgets and batch size may change between runs)."""
+
+    seed: int
+    space: Space
+    megatron_core: str = "installed"
+    inject: tuple[str, ...] = ()
+    budget_s: float = 3600.0
+    max_pairs: int | None = None
+    shrink_s: float = 600.0
+    batch: int = 8
+    jobs: int = 2
+    recorded: Path | None = None
+    """Where the shipped scenarios with ``[expect]`` are (a cluster matching one is known)."""
+
+    def identity(self) -> dict:
+        return {"format": FORMAT, "seed": self.seed, "space": self.space.digest(),
+                "megatron_core": self.megatron_core, "inject": list(self.inject)}
+
+
+@dataclass
+class State:
+    identity: dict
+    judged: list[dict] = field(default_factory=list)
+    refused: Counter = field(default_factory=Counter)
+    clusters: list[Cluster] = field(default_factory=list)
+    elapsed_s: float = 0.0
+    pair_s: float = 0.0
+    """Seconds spent judging drawn pairs (not shrinking)."""
+
+    def to_json(self, settings: Settings, coverage: Coverage) -> dict:
+        values, pairs = coverage.reachable(settings.space)
+        return {"identity": self.identity, "space": settings.space.to_json(), "judged": self.judged,
+                "refused": dict(self.refused.most_common()), "clusters": [c.to_json() for c in self.clusters],
+                "elapsed_s": round(self.elapsed_s, 1), "pair_s": round(self.pair_s, 1),
+                "coverage": {"values": len(coverage.values), "values_in_space": values,
+                             "pairs": len(coverage.pairs), "pairs_in_space": pairs},
+                "throughput": throughput(self)}
+
+
+def throughput(state: State) -> dict:
+    """Pairs judged per hour of judging, and the time shrinks took."""
+    n = len(state.judged)
+    shrinks = [c.shrink for c in state.clusters if c.shrink]
+    return {"pairs": n, "pairs_per_hour": round(3600 * n / state.pair_s, 1) if state.pair_s else None,
+            "shrink_s": [s.get("seconds") for s in shrinks],
+            "shrink_runs": [s.get("runs") for s in shrinks]}
+
+
+def _load_state(out: Path, settings: Settings) -> tuple[State, Coverage]:
+    path, coverage = out / "fuzz.json", Coverage()
+    if not path.exists():
+        return State(identity=settings.identity()), coverage
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        identity = doc["identity"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise BadInput(str(path), f"not a campaign's state ({type(e).__name__}: {e}); choose another --out") from None
+    if identity != settings.identity():
+        differs = sorted(k for k in identity.keys() | settings.identity().keys()
+                         if identity.get(k) != settings.identity().get(k))
+        raise BadInput(str(path), f"holds a campaign of another {', '.join(differs)}: run it with the same "
+                       "--seed, --space, --megatron-core and --inject to continue it, or choose another --out")
+    state = State(identity=identity, judged=doc["judged"], refused=Counter(doc["refused"]),
+                  clusters=[Cluster.from_json(c) for c in doc["clusters"]], elapsed_s=doc["elapsed_s"],
+                  pair_s=doc["pair_s"])
+    for j in state.judged:
+        coverage.add(Draw.from_json(j["draw"]))
+    return state, coverage
+
+
+class Runner:
+    """Judges draws: each becomes a scenario, a batch runs through the session (sides of one world
+    size share launches), and each pair's first divergence is read back from its summary. The
+    traces of a batch are removed once judged (a finding's minimal scenario reproduces it)."""
+
+    def __init__(self, settings: Settings, out: Path):
+        self.settings, self.out, self.batches = settings, out, 0
+
+    def document(self, draw: Draw, name: str) -> dict:
+        doc = draw.document(self.settings.space, name, self.settings.inject)
+        if self.settings.megatron_core != "installed":
+            doc["train"]["megatron_core"] = self.settings.megatron_core
+        return doc
+
+    def scenario(self, draw: Draw, name: str):
+        s = parse_scenario(self.document(draw, name), f"fuzz draw {name}")
+        if (reason := skip_reason(s)) is not None:
+            raise BadInput(f"fuzz draw {name}", reason)
+        return s
+
+    def refusal(self, draw: Draw) -> str | None:
+        """Why the rules refuse a draw (its message without the draw's name), or None."""
+        try:
+            self.scenario(draw, "probe")
+        except BadInput as e:
+            return _reason(str(e))
+        return None
+
+    def judge(self, draws: list[Draw], names: list[str] | None = None) -> list[ScenarioSummary | None]:
+        """Each draw's summary (None: refused). A run that failed is judged again alone: a crash
+        ends the launch it shares, and the pairs beside it must not be blamed for it."""
+        out = self._batch(draws, names)
+        if len(draws) > 1:
+            for i, s in enumerate(out):
+                if s is not None and s.verdict == Verdict.ERROR:
+                    out[i] = self._batch([draws[i]], [names[i]] if names else None)[0]
+        return out
+
+    def _batch(self, draws: list[Draw], names: list[str] | None) -> list[ScenarioSummary | None]:
+        self.batches += 1
+        names = names or [f"shrink-{self.batches:04d}-{i:02d}" for i in range(len(draws))]
+        runnable, out = {}, []
+        for d, name in zip(draws, names):
+            try:
+                runnable[name] = self.scenario(d, name)
+            except BadInput:
+                continue
+        folder = self.out / "runs" / f"batch-{self.batches:04d}"
+        if runnable:
+            run_scenarios(list(runnable.values()), folder, parallel=self.settings.jobs, fresh=True)
+        for name in names:
+            path = folder / "scenarios" / name / "summary.json"
+            out.append(ScenarioSummary.from_json(json.loads(path.read_text())) if name in runnable
+                       and path.exists() else None)
+        shutil.rmtree(folder / "traces", ignore_errors=True)
+        return out
+
+    def first_divergences(self, draws: list[Draw]) -> list[FirstDivergence | None]:
+        return [s.first_divergence if s is not None and is_finding(s) else None for s in self.judge(draws)]
+
+
+def is_finding(s: ScenarioSummary) -> bool:
+    """A pair that fails: a first divergence beyond the expectations, or the code under test
+    raising on one side (a run that failed otherwise is the harness's, not a finding)."""
+    return s.verdict == Verdict.FAIL and s.first_divergence is not None
+
+
+def _reason(message: str) -> str:
+    """A refusal's reason without the draw's name: ``fuzz draw probe: [candidate]: why`` -> ``[candidate]: why``."""
+    return message.split(": ", 1)[1] if message.startswith("fuzz draw") else message
+
+
+def run(settings: Settings, out: Path, say=print) -> dict:
+    """Run (or continue) a campaign in ``out``; return its document (``fuzz.json``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    state, coverage = _load_state(out, settings)
+    runner = Runner(settings, out)
+    runner.batches = max((int(p.name.split("-")[1]) for p in (out / "runs").glob("batch-*")), default=0) \
+        if (out / "runs").exists() else 0
+    recorded = recorded_divergences(settings.recorded) if settings.recorded else []
+    started, before = time.monotonic(), state.elapsed_s
+    try:
+        while True:
+            state.elapsed_s = before + time.monotonic() - started
+            left = settings.budget_s - state.elapsed_s
+            if left <= 0 or (settings.max_pairs is not None and len(state.judged) >= settings.max_pairs):
+                break
+            index0 = len(state.judged) and state.judged[-1]["index"] + 1
+            draws, names = [], []
+            for index in range(index0, index0 + settings.batch):
+                if settings.max_pairs is not None and len(state.judged) + len(draws) >= settings.max_pairs:
+                    break
+                d, refused = draw_for(settings.space, settings.seed, index, coverage, runner.refusal)
+                state.refused.update(refused)
+                if d is None:
+                    continue
+                coverage.add(d)
+                draws.append(d)
+                names.append(f"fuzz-{settings.seed}-{index:05d}")
+            if not draws:
+                raise BadInput("--space", "the rules refuse every draw of this space: "
+                               + "; ".join(f"{r} ({n}x)" for r, n in state.refused.most_common(3)))
+            t0 = time.monotonic()
+            summaries = runner.judge(draws, names)
+            state.pair_s += time.monotonic() - t0
+            for index, (d, name, s) in enumerate(zip(draws, names, summaries), start=index0):
+                state.judged.append(_judged(index, name, d, s))
+            _settle(state, settings, runner, recorded, out, say)
+            state.elapsed_s = before + time.monotonic() - started
+            _write(state, settings, coverage, out)
+            _progress(state, settings, say)
+    except KeyboardInterrupt:
+        say("\ngtp-parity fuzz: interrupted; what is done is kept")
+    state.elapsed_s = before + time.monotonic() - started
+    return _write(state, settings, coverage, out)
+
+
+def _judged(index: int, name: str, d: Draw, s: ScenarioSummary | None) -> dict:
+    fd = s.first_divergence if s is not None else None
+    return {"index": index, "name": name, "draw": d.to_json(), "verdict": s.verdict.value if s else "refused",
+            "finding": bool(s is not None and is_finding(s)), "fingerprint": list(fingerprint(fd) or []),
+            "pattern": tensor_pattern(fd), "first_divergence": fd.to_json() if fd else None,
+            "error": dict(s.error) if s is not None and s.verdict == Verdict.ERROR else None, "cluster": None}
+
+
+def _settle(state: State, settings: Settings, runner: Runner, recorded, out: Path, say) -> None:
+    """Each new finding joins a cluster whose needs it holds, or is shrunk into a new one."""
+    for j in state.judged:
+        if not j["finding"] or j["cluster"] is not None:
+            continue
+        d, fp = Draw.from_json(j["draw"]), tuple(j["fingerprint"])
+        home = next((c for c in state.clusters if c.fingerprint == fp and c.pattern == j["pattern"] and c.holds(d)),
+                    None)
+        if home is None:
+            fd = FirstDivergence.from_json(j["first_divergence"])
+            deadline = time.monotonic() + min(settings.shrink_s, max(settings.budget_s - state.elapsed_s, 0))
+            say(f"gtp-parity fuzz: {j['name']} fails ({'/'.join(fp)}); shrinking")
+            shrunk = shrink(d, fd, settings.space, runner.first_divergences, deadline)
+            needs = needs_of(shrunk.draw)
+            home = next((c for c in state.clusters if c.fingerprint == fp and c.pattern == j["pattern"]
+                         and c.needs == needs), None)
+            if home is None:
+                home = Cluster(id=f"C{len(state.clusters) + 1}", fingerprint=fp, pattern=j["pattern"], needs=needs,
+                               minimal=shrunk.draw.to_json(), example=j["first_divergence"],
+                               shrink=shrunk.to_json())
+                home.known = known_as(home, recorded)
+                home.scenario_file = _write_scenario(home, shrunk.draw, settings, runner, out)
+                state.clusters.append(home)
+        home.members.append(j["name"])
+        j["cluster"] = home.id
+
+
+def _write_scenario(c: Cluster, draw: Draw, settings: Settings, runner: Runner, out: Path) -> str:
+    """The minimal draw as a scenario file, ``[expect]`` recording the divergence as found."""
+    name = f"fuzz-{settings.seed}-{c.id.lower()}"
+    doc = runner.document(draw, name)
+    sig = c.fingerprint[0]
+    doc["description"] = (f"found by gtp-parity fuzz (seed {settings.seed}), shrunk to what it needs: "
+                          f"{', '.join(c.needs)}")
+    doc["expect"] = {"reason": "found by gtp-parity fuzz; root cause not settled yet",
+                     **({"signature": sig, "step": c.example.get("step")} if sig != "raised"
+                        else {"raises": str(c.example.get("tensor", "")).partition(": ")[2][:120]})}
+    doc["expect"] = {k: v for k, v in doc["expect"].items() if v is not None}
+    path = out / "scenarios" / f"{name}.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(tomli_w.dumps(doc), encoding="utf-8")
+    return str(path.relative_to(out))
+
+
+def _write(state: State, settings: Settings, coverage: Coverage, out: Path) -> dict:
+    doc = state.to_json(settings, coverage)
+    write_json(out / "fuzz.json", doc)
+    page.write(doc, out / "index.html")
+    return doc
+
+
+def _progress(state: State, settings: Settings, say) -> None:
+    left = max(settings.budget_s - state.elapsed_s, 0)
+    findings = sum(j["finding"] for j in state.judged)
+    line = (f"gtp-parity fuzz: {len(state.judged)} pairs judged, {findings} failing, {len(state.clusters)} "
+            f"cluster(s), {sum(state.refused.values())} draws refused, {left / 60:.1f} min left")
+    if sys.stdout.isatty() and say is print:
+        print("\r" + line, end="", flush=True)
+    else:
+        say(line)

@@ -1,0 +1,180 @@
+"""``gtp-parity fuzz`` (harness/fuzz): the space read from the declarations, draws the rules accept
+and a seed repeats, delta debugging, clusters, resumption, bad input; and two campaigns on real
+code: a planted fault found and shrunk under a bounded budget, and no finding where both sides
+run the same code."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness.cli import main
+from harness.cli.fuzz import duration
+from harness.common.errors import BadInput
+from harness.compare.summary import FirstDivergence
+from harness.fuzz.campaign import Runner, Settings, _load_state
+from harness.fuzz.cluster import Cluster, known_as, tensor_pattern
+from harness.fuzz.shrink import shrink
+from harness.fuzz.space import Axis, Coverage, Draw, draw_for, load_space
+from harness.scenario import load, parse_scenario
+from harness.scenario.options import declared
+from harness.scenario.schema import DataConfig, ModelConfig, Side
+
+ROOT = Path(__file__).resolve().parents[1]
+SPACE = ROOT / "scenarios" / "fuzz" / "space.toml"
+CLASSES = {"model": ModelConfig, "data": DataConfig, "train": Side}
+
+
+def _draws(space, seed: int, n: int) -> list[Draw]:
+    runner, coverage, out = Runner(Settings(seed=seed, space=space), Path(".")), Coverage(), []
+    for i in range(n):
+        d, _ = draw_for(space, seed, i, coverage, runner.refusal)
+        coverage.add(d)
+        out.append(d)
+    return out
+
+
+def test_the_space_is_the_declarations():
+    space = load_space(str(SPACE))
+    for (section, key), values in space.values.items():
+        o = declared(CLASSES[section])[key]
+        assert o.group not in ("backend", "checkpoint", "self-test") and "megatron" in o.backends
+        if o.choices is not None and key != "precision":
+            assert set(values) == set(o.choices), key  # every declared choice is drawn
+    assert ("train", "recipe") not in space.values  # excluded by the space file
+    assert {a.key for a in space.axes} >= {"gtp", "tp", "distributed_optimizer", "gtp_weight_prefetch"}
+    assert all(declared(Side)[a.key].placement_only or declared(Side)[a.key].path or a.key in ("gtp", "tp")
+               for a in space.axes)
+
+
+def test_draws_pass_the_rules_and_a_seed_repeats_them():
+    space = load_space(str(SPACE))
+    first, again, other = _draws(space, 7, 6), _draws(space, 7, 6), _draws(space, 8, 6)
+    assert first == again and first != other
+    for i, d in enumerate(first):  # every draw parses: the rules of validate accepted it
+        s = parse_scenario(d.document(space, f"d{i}"), "test")
+        assert getattr(s.reference, d.axis.key) != getattr(s.candidate, d.axis.key) or d.axis.reference is None
+        assert len(d.settings) <= space.max_off_default
+
+
+def test_coverage_prefers_what_is_not_covered_yet():
+    space = load_space(str(SPACE))
+    coverage = Coverage()
+    d = _draws(space, 3, 1)[0]
+    assert coverage.new_in(d) > 0
+    coverage.add(d)
+    assert coverage.new_in(d) == 0  # the same draw covers nothing new
+
+
+def _fd(signature="mismatch", kind="main_grad", step=2, tensor="decoder.layers.1.mlp.linear_fc1.weight"):
+    return FirstDivergence(step=step, phase="backward", kind=kind, tensor=tensor, signature=signature)
+
+
+def test_shrinking_keeps_exactly_what_the_failure_needs():
+    space = load_space(str(SPACE))
+    settings = (("model", "activation", "swiglu"), ("model", "normalization", "RMSNorm"),
+                ("train", "optimizer", "sgd"), ("train", "precision", "bf16"), ("model", "add_bias_linear", True))
+    draw = Draw(settings=tuple(sorted(settings)), world_size=4, axis=Axis("gtp", 1, 2))
+    batches = []
+
+    def judge(draws):  # fails (the same way) where swiglu and bf16 are both set, whatever else is
+        batches.append(len(draws))
+        return [_fd() if {("model", "activation", "swiglu"), ("train", "precision", "bf16")} <= set(d.settings)
+                else None for d in draws]
+
+    out = shrink(draw, _fd(), space, judge, deadline=float("inf"))
+    assert set(out.draw.settings) == {("model", "activation", "swiglu"), ("train", "precision", "bf16")}
+    assert out.complete and out.runs == sum(batches) and len(batches) < out.runs  # batches, not one by one
+    cuts = dict(((s, k), v) for s, k, v in out.draw.reductions)
+    assert cuts[("model", "num_layers")] == 1 and out.draw.world_size == 2  # sizes cut too
+
+
+def test_shrinking_keeps_the_way_it_fails():
+    space = load_space(str(SPACE))
+    draw = Draw(settings=(("train", "precision", "bf16"),), world_size=2, axis=Axis("tp", 1, 2))
+    # without bf16 it still fails, but another way: not the same finding
+    out = shrink(draw, _fd(), space, lambda ds: [_fd() if d.settings else _fd(kind="param") for d in ds],
+                 deadline=float("inf"))
+    assert out.draw.settings == draw.settings
+
+
+def test_tensor_patterns_and_recorded_divergences():
+    assert tensor_pattern(_fd(tensor="decoder.layers.12.mlp.experts.3.weight")) == "decoder.layers.*.mlp.experts.*.weight"
+    recorded = [(s.source, s) for s in load(ROOT / "scenarios" / "architectures.toml") if s.expect is not None]
+    gqa = next(s for _, s in recorded if s.model.num_query_groups)
+    c = Cluster(id="C1", fingerprint=(gqa.expect.signature or "mismatch", "materialized"), pattern="",
+                needs=sorted(["axis:gtp=1->2", f"model.num_query_groups={gqa.model.num_query_groups}"]),
+                minimal={})
+    assert known_as(c, recorded) is not None
+    c.needs.append("train.optimizer=muon")  # a need no recorded scenario holds
+    assert known_as(c, recorded) is None
+
+
+@pytest.mark.parametrize("text,problem", [
+    ("bogus = 1", "unknown key"),
+    ("[values.train]\ntp = [1, 0]", "values.train.tp"),
+    ("[values.model]\nnot_a_key = [1, 2]", "no such key"),
+    ('axes = ["nothing"]', "no axis"),
+    ('backend = "mlm"', "megatron or torch"),
+])
+def test_a_bad_space_is_refused_naming_what(tmp_path, capsys, text, problem):
+    path = tmp_path / "space.toml"
+    path.write_text(text)
+    assert main(["fuzz", "--space", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert problem in err and str(path) in err
+    assert not (tmp_path / "out" / "fuzz.json").exists()
+
+
+def test_a_campaign_resumes_only_as_itself(tmp_path):
+    space = load_space(str(SPACE))
+    (tmp_path / "fuzz.json").write_text(json.dumps({"identity": Settings(seed=1, space=space).identity()}))
+    with pytest.raises(BadInput, match="another seed"):
+        _load_state(tmp_path, Settings(seed=2, space=space))
+    (tmp_path / "fuzz.json").write_text("{not json")
+    with pytest.raises(BadInput, match="not a campaign"):
+        _load_state(tmp_path, Settings(seed=2, space=space))
+
+
+def test_durations():
+    assert [duration(t) for t in ("90", "90s", "45m", "1.5h")] == [90, 90, 2700, 5400]
+    for bad in ("0", "5d", "-1m", "m"):
+        with pytest.raises(Exception):
+            duration(bad)
+
+
+# --- campaigns on real code (one launch set each) ----------------------------------------------
+
+FAULT = "gtp-rs-no-prescale"
+
+
+def _campaign(tmp_path: Path, *args: str) -> tuple[int, dict]:
+    out = tmp_path / "campaign"
+    proc = subprocess.run([sys.executable, "-m", "harness", "fuzz", "--out", str(out), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.returncode, json.loads((out / "fuzz.json").read_text())
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_a_planted_fault_is_found_and_shrunk(tmp_path):
+    space = tmp_path / "space.toml"
+    space.write_text(SPACE.read_text().replace("world_size = [2, 4]", "world_size = [2]")
+                     .replace("max_off_default = 4", "max_off_default = 2\naxes = [\"gtp\"]"))
+    code, doc = _campaign(tmp_path, "--space", str(space), "--inject", FAULT, "--pairs", "3", "--batch", "3",
+                          "--seed", "5", "--shrink-budget", "8m")
+    from harness.scenario.faults import CATALOG
+
+    expect = CATALOG[FAULT].expect
+    assert code == 1 and doc["clusters"], doc["judged"]
+    c = doc["clusters"][0]
+    assert c["fingerprint"] == [expect["signature"], expect["kind"]]
+    assert c["needs"] == ["axis:gtp=1->2"]  # the fault needs GTP alone: every drawn setting was removed
+    assert c["shrink"]["complete"]
+    minimal = load(tmp_path / "campaign" / c["scenario_file"])[0]  # ships as a scenario that parses
+    assert minimal.candidate.inject == (FAULT,) and minimal.expect.signature == expect["signature"]
