@@ -68,6 +68,19 @@ def test_a_side_without_the_layout_a_fault_needs_refuses_it(fault, model, train,
     assert said in str(e.value) and fault in str(e.value)
 
 
+def test_at_g_4_the_halves_are_two_shards_each_and_two_query_groups_too_few():
+    """At G = 4 the gate/up boundary is still a shard boundary where fc1 has no pad rows (2 x 64 rows:
+    a multiple of 16 x 4; 2 x 80 is not), while 2 query groups cannot give each of 4 shards whole groups."""
+    from harness.scenario.arch_faults import arch_reach
+
+    s = _base(**SWITCHES)
+    side = dataclasses.replace(s.candidate, gtp=4, world_size=4)
+    assert arch_reach(GLU, side, dataclasses.replace(s.model, ffn_hidden_size=64)) is None
+    assert "no pad rows" in arch_reach(GLU, side, s.model)
+    assert "a multiple of G = 4" in arch_reach(QKV, side, s.model)
+    assert arch_reach(QKV, side, dataclasses.replace(s.model, num_query_groups=4)) is None
+
+
 @pytest.mark.parametrize("fault", FAULTS)
 def test_a_side_without_gtp_refuses_each(fault):
     with pytest.raises(BadInput, match=r"\[reference\]\.inject") as e:

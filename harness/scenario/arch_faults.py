@@ -51,11 +51,10 @@ ARCH_FAULTS: dict[str, Fault] = {
 }
 
 
-def _block_permutes_shards(rows: int, units: int, side) -> bool:
-    """Is moving ``units`` equal fused units of a ``rows``-row TP block by whole GTP shards a
-    permutation of GTP's shard blocks (no pad rows, each shard whole units)?"""
+def _unpadded(rows: int, side) -> bool:
+    """Does GTP cut a ``rows``-row TP block into G equal shards with no pad rows?"""
     align = side.gtp_pad_alignment * side.gtp
-    return (align == 0 or rows % align == 0) and rows % side.gtp == 0 and units % side.gtp == 0
+    return rows % align == 0 if align else rows % side.gtp == 0
 
 
 def arch_reach(name: str, side, model) -> str | None:
@@ -72,7 +71,7 @@ def arch_reach(name: str, side, model) -> str | None:
             return (f"{name!r} needs a gated activation ([model].activation swiglu or geglu), not "
                     f"{model.activation!r}")
         rows = 2 * model.ffn_hidden_size // side.tp
-        if not _block_permutes_shards(rows, 2, side):
+        if not (_unpadded(rows, side) and side.gtp % 2 == 0):  # the halves: whole shards
             return (f"{name!r} needs the gate/up boundary on a GTP shard boundary: fc1's TP block of "
                     f"{rows} rows with no pad rows (a multiple of gtp_pad_alignment x G) and an even G, "
                     f"here G = {side.gtp}")
@@ -82,7 +81,7 @@ def arch_reach(name: str, side, model) -> str | None:
         groups = model.num_query_groups // side.tp
         head = model.hidden_size // model.num_attention_heads
         rows = model.hidden_size // side.tp + 2 * groups * head
-        if not _block_permutes_shards(rows, groups, side):
+        if not (_unpadded(rows, side) and groups % side.gtp == 0):  # whole groups per shard
             return (f"{name!r} needs whole query groups on each GTP shard: the TP block's {groups} groups "
                     f"({rows} rows) a multiple of G = {side.gtp}, with no pad rows")
     return None
