@@ -11,7 +11,8 @@ import pytest
 from harness import cli
 from harness import scenario
 from harness.scenario.faults import (
-    EVAL_FAULTS, GROUP_FAULTS, MOE_FAULTS, MTP_FAULTS, MUON_FAULTS, PRECISION_FAULTS, VERDICT_FAULTS,
+    ARCH_FAULTS, EVAL_FAULTS, GROUP_FAULTS, MOE_FAULTS, MTP_FAULTS, MUON_FAULTS, PRECISION_FAULTS,
+    VERDICT_FAULTS,
 )
 from harness.backends.faults import CATALOG
 from tests.helpers import ASSETS, ROOT, run, summary
@@ -42,11 +43,12 @@ def test_every_megatron_fault_is_planted():
     # the MTP faults need an MTP model: tests/test_mtp_runs.py; the process-group ones a caller's
     # collection: tests/test_process_groups.py; the evaluation's faults an evaluating side:
     # tests/test_eval.py; the faults at a verdict's edges (a NaN, a crash of the code under test)
-    # tests/test_verdict_edges.py.
+    # tests/test_verdict_edges.py; the architecture switches' faults (a bias, a gated fc1, GQA) a model
+    # with those switches: tests/test_arch_faults.py.
     elsewhere = {"fp8-unreduced-amax", "pp-swap-microbatch-grads", "ckpt-pad-rows-as-data",
                  "ckpt-expert-index-shifted", "ckpt-stage-layers-mirrored"}
     for family in (MOE_FAULTS, PRECISION_FAULTS, MUON_FAULTS, MTP_FAULTS, GROUP_FAULTS, EVAL_FAULTS,
-                   VERDICT_FAULTS):
+                   VERDICT_FAULTS, ARCH_FAULTS):
         elsewhere |= set(family)
     assert set(PLANTED) | set(UPDATE_FAULTS) == set(CATALOG) - elsewhere
 

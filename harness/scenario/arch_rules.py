@@ -6,6 +6,7 @@ said as such."""
 from __future__ import annotations
 
 from harness.common.errors import BadInput
+from harness.scenario.arch_faults import arch_reach
 from harness.scenario.schema import GATED, ModelConfig, Scenario, Side
 
 # Megatron-LM's flags reach these activations (--swiglu, --squared-relu, gelu by default) and no other.
@@ -55,6 +56,9 @@ def _validate_positions(s: Scenario) -> None:
 
 def validate_arch_side(s: Scenario, side: Side, where: str) -> None:
     m = s.model
+    for fault in side.inject:  # the planted faults that need a switch of [model] (arch_faults)
+        if (problem := arch_reach(fault, side, m)) is not None:
+            raise BadInput(f"{where}.inject", problem)
     if (g := m.num_query_groups) is not None and g % side.tp:
         # megatron-core takes a divisor of TP too (transformer_config.py: "num_query_groups must be a
         # multiple or divisor of tensor_model_parallel_size"), replicating key and value heads over TP.

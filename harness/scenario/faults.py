@@ -6,6 +6,7 @@ can name faults; :mod:`harness.backends.faults` implements them.
 
 from __future__ import annotations
 
+from harness.scenario.arch_faults import ARCH_FAULTS
 from harness.scenario.fault import Fault
 from harness.scenario.feature_faults import (
     EVAL_FAULTS, GROUP_FAULTS, MTP_FAULTS, MUON_FAULTS, PRECISION_FAULTS, VERDICT_FAULTS, feature_reach,
@@ -289,3 +290,4 @@ CATALOG.update(GROUP_FAULTS)
 CATALOG.update(MTP_FAULTS)
 CATALOG.update(EVAL_FAULTS)
 CATALOG.update(VERDICT_FAULTS)
+CATALOG.update(ARCH_FAULTS)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from harness.backends.faults import groups, precision, verdicts
+from harness.backends.faults.arch import ARCH_INSTALLERS
 from harness.backends.faults.checkpoint import CHECKPOINT_INSTALLERS
 from harness.backends.faults.evaluation import EVAL_INSTALLERS
 from harness.backends.faults.moe import MOE_INSTALLERS
@@ -203,6 +204,7 @@ INSTALLERS.update(verdicts.VERDICT_INSTALLERS)
 INSTALLERS.update(precision.PRECISION_INSTALLERS)
 INSTALLERS.update(groups.INSTALLERS)
 INSTALLERS.update(CHECKPOINT_INSTALLERS)
+INSTALLERS.update(ARCH_INSTALLERS)
 
 
 def install(names: tuple[str, ...], ctx: Context) -> None:

@@ -1,0 +1,87 @@
+"""The planted faults of the architecture switches ([model]'s biases, gated MLP, grouped-query
+attention): one per layout they add to what GTP shards or replicates. Part of the catalogue
+(:mod:`harness.scenario.faults` merges them into ``CATALOG``); :mod:`harness.backends.faults.arch`
+plants them; torch-free.
+
+Each acts on layer 0 of a megatron side with GTP; :func:`arch_reach` says why a side cannot take
+one (the switch it needs is off, or its layout is not the one the expected signature names).
+"""
+
+from __future__ import annotations
+
+from harness.scenario.choices import GATED
+from harness.scenario.fault import Fault
+
+BIAS, GLU, QKV = "gtp-bias-grad-unreduced", "gtp-glu-halves-crossed", "gtp-qkv-groups-reordered"
+
+ARCH_FAULTS: dict[str, Fault] = {
+    f.name: f
+    for f in [
+        Fault(
+            BIAS, "missing reduction of a partial gradient",
+            "decoder.layers.0.mlp.linear_fc1.bias, a bias replicated over the GTP group beside its "
+            "GTP-sharded weight, is taken for a GTP-sharded parameter by finalize_model_grads' filter "
+            "(it carries the is_gtp_weight_remat tag) and left out of the AVG all-reduce over the GTP "
+            "group: each GTP rank keeps the partial gradient of its own samples",
+            # Each GTP peer holds its own partial: the replicated grad differs across the group.
+            {"step": 1, "phase": "backward", "kind": "main_grad",
+             "tensor": "decoder.layers.0.mlp.linear_fc1.bias", "signature": "replica-drift"},
+            target="decoder.layers.0.mlp.linear_fc1.bias",
+        ),
+        Fault(
+            GLU, "a fused layout's blocks mis-ordered",
+            "the forward all-gather of decoder.layers.0.mlp.linear_fc1.weight, a gated fc1 ([gate; up] per "
+            "TP block), assembles the TP block's two halves in the other order ([up; gate]): where the "
+            "gate/up boundary is a GTP shard boundary (no pad rows, G even) that is GTP's shards of the "
+            "block put together across the boundary, and the gate's rows feed the up projection",
+            {"step": 1, "phase": "weights", "kind": "materialized",
+             "tensor": "decoder.layers.0.mlp.linear_fc1.weight", "signature": "permuted-blocks"},
+            target="decoder.layers.0.mlp.linear_fc1.weight",
+        ),
+        Fault(
+            QKV, "a fused layout's blocks mis-ordered",
+            "the forward all-gather of decoder.layers.0.self_attention.linear_qkv.weight (grouped-query "
+            "attention: per query group its query heads, a key and a value) moves each GTP shard's query "
+            "groups to the next shard's place: the query heads read another group's key and value",
+            {"step": 1, "phase": "weights", "kind": "materialized",
+             "tensor": "decoder.layers.0.self_attention.linear_qkv.weight", "signature": "permuted-blocks"},
+            target="decoder.layers.0.self_attention.linear_qkv.weight",
+        ),
+    ]
+}
+
+
+def _unpadded(rows: int, side) -> bool:
+    """Does GTP cut a ``rows``-row TP block into G equal shards with no pad rows?"""
+    align = side.gtp_pad_alignment * side.gtp
+    return rows % align == 0 if align else rows % side.gtp == 0
+
+
+def arch_reach(name: str, side, model) -> str | None:
+    """Why fault ``name`` of :data:`ARCH_FAULTS` cannot fire on ``side`` of a scenario of ``model``
+    (None: it can, or it is not one of them)."""
+    if name not in ARCH_FAULTS:
+        return None
+    if side.backend != "megatron" or side.gtp == 1:
+        return f"{name!r} is planted on a megatron side with GTP (gtp > 1)"
+    if name == BIAS and not model.add_bias_linear:
+        return f"{name!r} needs add_bias_linear ([model]): the MLP's fc1 has no bias without it"
+    if name == GLU:
+        if model.activation not in GATED:
+            return (f"{name!r} needs a gated activation ([model].activation swiglu or geglu), not "
+                    f"{model.activation!r}")
+        rows = 2 * model.ffn_hidden_size // side.tp
+        if not (_unpadded(rows, side) and side.gtp % 2 == 0):  # the halves: whole shards
+            return (f"{name!r} needs the gate/up boundary on a GTP shard boundary: fc1's TP block of "
+                    f"{rows} rows with no pad rows (a multiple of gtp_pad_alignment x G) and an even G, "
+                    f"here G = {side.gtp}")
+    if name == QKV:
+        if model.num_query_groups is None:
+            return f"{name!r} needs grouped-query attention ([model].num_query_groups)"
+        groups = model.num_query_groups // side.tp
+        head = model.hidden_size // model.num_attention_heads
+        rows = model.hidden_size // side.tp + 2 * groups * head
+        if not (_unpadded(rows, side) and groups % side.gtp == 0):  # whole groups per shard
+            return (f"{name!r} needs whole query groups on each GTP shard: the TP block's {groups} groups "
+                    f"({rows} rows) a multiple of G = {side.gtp}, with no pad rows")
+    return None

@@ -1,0 +1,171 @@
+"""The architecture switches' planted faults (harness.scenario.arch_faults): a replicated bias whose
+grad is not reduced over the GTP group, a gated fc1's halves and GQA's query groups moved across GTP
+shards. Each refused, with its reason, on a side without the switch or layout it needs (fast); the
+three planted in one launch on a tiny GTP 2 model with every switch they need, each localized where
+the catalogue says, with what it did measured from the traces."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from harness import scenario
+from harness.capture import trace
+from harness.common.errors import BadInput
+from harness.compare.assemble import assemble_trace
+from harness.scenario.arch_faults import ARCH_FAULTS, BIAS, GLU, QKV
+from harness.scenario.faults import CATALOG
+from harness.scenario.planting import plant
+from tests.helpers import ROOT, run, step1_partial_grad_bound, summary
+
+FAULTS = (BIAS, GLU, QKV)
+
+
+def _base(**model) -> scenario.Scenario:
+    """architectures.toml's bias case (TP 1, 2 ranks, fp32, 2 Adam steps, GTP 2 vs off) with
+    ``model``'s switches."""
+    s = next(x for x in scenario.load(ROOT / "scenarios" / "architectures.toml")
+             if x.name == "bias-tp1-gtp2-fp32")
+    return dataclasses.replace(s, model=dataclasses.replace(s.model, **model))
+
+
+# Every switch the three faults need: a bias, a gated fc1 of 160 rows (2 GTP shards of 80, no pad),
+# 2 query groups of 64 rows in a 128-row QKV (one group per GTP shard, no pad).
+SWITCHES = {"add_bias_linear": True, "activation": "swiglu", "num_query_groups": 2}
+
+
+# --- reach: refused, naming what is missing -------------------------------------------------------
+
+
+def test_the_catalogue_holds_them_with_their_targets():
+    for name in FAULTS:
+        f = CATALOG[name]
+        assert f is ARCH_FAULTS[name] and f.expect["tensor"] == f.target, name
+
+
+def test_each_fault_fits_the_model_with_its_switches():
+    planted = plant([_base(**SWITCHES)], FAULTS)
+    assert planted[0].candidate.inject == FAULTS
+
+
+@pytest.mark.parametrize(("fault", "model", "train", "said"), [
+    (BIAS, {}, {}, "needs add_bias_linear"),
+    (GLU, {"add_bias_linear": False}, {}, "needs a gated activation"),
+    (GLU, {"activation": "geglu", "ffn_hidden_size": 72}, {}, "gate/up boundary on a GTP shard boundary"),
+    (GLU, {"activation": "swiglu"}, {"world_size": 4, "tp": 2}, "fc1's TP block of 80 rows"),
+    (QKV, {}, {}, "needs grouped-query attention"),
+    (QKV, {"num_query_groups": 1}, {}, "whole query groups on each GTP shard"),
+])
+def test_a_side_without_the_layout_a_fault_needs_refuses_it(fault, model, train, said):
+    s = _base(**{"add_bias_linear": False, **model})
+    if train:
+        s = dataclasses.replace(s, reference=dataclasses.replace(s.reference, **train),
+                                candidate=dataclasses.replace(s.candidate, **train))
+    with pytest.raises(BadInput, match=r"\[candidate\]\.inject") as e:
+        plant([s], [fault])
+    assert said in str(e.value) and fault in str(e.value)
+
+
+def test_at_g_4_the_halves_are_two_shards_each_and_two_query_groups_too_few():
+    """At G = 4 the gate/up boundary is still a shard boundary where fc1 has no pad rows (2 x 64 rows:
+    a multiple of 16 x 4; 2 x 80 is not), while 2 query groups cannot give each of 4 shards whole groups."""
+    from harness.scenario.arch_faults import arch_reach
+
+    s = _base(**SWITCHES)
+    side = dataclasses.replace(s.candidate, gtp=4, world_size=4)
+    assert arch_reach(GLU, side, dataclasses.replace(s.model, ffn_hidden_size=64)) is None
+    assert "no pad rows" in arch_reach(GLU, side, s.model)
+    assert "a multiple of G = 4" in arch_reach(QKV, side, s.model)
+    assert arch_reach(QKV, side, dataclasses.replace(s.model, num_query_groups=4)) is None
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_side_without_gtp_refuses_each(fault):
+    with pytest.raises(BadInput, match=r"\[reference\]\.inject") as e:
+        plant([_base(**SWITCHES)], [fault], side="reference")
+    assert "megatron side with GTP (gtp > 1)" in str(e.value)
+
+
+def test_gtp_parity_inject_lists_them(capsys):
+    from harness.cli import main
+
+    assert main(["inject", "--list"]) == 0
+    listed = capsys.readouterr().out
+    for name in FAULTS:
+        assert f"{name} " in listed and CATALOG[name].bug_class in listed
+
+
+# --- the three planted, in one launch -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def arch_run(tmp_path_factory):
+    """One clean candidate and one per fault on a model with every switch (reference and golden
+    shared)."""
+    out = tmp_path_factory.mktemp("arch-faults")
+    base = dataclasses.replace(_base(**SWITCHES), name="arch-clean")
+    planted = [base] + [dataclasses.replace(p, name=f"arch-{f}")
+                        for f in FAULTS for p in plant([base], [f])]
+    code, _ = run(planted, out)
+    return code, out, base
+
+
+@pytest.mark.multirank
+def test_the_model_with_every_switch_is_at_parity_unplanted(arch_run):
+    code, out, _ = arch_run
+    assert code == 1  # the planted ones fail
+    s = summary(out, "arch-clean")
+    assert s["verdict"] == "pass", s.get("first_divergence")
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("fault", FAULTS)
+def test_each_fault_is_localized_where_the_catalogue_says(arch_run, fault):
+    _, out, _ = arch_run
+    s, expect = summary(out, f"arch-{fault}"), CATALOG[fault].expect
+    fd = s["first_divergence"]
+    assert s["verdict"] == "fail"
+    got = (fd["step"], fd["phase"], fd["kind"], fd["tensor"], fd["signature"])
+    assert got == tuple(expect[k] for k in ("step", "phase", "kind", "tensor", "signature")), fd
+    assert fd["ranks"] == [0, 1]  # both GTP peers: each its own partial, or the same wrong hand-out
+    if expect["signature"] == "permuted-blocks":
+        assert fd["permutation"] == {"blocks": 2, "pad_rows": 0, "permutation": [1, 0]}, fd
+
+
+def _traces(out, name):
+    paths = summary(out, name)["traces"]
+    return {role: trace.read(paths[role]) for role in ("reference", "candidate")}
+
+
+@pytest.mark.multirank
+def test_the_unreduced_bias_grad_is_each_gtp_peers_own_partial(arch_run):
+    """Each GTP rank keeps the partial of its own samples: the two differ by far more than any
+    order of summing allows, and their mean is the reference's reduced grad within the
+    reordering bound of the step's partials (tests.helpers.step1_partial_grad_bound)."""
+    _, out, base = arch_run
+    traces, name = _traces(out, f"arch-{BIAS}"), CATALOG[BIAS].target
+    ref = assemble_trace(traces["reference"]).tensors[(1, "main_grad", name)].double()
+    per_rank = {e.rank: traces["candidate"].tensor(e).double() for e in traces["candidate"].entries
+                if (e.step, e.kind, e.name) == (1, "main_grad", name)}
+    assert sorted(per_rank) == [0, 1]
+    bound = step1_partial_grad_bound(base)[name].double()
+    assert float(((per_rank[0] - per_rank[1]).abs() - 2 * bound).max()) > 0  # not one value
+    mean = (per_rank[0] + per_rank[1]) / 2
+    over = (mean - ref).abs() - bound
+    assert float(over.max()) <= 0, f"{float(over.max()):.3g} over the reordering bound"
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("fault", [GLU, QKV])
+def test_the_handed_out_weight_is_the_gathered_one_with_its_blocks_moved(arch_run, fault):
+    """Step 1's weights are the initial ones on both sides, bitwise: the candidate's hand-out is
+    the reference's weight rolled by half its rows ([up; gate]; at G = 2 one shard of query groups),
+    bit for bit."""
+    _, out, _ = arch_run
+    traces, name = _traces(out, f"arch-{fault}"), CATALOG[fault].target
+    ref, cand = (assemble_trace(traces[role]).tensors[(1, "materialized", name)]
+                 for role in ("reference", "candidate"))
+    assert not torch.equal(ref, cand)
+    assert torch.equal(torch.roll(ref, shifts=ref.shape[0] // 2, dims=0), cand)
