@@ -57,7 +57,8 @@ def test_draws_pass_the_rules_and_a_seed_repeats_them():
     assert first == again and first != other
     for i, d in enumerate(first):  # every draw parses: the rules of validate accepted it
         s = parse_scenario(d.document(space, f"d{i}"), "test")
-        assert getattr(s.reference, d.axis.key) != getattr(s.candidate, d.axis.key) or d.axis.reference is None
+        assert getattr(s.reference, d.axis.key) != getattr(s.candidate,
+                                                           d.axis.key) or d.axis.reference is None
         assert len(d.settings) <= space.max_off_default
 
 
@@ -77,13 +78,15 @@ def _fd(signature="mismatch", kind="main_grad", step=2, tensor="decoder.layers.1
 def test_shrinking_keeps_exactly_what_the_failure_needs():
     space = load_space(str(SPACE))
     settings = (("model", "activation", "swiglu"), ("model", "normalization", "RMSNorm"),
-                ("train", "optimizer", "sgd"), ("train", "precision", "bf16"), ("model", "add_bias_linear", True))
+                ("train", "optimizer", "sgd"), ("train", "precision", "bf16"),
+                    ("model", "add_bias_linear", True))
     draw = Draw(settings=tuple(sorted(settings)), world_size=4, axis=Axis("gtp", 1, 2))
     batches = []
 
     def judge(draws):  # fails (the same way) where swiglu and bf16 are both set, whatever else is
         batches.append(len(draws))
-        return [_fd() if {("model", "activation", "swiglu"), ("train", "precision", "bf16")} <= set(d.settings)
+        return [_fd() if {("model", "activation", "swiglu"),
+                          ("train", "precision", "bf16")} <= set(d.settings)
                 else None for d in draws]
 
     out = shrink(draw, _fd(), space, judge, deadline=float("inf"))
@@ -103,8 +106,10 @@ def test_shrinking_keeps_the_way_it_fails():
 
 
 def test_tensor_patterns_and_recorded_divergences():
-    assert tensor_pattern(_fd(tensor="decoder.layers.12.mlp.experts.3.weight")) == "decoder.layers.*.mlp.experts.*.weight"
-    recorded = [(s.source, s) for s in load(ROOT / "scenarios" / "architectures.toml") if s.expect is not None]
+    pattern = tensor_pattern(_fd(tensor="decoder.layers.12.mlp.experts.3.weight"))
+    assert pattern == "decoder.layers.*.mlp.experts.*.weight"
+    recorded = [(s.source, s) for s in load(ROOT / "scenarios" / "architectures.toml")
+                if s.expect is not None]
     gqa = next(s for _, s in recorded if s.model.num_query_groups)
     c = Cluster(id="C1", fingerprint=(gqa.expect.signature or "mismatch", "materialized"), pattern="",
                 needs=sorted(["axis:gtp=1->2", f"model.num_query_groups={gqa.model.num_query_groups}"]),

@@ -26,7 +26,7 @@ STAGES: list[tuple[str, ...]] = [
     ("harness.compare",),
     ("harness.report",),
     ("harness.session",),
-    ("harness.conformance", "harness.mutation", "harness.codecheck"),  # tools on the pipeline
+    ("harness.conformance", "harness.mutation", "harness.codecheck", "harness.fuzz"),  # tools on the pipeline
     ("harness.pytest_plugin",),
     ("harness.cli",),
     ("harness.__main__",),

@@ -42,15 +42,18 @@ def _cmd_fuzz(args) -> int:
           f"{len(doc['clusters'])} cluster(s), {len(new)} new -> {out / 'index.html'}")
     for c in doc["clusters"]:
         print(f"  {c['id']} {'/'.join(c['fingerprint'])} {c['pattern']}: needs {', '.join(c['needs'])}; "
-              f"{c['count']} pair(s); {'known: ' + c['known'] if c.get('known') else 'new'}; {c['scenario_file']}")
+              f"{c['count']} pair(s); {'known: ' + c['known'] if c.get('known') else 'new'}; "
+              f"{c['scenario_file']}")
     return EXIT_NEW_FINDINGS if new else 0
 
 
 def add_parser(sub) -> None:
-    f = sub.add_parser("fuzz", help="search the configuration space for divergences nobody wrote a scenario for")
+    f = sub.add_parser("fuzz",
+                       help="search the configuration space for divergences nobody wrote a scenario for")
     f.add_argument("--out", required=True, help="campaign folder: fuzz.json, index.html, minimal scenarios; "
                    "the same command on it continues the campaign")
-    f.add_argument("--budget", type=duration, default=3600.0, help="time in all, resumes included (default 60m)")
+    f.add_argument("--budget", type=duration, default=3600.0,
+                   help="time in all, resumes included (default 60m)")
     f.add_argument("--seed", type=count, default=0, help="the campaign's seed (default 0)")
     f.add_argument("--space", metavar="FILE", default="scenarios/fuzz/space.toml",
                    help="a space file narrowing or widening the declared space (default "
@@ -60,8 +63,10 @@ def add_parser(sub) -> None:
     f.add_argument("--inject", action="append", default=[], metavar="FAULT",
                    help="plant a fault in every candidate (the fuzzer's self-test)")
     f.add_argument("--pairs", type=positive_int, help="stop after this many pairs are judged")
-    f.add_argument("--shrink-budget", type=duration, default=600.0, help="time to shrink one finding (default 10m)")
-    f.add_argument("--batch", type=positive_int, default=8, help="pairs judged per batch of launches (default 8)")
+    f.add_argument("--shrink-budget", type=duration, default=600.0,
+                   help="time to shrink one finding (default 10m)")
+    f.add_argument("--batch", type=positive_int, default=8,
+                   help="pairs judged per batch of launches (default 8)")
     f.add_argument("--jobs", type=positive_int, default=2, help="launches run at once (default 2)")
     f.add_argument("--recorded", metavar="DIR", default=None,
                    help="scenario files whose [expect] divergences are known (e.g. scenarios)")

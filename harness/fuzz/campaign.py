@@ -22,7 +22,9 @@ from harness.common.errors import BadInput
 from harness.common.jsonio import write_json
 from harness.compare.summary import FirstDivergence, ScenarioSummary, Verdict
 from harness.fuzz import page
-from harness.fuzz.cluster import Cluster, fingerprint, known_as, needs_of, recorded_divergences, tensor_pattern
+from harness.fuzz.cluster import (
+    Cluster, fingerprint, known_as, needs_of, recorded_divergences, tensor_pattern,
+)
 from harness.fuzz.shrink import shrink
 from harness.fuzz.space import Coverage, Draw, Space, draw_for
 from harness.scenario import parse_scenario
@@ -90,12 +92,14 @@ def _load_state(out: Path, settings: Settings) -> tuple[State, Coverage]:
         doc = json.loads(path.read_text(encoding="utf-8"))
         identity = doc["identity"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise BadInput(str(path), f"not a campaign's state ({type(e).__name__}: {e}); choose another --out") from None
+        raise BadInput(str(path),
+                       f"not a campaign's state ({type(e).__name__}: {e}); choose another --out") from None
     if identity != settings.identity():
         differs = sorted(k for k in identity.keys() | settings.identity().keys()
                          if identity.get(k) != settings.identity().get(k))
-        raise BadInput(str(path), f"holds a campaign of another {', '.join(differs)}: run it with the same "
-                       "--seed, --space, --megatron-core and --inject to continue it, or choose another --out")
+        raise BadInput(str(path), f"holds a campaign of another {', '.join(differs)}: run it with the "
+                       "same --seed, --space, --megatron-core and --inject to continue it, or choose another "
+                       "--out")
     state = State(identity=identity, judged=doc["judged"], refused=Counter(doc["refused"]),
                   clusters=[Cluster.from_json(c) for c in doc["clusters"]], elapsed_s=doc["elapsed_s"],
                   pair_s=doc["pair_s"])
@@ -172,7 +176,8 @@ def is_finding(s: ScenarioSummary) -> bool:
 
 
 def _reason(message: str) -> str:
-    """A refusal's reason without the draw's name: ``fuzz draw probe: [candidate]: why`` -> ``[candidate]: why``."""
+    """A refusal's reason without the draw's name: ``fuzz draw probe: [candidate]: why`` -> ``[candidate]:
+    why``."""
     return message.split(": ", 1)[1] if message.startswith("fuzz draw") else message
 
 
@@ -235,7 +240,8 @@ def _settle(state: State, settings: Settings, runner: Runner, recorded, out: Pat
         if not j["finding"] or j["cluster"] is not None:
             continue
         d, fp = Draw.from_json(j["draw"]), tuple(j["fingerprint"])
-        home = next((c for c in state.clusters if c.fingerprint == fp and c.pattern == j["pattern"] and c.holds(d)),
+        home = next((c for c in state.clusters if c.fingerprint == fp and c.pattern == j["pattern"]
+                     and c.holds(d)),
                     None)
         if home is None:
             fd = FirstDivergence.from_json(j["first_divergence"])
@@ -246,7 +252,8 @@ def _settle(state: State, settings: Settings, runner: Runner, recorded, out: Pat
             home = next((c for c in state.clusters if c.fingerprint == fp and c.pattern == j["pattern"]
                          and c.needs == needs), None)
             if home is None:
-                home = Cluster(id=f"C{len(state.clusters) + 1}", fingerprint=fp, pattern=j["pattern"], needs=needs,
+                home = Cluster(id=f"C{len(state.clusters) + 1}", fingerprint=fp, pattern=j["pattern"],
+                               needs=needs,
                                minimal=shrunk.draw.to_json(), example=j["first_divergence"],
                                shrink=shrunk.to_json())
                 home.known = known_as(home, recorded)

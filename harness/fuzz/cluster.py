@@ -98,7 +98,8 @@ def _value_of(scenario, item: str):
     if item.startswith("axis:"):
         key, _, values = item[5:].partition("=")
         ref, _, cand = values.partition("->")
-        return (_text(getattr(scenario.reference, key)) == ref and _text(getattr(scenario.candidate, key)) == cand)
+        return (_text(getattr(scenario.reference, key)) == ref
+                and _text(getattr(scenario.candidate, key)) == cand)
     dotted, _, value = item.partition("=")
     section, _, key = dotted.partition(".")
     obj = {"model": scenario.model, "data": scenario.data}.get(section)

@@ -18,7 +18,8 @@ def _cluster_rows(doc: dict) -> str:
         shrink = c.get("shrink") or {}
         cut = "" if shrink.get("complete", True) else " (cut short by its budget)"
         rows.append(
-            f"<tr class='failed'><td class='t'>{esc(c['id'])}</td><td class='t'>{esc(' / '.join(c['fingerprint']))}"
+            f"<tr class='failed'><td class='t'>{esc(c['id'])}</td><td "
+            f"class='t'>{esc(' / '.join(c['fingerprint']))}"
             f"</td><td class='t'>{esc(c['pattern'])}</td><td class='t'>{esc(', '.join(c['needs']))}</td>"
             f"<td>{c['count']}</td><td class='t'>step {esc(ex.get('step'))} {esc(ex.get('phase'))}: "
             f"{esc(ex.get('explanation', ''))}</td><td class='t'>{esc(status)}</td>"
@@ -53,11 +54,13 @@ def write(doc: dict, path: Path) -> Path:
     head = (
         f"<h1>gtp-parity fuzz</h1><p>seed {esc(ident['seed'])}, megatron-core {esc(ident['megatron_core'])}"
         f"{', faults ' + esc(', '.join(ident['inject'])) if ident['inject'] else ''}; space "
-        f"{esc(doc['space']['source'])} ({esc(doc['space']['digest'])}, backend {esc(doc['space']['backend'])})."
+        f"{esc(doc['space']['source'])} ({esc(doc['space']['digest'])}, backend "
+        f"{esc(doc['space']['backend'])})."
         f"</p><dl class='kv'><dt>pairs judged</dt><dd>{tp['pairs']}</dd><dt>clusters</dt>"
         f"<dd>{len(doc['clusters'])} ({sum(1 for c in doc['clusters'] if not c.get('known'))} new)</dd>"
         f"<dt>time</dt><dd>{doc['elapsed_s']:.0f} s, of which judging drawn pairs {doc['pair_s']:.0f} s "
-        f"({rate} pairs an hour)</dd><dt>coverage</dt><dd>{cov['values']} of {cov['values_in_space']} values, "
+        f"({rate} pairs an hour)</dd><dt>coverage</dt><dd>{cov['values']} of {cov['values_in_space']} "
+        f"values, "
         f"{cov['pairs']} of at most {cov['pairs_in_space']} value pairs</dd></dl>")
     body = (head + "<h2>Clusters</h2>" + _cluster_rows(doc)
             + f"<h2>Draws the rules refused</h2><ul>{refused or '<li>none</li>'}</ul>"

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from harness.compare.summary import FirstDivergence
-from harness.fuzz.cluster import Fingerprint, fingerprint
+from harness.fuzz.cluster import fingerprint
 from harness.fuzz.space import Draw, Space
 
 # judge(draws) -> each draw's first divergence (None: it passed, or the rules refused it)

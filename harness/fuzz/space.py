@@ -68,8 +68,10 @@ class Space:
 
     def digest(self) -> str:
         """Identifies the space: a campaign resumes only on the space it was drawn from."""
-        doc = [self.backend, self.world_sizes, sorted((f"{s}.{k}", list(v)) for (s, k), v in self.values.items()),
-               [a.label for a in self.axes], self.fixed, self.timeout_s, self.max_off_default, self.candidates]
+        doc = [self.backend, self.world_sizes,
+               sorted((f"{s}.{k}", list(v)) for (s, k), v in self.values.items()),
+               [a.label for a in self.axes], self.fixed, self.timeout_s, self.max_off_default,
+               self.candidates]
         return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
     def default_of(self, section: str, key: str) -> Any:
@@ -173,7 +175,8 @@ def load_space(path: str | None) -> Space:
         axes = [a for a in axes if a.key in wanted or a.label in wanted]
         known = {a.key for a in axes} | {a.label for a in axes}
         if missing := sorted(wanted - known):
-            raise BadInput(f"{where}: axes", f"no axis {missing}; axes are {[a.label for a in _axes(backend, values)]}")
+            raise BadInput(f"{where}: axes",
+                           f"no axis {missing}; axes are {[a.label for a in _axes(backend, values)]}")
     if not axes:
         raise BadInput(f"{where}: axes", "the space has no axis: a pair's sides would not differ")
     fixed = raw.get("fixed", {})
@@ -181,7 +184,8 @@ def load_space(path: str | None) -> Space:
         raise BadInput(f"{where}: fixed", "tables [fixed.model], [fixed.data] and [fixed.train] only")
     fixed = {s: {**base.get(s, {}), **fixed.get(s, {})} for s in CLASSES if base.get(s) or fixed.get(s)}
     return Space(backend=backend, world_sizes=tuple(worlds), values=values, axes=tuple(axes), fixed=fixed,
-                 timeout_s=float(raw.get("timeout_s", 300.0)), max_off_default=int(raw.get("max_off_default", 4)),
+                 timeout_s=float(raw.get("timeout_s", 300.0)),
+                 max_off_default=int(raw.get("max_off_default", 4)),
                  candidates=int(raw.get("candidates", 24)), source=where)
 
 
@@ -210,7 +214,8 @@ class Draw:
         for section, key, value in (*self.settings, *self.reductions):
             doc.setdefault(section, {})[key] = value
         doc["reference"] = {self.axis.key: self.axis.reference}
-        doc["candidate"] = {self.axis.key: self.axis.candidate, **({"inject": list(inject)} if inject else {})}
+        doc["candidate"] = {self.axis.key: self.axis.candidate,
+                            **({"inject": list(inject)} if inject else {})}
         for table in (doc["reference"], doc["candidate"]):  # None: the tree's own default, not written
             for key in [k for k, v in table.items() if v is None]:
                 del table[key]
