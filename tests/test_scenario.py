@@ -77,6 +77,9 @@ def test_base_is_valid(tmp_path):
         (with_lines(candidate="gtp_pad_alignment = 0", model="vocab_size = 71"), "[candidate].gtp",
          "must divide dim 0 of word_embeddings"),
         (with_lines(candidate="world_size = 3"), "[candidate].world_size", "multiple of TP x G"),
+        # found by gtp-parity fuzz: TP x PP beyond the world divided by zero data ranks
+        (with_lines(candidate="tp = 2\ngtp = 1\npipeline_parallel = 2", train="world_size = 2"),
+         "[candidate].world_size", "multiple of TP x G x PP = 2 x 1 x 2"),
         (with_lines(model="untie_embeddings = false"), "[model].untie_embeddings",
          "tied embedding/output weights are not supported with GTP"),
         (with_lines(train="steps = 0"), "[reference].steps", "must be >= 1"),

@@ -134,6 +134,8 @@ class Runner:
             self.scenario(draw, "probe")
         except BadInput as e:
             return _reason(str(e))
+        except Exception as e:  # the rules themselves failed: a harness bug, named, and the draw refused
+            return f"HARNESS: validate raised {type(e).__name__}: {e}"
         return None
 
     def judge(self, draws: list[Draw], names: list[str] | None = None) -> list[ScenarioSummary | None]:
