@@ -99,6 +99,8 @@ def test_megatron_core_built_what_the_switch_implies(arch_run, name):
     embedding = {n: v for n, v in got.items() if n.startswith("embedding.position")}
     table = {"embedding.position_embeddings.weight": ((s.model.seq_length, h), {})}
     assert embedding == (table if learned else {})
+    # Tied: megatron-core's output layer holds no weight of its own (the word embedding's serves).
+    assert ("output_layer.weight" in got) == s.model.untie_embeddings
 
 
 @pytest.mark.parametrize("name", [s.name for s in MATRIX if s.model.add_bias_linear or s.model.add_qkv_bias])

@@ -100,7 +100,8 @@ class ModelConfig:
     vocab_size: int = option(128, "architecture", "vocabulary size (not padded: TP must divide it)", low=1,
                              mcore=("GPTModel.vocab_size",), mlm="--vocab-size")
     untie_embeddings: bool = option(
-        True, "architecture", "a separate output layer weight (GTP does not support tied embeddings)",
+        True, "architecture", """a separate output layer weight; false: the output layer computes with the
+        word embedding's (tied), at GTP off (the harness refuses tied embeddings under GTP)""",
         mcore=("GPTModel.share_embeddings_and_output_weights (negated)",),
         mlm="--untie-embeddings-and-output-weights")
     add_bias_linear: bool = option(
