@@ -56,7 +56,8 @@ def main() -> None:
         best = (match or clusters or [None])[0]
         print(f"{name:34s} pairs {doc['throughput']['pairs']:2d} failing "
               f"{sum(j['finding'] for j in doc['judged']):2d} "
-              + (f"{'/'.join(best['fingerprint'])} (expected {want.get('signature')}/{want.get('kind')}) needs "
+              + (f"{'/'.join(best['fingerprint'])} (expected {want.get('signature')}/{want.get('kind')}) "
+                 f"needs "
                  f"{', '.join(best['needs'])}; shrink {best['shrink'].get('runs')} runs "
                  f"{best['shrink'].get('seconds')} s" if best else "not found")
               + f"; {time.monotonic() - t0:.0f} s")
