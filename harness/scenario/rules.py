@@ -129,8 +129,8 @@ def _validate_topology(s: Scenario, name: str, side: Side, where: str) -> None:
             f"world_size {side.world_size} must be a multiple of TP x G = {side.tp} x {side.gtp}",
         )
     if side.world_size % (side.tp * side.gtp * side.pipeline_parallel):
-        raise BadInput(f"{where}.world_size", f"world_size {side.world_size} must be a multiple of TP x G x PP = "
-                       f"{side.tp} x {side.gtp} x {side.pipeline_parallel}")
+        raise BadInput(f"{where}.world_size", f"world_size {side.world_size} must be a multiple of TP x G x "
+                       f"PP = {side.tp} x {side.gtp} x {side.pipeline_parallel}")
     if side.dp is not None and side.dp != side.replicate_dp:
         raise BadInput(f"{where}.dp", f"dp {side.dp} != world_size / (TP x G) = {side.replicate_dp}")
     for key in ("num_attention_heads", "hidden_size", "ffn_hidden_size", "vocab_size"):
