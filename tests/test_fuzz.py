@@ -183,3 +183,17 @@ def test_a_planted_fault_is_found_and_shrunk(tmp_path):
     assert c["shrink"]["complete"]
     minimal = load(tmp_path / "campaign" / c["scenario_file"])[0]  # ships as a scenario that parses
     assert minimal.candidate.inject == (FAULT,) and minimal.expect.signature == expect["signature"]
+
+
+def test_passing_pairs_become_a_matrix_of_stages(tmp_path):
+    from harness.fuzz.campaign import State, _write_stages
+
+    space = load_space(str(SPACE))
+    draws = _draws(space, 4, 3)
+    judged = [{"name": f"fuzz-4-{i:05d}", "draw": d.to_json(), "verdict": v}
+              for i, (d, v) in enumerate(zip(draws, ("pass", "fail", "pass")))]
+    _write_stages(State(identity={}, judged=judged), Settings(seed=4, space=space), tmp_path)
+    stages = load(tmp_path / "stages.toml")  # a matrix the mutation campaign can take (--matrix)
+    assert [s.name for s in stages] == ["fuzz-4-00000", "fuzz-4-00002"]
+    alone = parse_scenario(draws[2].document(space, "fuzz-4-00002"), stages[1].source)
+    assert (stages[1].model, stages[1].data, stages[1].sides) == (alone.model, alone.data, alone.sides)

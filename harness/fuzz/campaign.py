@@ -282,9 +282,31 @@ def _write_scenario(c: Cluster, draw: Draw, settings: Settings, runner: Runner, 
     return str(path.relative_to(out))
 
 
+STAGES = 12
+
+
+def _write_stages(state: State, settings: Settings, out: Path) -> None:
+    """The first passing pairs as a matrix (``OUT/stages.toml``): scenarios other tools can run as
+    their stages (``gtp-parity mutate --matrix``), each a configuration nobody wrote down."""
+    passing = [j for j in state.judged if j["verdict"] == "pass"][:STAGES]
+    if not passing:
+        return
+    pairs = []
+    for j in passing:
+        doc = Draw.from_json(j["draw"]).document(settings.space, j["name"])
+        if settings.megatron_core != "installed":
+            doc["train"]["megatron_core"] = settings.megatron_core
+        pairs.append({"label": j["name"], **{k: v for k, v in doc.items() if k not in ("name", "timeout_s")}})
+    matrix = {"name": f"fuzz-{settings.seed}-stages", "timeout_s": settings.space.timeout_s,
+              "description": f"passing pairs of gtp-parity fuzz (seed {settings.seed})",
+              "matrix": {"name": "{pair}", "axes": {"pair": pairs}}}
+    (out / "stages.toml").write_text(tomli_w.dumps(matrix), encoding="utf-8")
+
+
 def _write(state: State, settings: Settings, coverage: Coverage, out: Path) -> dict:
     doc = state.to_json(settings, coverage)
     write_json(out / "fuzz.json", doc)
+    _write_stages(state, settings, out)
     page.write(doc, out / "index.html")
     return doc
 
