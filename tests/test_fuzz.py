@@ -197,3 +197,13 @@ def test_passing_pairs_become_a_matrix_of_stages(tmp_path):
     assert [s.name for s in stages] == ["fuzz-4-00000", "fuzz-4-00002"]
     alone = parse_scenario(draws[2].document(space, "fuzz-4-00002"), stages[1].source)
     assert (stages[1].model, stages[1].data, stages[1].sides) == (alone.model, alone.data, alone.sides)
+
+
+def test_failed_runs_are_grouped_by_what_failed():
+    from harness.fuzz.campaign import run_errors
+
+    msg = ("launch w2-0 (world 2) failed (exit 1); side megatron-w2-tp1-gtp2-fp32: rank {} raised at step 1: "
+           "AssertionError: expert GTP needs whole experts; log: /x/launch-w2-0.log")
+    judged = [{"name": f"p{i}", "verdict": v, "error": {"candidate": msg.format(i)} if v == "error" else None}
+              for i, v in enumerate(("error", "pass", "error"))]
+    assert run_errors(judged) == {"AssertionError: expert GTP needs whole experts": ["p0", "p2"]}

@@ -21,7 +21,7 @@ def duration(text: str) -> float:
 
 
 def _cmd_fuzz(args) -> int:
-    from harness.common.errors import BadInput
+    from harness.common.errors import EXIT_RUN_FAILED, BadInput
     from harness.fuzz.campaign import Settings, run
     from harness.fuzz.space import load_space
     from harness.scenario.faults import check_name
@@ -44,7 +44,9 @@ def _cmd_fuzz(args) -> int:
         print(f"  {c['id']} {'/'.join(c['fingerprint'])} {c['pattern']}: needs {', '.join(c['needs'])}; "
               f"{c['count']} pair(s); {'known: ' + c['known'] if c.get('known') else 'new'}; "
               f"{c['scenario_file']}")
-    return EXIT_NEW_FINDINGS if new else 0
+    for what, pairs in doc["errors"].items():
+        print(f"  run failed ({len(pairs)} pair(s), e.g. {pairs[0]}): {what}")
+    return EXIT_NEW_FINDINGS if new else EXIT_RUN_FAILED if doc["errors"] else 0
 
 
 def add_parser(sub) -> None:

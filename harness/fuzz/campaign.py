@@ -9,6 +9,7 @@ uninterrupted one would). Ctrl-C keeps what is done.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 import time
@@ -72,7 +73,20 @@ class State:
                 "elapsed_s": round(self.elapsed_s, 1), "pair_s": round(self.pair_s, 1),
                 "coverage": {"values": len(coverage.values), "values_in_space": values,
                              "pairs": len(coverage.pairs), "pairs_in_space": pairs},
-                "throughput": throughput(self)}
+                "throughput": throughput(self), "errors": run_errors(self.judged)}
+
+
+def run_errors(judged: list[dict]) -> dict[str, list[str]]:
+    """Pairs whose run failed (not a verdict: the harness's, a launch's, or a tree refusing at run
+    time what the rules accepted), grouped by what failed."""
+    out: dict[str, list[str]] = {}
+    for j in judged:
+        if j["verdict"] != "error":
+            continue
+        message = next(iter((j.get("error") or {}).values()), "unknown")
+        what = re.sub(r"; log: .*", "", message.split(" raised at step ")[-1])
+        out.setdefault(re.sub(r"\s+", " ", what)[:240], []).append(j["name"])
+    return out
 
 
 def throughput(state: State) -> dict:

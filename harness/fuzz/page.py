@@ -62,7 +62,10 @@ def write(doc: dict, path: Path) -> Path:
         f"({rate} pairs an hour)</dd><dt>coverage</dt><dd>{cov['values']} of {cov['values_in_space']} "
         f"values, "
         f"{cov['pairs']} of at most {cov['pairs_in_space']} value pairs</dd></dl>")
+    failed = "".join(f"<li>{esc(what)}: {len(pairs)} pair(s), {esc(', '.join(pairs[:5]))}</li>"
+                     for what, pairs in doc.get("errors", {}).items())
     body = (head + "<h2>Clusters</h2>" + _cluster_rows(doc)
+            + "<h2>Runs that failed</h2><ul>" + (failed or "<li>none</li>") + "</ul>"
             + f"<h2>Draws the rules refused</h2><ul>{refused or '<li>none</li>'}</ul>"
             + "<h2>Pairs</h2>" + _judged_rows(doc))
     path.write_text(document("gtp-parity fuzz", body), encoding="utf-8")
