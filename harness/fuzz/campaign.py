@@ -84,7 +84,7 @@ def run_errors(judged: list[dict]) -> dict[str, list[str]]:
         if j["verdict"] != "error":
             continue
         message = next(iter((j.get("error") or {}).values()), "unknown")
-        what = re.sub(r"; log: .*", "", message.split(" raised at step ")[-1])
+        what = re.sub(r"; log: .*", "", re.sub(r"^.* raised at step \S+: ", "", message))
         out.setdefault(re.sub(r"\s+", " ", what)[:240], []).append(j["name"])
     return out
 
