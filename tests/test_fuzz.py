@@ -47,8 +47,10 @@ def test_the_space_is_the_declarations():
             assert set(values) == set(o.choices), key  # every declared choice is drawn
     assert ("train", "recipe") not in space.values  # excluded by the space file
     assert {a.key for a in space.axes} >= {"gtp", "tp", "distributed_optimizer", "gtp_weight_prefetch"}
-    assert all(declared(Side)[a.key].placement_only or declared(Side)[a.key].path or a.key in ("gtp", "tp")
-               for a in space.axes)
+    for a in space.axes:  # topology and code paths: the two sides must train the same model
+        o = declared(Side)[a.key]
+        assert a.key in ("gtp", "tp", "ep", "expert_gtp") or o.group in ("topology", "code paths")
+    assert not {a.key for a in space.axes} & {"grad_reduce_in_fp32", "muon_tp_mode", "precision"}
 
 
 def test_draws_pass_the_rules_and_a_seed_repeats_them():

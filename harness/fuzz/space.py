@@ -32,8 +32,10 @@ CLASSES = {"model": ModelConfig, "data": DataConfig, "train": Side}
 NEVER_DRAWN_GROUPS = frozenset({"backend", "checkpoint", "self-test"})
 NEVER_DRAWN = frozenset({"world_size", "dp", "seed", "muon_blocks"})
 # Axes: the side keys a pair's two sides take apart. Topology and the code paths only: a pair
-# differing in precision or optimizer does not train the same model.
-AXIS_KEYS = ("gtp", "tp")
+# differing in precision (a bf16 grad reduction) or optimizer (Muon's blockwise mode) does not
+# train the same model, and its verdict says so by design.
+AXIS_KEYS = ("gtp", "tp", "ep", "expert_gtp")
+AXIS_GROUPS = frozenset({"topology", "code paths"})
 SPACE_KEYS = frozenset({"backend", "world_size", "timeout_s", "max_off_default", "candidates", "axes",
                         "exclude", "values", "fixed", "description"})
 
@@ -102,11 +104,12 @@ def _declared_values(o: Option) -> tuple | None:
 
 
 def _axes(backend: str, values: dict) -> list[Axis]:
-    """Every axis the declarations give: topology (GTP, TP) and each code path that changes only
-    placement or a path the backend takes, default against each other value."""
+    """Every axis the declarations give: topology (GTP, TP, EP, expert GTP) and each topology or
+    code-path key that changes only placement or a path the backend takes, default against each
+    other value."""
     out = []
     for o in declared(Side).values():
-        if o.name not in AXIS_KEYS and not (o.placement_only or o.path):
+        if o.name not in AXIS_KEYS and not (o.group in AXIS_GROUPS and (o.placement_only or o.path)):
             continue
         if not _drawable(o, backend) or o.name in ("recompute",) and backend != "megatron":
             continue
