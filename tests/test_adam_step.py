@@ -102,6 +102,8 @@ def test_the_rule_bounds_an_adam_weight_under_another_tp_and_keeps_a_tighter_rul
              "bitwise_equal": False, "nonfinite_mismatch": 0, **kw}
             for t, kw in (("a", {"adam_excess": -1e-9, "adam_bound_max": 6e-4}),
                           ("b", {"adam_excess": 1e-6, "adam_bound_max": 6e-4}), ("c", {}))]
+    rows.append({"step": 1, "kind": "scalar", "tensor": "grad_norm", "passed": True, "policy": "noise-floor",
+                 "bitwise_equal": True, "nonfinite_mismatch": 0})
     traces = {r: type("T", (), {"manifest": {"config": {**cfg, "tp": tp}}})()
               for r, tp in (("reference", 1), ("candidate", 2))}
     df = ex.judge_rows(pd.DataFrame(rows), traces, policy=type("P", (), {"policy": "noise-floor"})())
@@ -110,6 +112,8 @@ def test_the_rule_bounds_an_adam_weight_under_another_tp_and_keeps_a_tighter_rul
     assert "TP" in out["a"]["expectation_reason"]
     assert out["b"]["expectation"] == "bounded" and not out["b"]["passed"]
     assert out["c"]["expectation"] == "noise-floor"  # no moments recorded: the policy judges it
+    norm = out["grad_norm"]  # bounded too (bitwise equal norms), by the consistency rule: left as judged
+    assert norm["expectation"] == "bounded" and norm["passed"]
 
 
 def test_hyperparameters_apply_only_to_adam_without_skips_or_resumes():
