@@ -58,9 +58,12 @@ def test_adamw_stays_within_the_bound_even_where_rounding_flips_a_gradient_s_sig
     ref, cand = _adam(w0, [g, g]), _adam(w0, [flipped, flipped])
     logical = _logical(w0, ref, cand)
     assert (cand[0]["param"] - ref[0]["param"]).abs().max() > LR  # ~2 lr apart: no noise floor holds
-    for step in (1, 2):
-        got = _check(logical, step)
+    for step, kind in ((1, "param"), (2, "param_before"), (2, "param")):
+        got = _check(logical, step, kind)
         assert got["adam_excess"] <= 0 and got["adam_violations"] == 0, got
+    # Step 2 read another weight than step 1 left (a stale or corrupted copy): outside.
+    logical["candidate"].tensors[(2, "param_before", "w")] = cand[0]["param"] + 1e-5
+    assert _check(logical, 2, "param_before")["adam_excess"] > 0
 
 
 def test_a_wrong_learning_rate_or_a_skipped_decay_leaves_the_bound():

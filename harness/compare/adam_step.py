@@ -34,6 +34,7 @@ from harness.compare import bounds
 from harness.compare.updates import befores
 
 KINDS = ("master", "param")
+"""The weights it judges; and ``param_before`` after step 1, the previous step's ``param`` again."""
 _HYPER = ("adam_beta1", "adam_beta2", "adam_eps", "weight_decay")
 _ROUNDINGS = 9  # per side, on |w| + lr |u| (module docstring)
 
@@ -76,6 +77,8 @@ def step_check(logical: dict, key: tuple, r: torch.Tensor, c: torch.Tensor, h: d
     docstring: the worst excess over it (<= 0: within it) and how many elements exceed it; empty
     where a side lacks the moments or the weights the step started from."""
     step, kind, name = key
+    if kind == "param_before":  # the weight after the previous step, read again by this one
+        step, kind = step - 1, "param"
     if h is None or kind not in KINDS or step not in h["lr"] or r.shape != c.shape:
         return {}
     if kind == "param" and h["precision"] == "bf16":

@@ -180,7 +180,8 @@ def _per_use(name: str, ref: dict, cand: dict) -> tuple[str, str] | None:
 def _adam_step(row: dict, exp: tuple[str, str]) -> tuple[str, str]:
     """A weight after an Adam step that no tighter rule covers: bounded by what each side's own
     moments make of the step (:mod:`harness.compare.adam_step`), where both sides recorded them."""
-    if exp[0] != NOISE or row["kind"] not in ("master", "param") or not _number(row.get("adam_excess")):
+    if exp[0] != NOISE or row["kind"] not in ("master", "param", "param_before") or not _number(
+            row.get("adam_excess")):
         return exp
     return BOUNDED, ("Adam's step of each side's own recorded moments: |w_c - w_r| + lr |u_c - u_r| + "
                      "gamma_9 (|w| + lr |u|) per side, the update normalizing the gradient (" + exp[1] + ")")
