@@ -118,3 +118,31 @@ def test_a_strided_tp_cut_holds_each_block_s_piece_and_gtp_cuts_the_tp_local_blo
     # Without the stride, rank 1 would hold the up half whole: another cut.
     plain = Layout((20, 3), {"tp": 2}, {"tp": Shard(0)})
     assert torch.equal(shard(full, plain, {"tp": 1}), full[10:])
+
+
+@pytest.mark.parametrize("tp,gtp", [(2, 1), (2, 2)])
+def test_a_gated_fc1_s_materialized_layout_keeps_its_tp_stride(tp, gtp):
+    # The weight a gated fc1's GEMM reads on TP rank t is its TP-local block [gate_t; up_t] (GTP's
+    # gather gives that block back, pad stripped): the materialized capture's layout must put the
+    # blocks' pieces back block by block, as the param's own layout does; without the stride it reads
+    # [gate_0; up_0; gate_1; up_1] as the logical weight: half its rows swapped (TP 1 vs TP 2 differs).
+    from harness.backends.gpt import layout_of, param_specs
+    from harness.backends.recording import gathered
+    from harness.scenario.schema import ModelConfig, Side
+
+    m = ModelConfig(num_layers=1, hidden_size=16, ffn_hidden_size=20, num_attention_heads=2, seq_length=8,
+                    vocab_size=32, activation="swiglu")
+    spec = next(s for s in param_specs(m) if s.name.endswith("mlp.linear_fc1.weight"))
+    side = Side(world_size=tp * gtp, tp=tp, gtp=gtp)
+    full = torch.arange(40.0 * 16).view(40, 16)
+    param, mat = layout_of(spec, side), gathered(layout_of(spec, side))
+    assert mat.strides == {"tp": 2} and "gtp" not in mat.placements
+
+    def block(t):  # the TP-local block GTP's all-gather hands the GEMM, pad stripped
+        pieces = [shard(full, param, {"tp": t, "gtp": g, "dp": 0}) for g in range(gtp)]
+        return torch.cat(pieces)[:20]
+
+    for t in range(tp):
+        assert torch.equal(block(t), shard(full, mat, {"tp": t, "gtp": 0, "dp": 0}))
+        assert torch.equal(block(t), torch.cat([full[10 * t:10 * t + 10], full[20 + 10 * t:30 + 10 * t]]))
+    assert torch.equal(assemble(mat, lambda c: block(c.get("tp", 0))), full)

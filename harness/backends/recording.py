@@ -181,6 +181,8 @@ class Materialized:
 
 
 def gathered(layout: Layout) -> Layout:
-    """Layout of a gathered (materialized) weight: the param's TP placement only."""
+    """Layout of a gathered (materialized) weight: the param's TP placement only, with its TP
+    stride (a gated fc1's TP-local block is ``[gate_r; up_r]`` gathered or not)."""
+    strides = {"tp": layout.strides["tp"]} if "tp" in layout.strides else {}
     return Layout(layout.logical_shape, layout.mesh, {"tp": layout.placement("tp")},
-                  grid=layout.grid, fixed=layout.fixed)
+                  grid=layout.grid, fixed=layout.fixed, strides=strides)

@@ -43,7 +43,7 @@ from typing import NamedTuple
 import pandas as pd
 import torch
 
-from harness.compare import bounds, evaluation, expectations, localize, split, tasks
+from harness.compare import adam_step, bounds, evaluation, expectations, localize, split, tasks
 from harness.capture.fingerprint import BLOCK_DIGESTS, DIGESTS
 from harness.compare.assemble import LazyLogical, Logical
 from harness.compare.metrics import PairStats, measure, metrics, ulp_distance  # noqa: F401 (re-exported)
@@ -103,11 +103,11 @@ def _needs(policy: ComparePolicy, step: int, golden, recipe: str, dtype: torch.d
 
 
 def pair_row(task: tasks.Task, logical: dict, policy: ComparePolicy, recipe: str = "none",
-             terms: int | None = None):
+             terms: int | None = None, adam: dict | None = None):
     """Assemble, measure and judge one pair task: (its row or None, the sum of squared
     differences of a main_grad or None). The tensors are dropped on return. ``terms``: the
     count of terms of a main_grad's data-parallel sum, where a side recorded their magnitudes
-    (:func:`harness.compare.expectations.terms_count`)."""
+    (:func:`harness.compare.expectations.terms_count`); ``adam``: :func:`.adam_step.hyper`'s."""
     ref, cand, golden = logical["reference"], logical["candidate"], logical.get("golden")
     step, kind, name = key = task.key
     if key in ref.samples:
@@ -123,7 +123,8 @@ def pair_row(task: tasks.Task, logical: dict, policy: ComparePolicy, recipe: str
     else:
         ids, r, c = None, ref.tensors[key], cand.tensors[key]
         # before the golden's is built: a pair holds at most three logical tensors at once
-        bounded = expectations.terms_check(logical, key, r, c, terms) if kind == "main_grad" else {}
+        bounded = (expectations.terms_check(logical, key, r, c, terms) if kind == "main_grad" else
+                   adam_step.step_check(logical, key, r, c, adam))
         g = golden.tensors[task.golden_key] if task.golden_key is not None else None
     if r.shape != c.shape:
         return {"step": step, "kind": kind, "tensor": name, "passed": False, "policy": "shape",
@@ -153,7 +154,7 @@ def part_of(traces: dict[str, Trace], policy: ComparePolicy, part: int, parts: i
 def _pair(traces: dict[str, Trace], policy: ComparePolicy):
     """The pair measurement of a compare of ``traces`` (the same in every process)."""
     return functools.partial(pair_row, policy=policy, recipe=recipe_of(traces),
-                             terms=expectations.terms_count(traces))
+                             terms=expectations.terms_count(traces), adam=adam_step.hyper(traces))
 
 
 class Comparison(NamedTuple):

@@ -383,6 +383,8 @@ def _signature(first: dict, df: pd.DataFrame, logical: dict, mesh: dict, key,
         once = grads[[not mtp.is_shared(t, ctx.shared) for t in grads["tensor"]]]
         if not once.empty and once["passed"].all():
             return "shared-weight-only", {}
+    if first.get("policy") == "bounded" and kind != "main_grad":
+        return "beyond-step-bound", {}  # an Adam weight's bound (harness.compare.adam_step)
     return _EXPECTATION_BROKEN.get(first.get("policy"), "mismatch"), {}
 
 

@@ -55,6 +55,8 @@ SIGNATURES = {
                    "recognised pattern: an operation added, reordered or run in another kernel",
     "beyond-sum-bound": "a sum of the same terms differs by more than any order of summing them allows "
                         "(a bounded expectation): a term lost, added or rounded",
+    "beyond-step-bound": "a weight after an Adam step differs by more than the two sides' own moments "
+                         "and one step's rounding allow (a bounded expectation): the step applied wrongly",
     "mismatch": "values differ beyond the policy with no recognised pattern",
     "non-finite": "one side holds NaN or Inf where the other holds a finite value (counts, the side, the "
                   "region and ranks named): an overflow, a division by zero, or an uninitialized buffer read",

@@ -5,8 +5,8 @@ pre-norm blocks (LayerNorm or RMSNorm), fused QKV with rows ordered per query gr
 head here), softmax((q k^T) / sqrt(d_head)) with the causal mask filled with -10000 in fp32, the
 MLP's activation (gated or plain) as ``[model].activation`` says, linear biases where
 ``add_bias_linear`` / ``add_qkv_bias`` say, the output layer untied or tied to the word embedding
-(``untie_embeddings``), hidden states laid out [s, b, h]; and megatron-core's multi-token prediction block
-(:class:`MTPBlock`) where the model has one.
+(``untie_embeddings``), hidden states laid out [s, b, h];
+and megatron-core's multi-token prediction block (:class:`MTPBlock`) where the model has one.
 
 In one process every layer is plain ``F.linear`` / ``F.embedding`` on the full weights (the
 golden model). Distributed, the model is built with its TP-local head count and a
