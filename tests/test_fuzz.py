@@ -209,3 +209,15 @@ def test_failed_runs_are_grouped_by_what_failed():
     judged = [{"name": f"p{i}", "verdict": v, "error": {"candidate": msg.format(i)} if v == "error" else None}
               for i, v in enumerate(("error", "pass", "error"))]
     assert run_errors(judged) == {"AssertionError: expert GTP needs whole experts": ["p0", "p2"]}
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_nothing_is_found_where_both_sides_run_the_same_code(tmp_path):
+    # The torch backend's GPT on both sides, GTP or TP apart: the fuzzer's verdicts, expectations
+    # and signatures raise no false alarm over the drawn architectures.
+    clean = ROOT / "scenarios" / "fuzz" / "clean.toml"
+    code, doc = _campaign(tmp_path, "--space", str(clean), "--pairs", "8", "--batch", "8", "--seed", "3")
+    assert code == 0 and not doc["clusters"] and not doc["errors"], (doc["clusters"], doc["errors"])
+    assert len(doc["judged"]) == 8 and all(j["verdict"] == "pass" for j in doc["judged"])
+    assert doc["coverage"]["values"] > 8  # the draws differ: more values than pairs
