@@ -221,3 +221,23 @@ def test_nothing_is_found_where_both_sides_run_the_same_code(tmp_path):
     assert code == 0 and not doc["clusters"] and not doc["errors"], (doc["clusters"], doc["errors"])
     assert len(doc["judged"]) == 8 and all(j["verdict"] == "pass" for j in doc["judged"])
     assert doc["coverage"]["values"] > 8  # the draws differ: more values than pairs
+
+
+def test_a_bug_of_one_side_needs_no_axis():
+    from harness.fuzz.cluster import needs_of
+
+    space = load_space(str(SPACE))
+    draw = Draw(settings=(("train", "process_groups", "collection-permuted"),), world_size=4,
+                axis=Axis("per_token_loss", "none", "transformer-config"))
+
+    def per_side(draws):  # the candidate's own replicas drift wherever its groups are permuted
+        return [_fd("replica-drift", "materialized") if d.settings else None for d in draws]
+
+    out = shrink(draw, _fd("replica-drift", "materialized"), space, per_side, deadline=float("inf"))
+    assert needs_of(out.draw) == ["train.process_groups=collection-permuted"]
+
+    def between_sides(draws):  # a difference only the axis makes
+        return [_fd() if d.axis.reference != d.axis.candidate else None for d in draws]
+
+    out = shrink(draw, _fd(), space, between_sides, deadline=float("inf"))
+    assert needs_of(out.draw) == ["axis:per_token_loss=none->transformer-config"]

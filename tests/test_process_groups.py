@@ -60,7 +60,15 @@ def pg_run(tmp_path_factory):
     shipped = _pg_scenarios()
     (same,) = [s for s in shipped if s.name == "pg-collection"]
     (faulty,) = plant([dataclasses.replace(same, name=f"pg-collection-{FAULT}")], [FAULT])
-    run_scenarios([*shipped, faulty], out, parallel=1)
+    # Found by gtp-parity fuzz: at TP 2 x DP 2 parallel_state's expert DP group spans the DP axis;
+    # on parallel_state's own pairing a collection was refused for it (a group it need not build).
+    tp2 = {"tp": 2, "gtp": 1, "overlap_grad_reduce": True}
+    dp2 = dataclasses.replace(same, name="pg-collection-tp2-dp2",
+                              reference=dataclasses.replace(same.reference, process_groups="parallel-state",
+                                                            **tp2),
+                              candidate=dataclasses.replace(same.candidate, **tp2))
+    validate(dp2)
+    run_scenarios([*shipped, faulty, dp2], out, parallel=1)
     return out
 
 
@@ -69,6 +77,14 @@ def test_the_same_groups_passed_explicitly_train_the_same_model_bit_for_bit(pg_r
     assert summary(pg_run, "pg-collection")["verdict"] == "pass"
     df = results(pg_run, "pg-collection")
     placed = df[df["kind"] != "scalar"]
+    assert len(placed) > 100 and placed["bitwise_equal"].astype(bool).all()
+
+
+@pytest.mark.multirank
+def test_a_collection_at_tp2_x_dp2_trains_the_same_model_bit_for_bit(pg_run):
+    assert summary(pg_run, "pg-collection-tp2-dp2")["verdict"] == "pass"
+    placed = results(pg_run, "pg-collection-tp2-dp2")
+    placed = placed[placed["kind"] != "scalar"]
     assert len(placed) > 100 and placed["bitwise_equal"].astype(bool).all()
 
 

@@ -77,8 +77,11 @@ class Cluster:
 
 
 def needs_of(draw: Draw) -> list[str]:
-    """A minimal draw's needs: its settings and axis (the world is a size, not a need)."""
-    return sorted(i for i in draw.items() if not i.startswith("world="))
+    """A minimal draw's needs: its settings and axis (the world is a size, not a need; an axis
+    shrunk to one value is none)."""
+    no_axis = draw.axis.reference == draw.axis.candidate
+    return sorted(i for i in draw.items() if not i.startswith("world=")
+                  and not (no_axis and i.startswith("axis:")))
 
 
 def recorded_divergences(folder: Path) -> list[tuple[str, object]]:

@@ -2,7 +2,9 @@
 
 First delta debugging (Zeller's ddmin) over the draw's settings, each set back to its default:
 the subsets and complements of one round run as one batch (sides of one world size share
-launches), and the smallest that still fails with the same fingerprint is kept. Then the sizes:
+launches), and the smallest that still fails with the same fingerprint is kept. Then the axis:
+a pair whose candidate takes the reference's value runs one side, whose own invariants (its
+replicas) still judge it, so a bug of one side's configuration is found without the axis. Then the sizes:
 fewer steps (down to the first divergence's step), the space's smallest value of each size it
 lists (layers, widths, batch), the smallest world, each tried alone and then together. Draws the
 rules refuse are never launched. A deadline bounds the whole; a shrink cut short says so.
@@ -17,7 +19,7 @@ from typing import Callable
 
 from harness.compare.summary import FirstDivergence
 from harness.fuzz.cluster import fingerprint
-from harness.fuzz.space import Draw, Space
+from harness.fuzz.space import Axis, Draw, Space
 
 # judge(draws) -> each draw's first divergence (None: it passed, or the rules refused it)
 Judge = Callable[[list[Draw]], list[FirstDivergence | None]]
@@ -82,6 +84,11 @@ def shrink(draw: Draw, first: FirstDivergence, space: Space, judge: Judge, deadl
         n = min(2 * n, len(deltas))
     current = with_(deltas)
     complete = not deltas or time.monotonic() < deadline
+    if time.monotonic() < deadline:  # a bug of one side's own (its replicas drift) needs no axis
+        same = dataclasses.replace(current,
+                                   axis=Axis(draw.axis.key, draw.axis.reference, draw.axis.reference))
+        if (fd := fails([same])[0]) is not None:
+            current, best = same, fd
     if time.monotonic() < deadline:
         current, best, done = _sizes(current, best, space, fails)
         complete = complete and done

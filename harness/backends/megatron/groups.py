@@ -38,7 +38,8 @@ def collection(side):
     rank = dist.get_rank()
     same_on_any_pairing = ([rank], list(range(side.world_size)), usual.group(rank, "tp"))
     for name, group in sorted(vars(pgc).items()):
-        if name in FIELD_AXES or not isinstance(group, dist.ProcessGroup):
+        # On parallel_state's own pairing every group is the one megatron-core would read anyway.
+        if name in FIELD_AXES or not isinstance(group, dist.ProcessGroup) or mine.order == usual.order:
             continue
         if sorted(dist.get_process_group_ranks(group)) not in same_on_any_pairing:
             raise RuntimeError(f"parallel_state's {name} group of rank {rank} spans "
