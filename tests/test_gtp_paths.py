@@ -146,3 +146,40 @@ def test_nightly_paths_hold_the_controls_of_the_param_gather_divergence():
     assert off == dataclasses.replace(known, gtp_weight_prefetch=False)
     assert one == dataclasses.replace(known, bucket_size=None)
     assert all(s.expect is None for s in nightly.values())
+
+
+def test_an_overlapped_param_gather_s_weights_are_recorded_when_the_forward_reads_them():
+    # GTP off with overlap_param_gather: the distributed optimizer's step writes only this rank's
+    # range; DDP's forward pre-hook all-gathers the rest before the module's GEMM. A weight recorded
+    # at the start of the step mixes updated and pre-step rows (a replica-drift of our own, fuzz
+    # finding fuzz-1-c7); recorded after its module's forward it is what the GEMM read.
+    from harness.backends.recording import Materialized
+
+    class Cap:
+        def __init__(self):
+            self.got = {}
+
+        def wants(self, kind, name=""):
+            return True
+
+        def tensor(self, kind, name, value, layout):
+            self.got[name] = value.detach().clone()
+
+    lin = torch.nn.Linear(3, 2, bias=False)
+    stale, gathered = torch.zeros(2, 3), torch.arange(6.0).view(2, 3)
+
+    def all_gather(*_):  # DDP's forward pre-hook finishing the param all-gather
+        lin.weight.data.copy_(gathered)
+
+    lin.register_forward_pre_hook(all_gather)
+    for at_forward, want in ((False, stale), (True, gathered)):
+        cap = Cap()
+        lin.weight.data.copy_(stale)
+        mat = Materialized(cap, {"w": None}, [("w", lin.weight)])
+        if at_forward:
+            mat.at_forward(lin.modules())
+        mat.begin_step()
+        x = torch.ones(1, 3)
+        assert torch.equal(lin(x), x @ gathered.T)  # the module's output is left as it is
+        lin(x)  # a second micro-batch records nothing more
+        assert torch.equal(cap.got["w"], want)

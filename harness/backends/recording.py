@@ -15,7 +15,7 @@ The heartbeat names the phase a rank is in (``forward_backward``, ``optimizer``)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import astuple, dataclass, fields
 from typing import Protocol, TypeVar
 
@@ -178,6 +178,24 @@ class Materialized:
         if name not in self.seen and self.cap.wants("materialized", name):
             self.seen.add(name)
             self.cap.tensor("materialized", name, tensor, layout=self.layouts[name])
+
+    def at_forward(self, modules: Iterable[torch.nn.Module]) -> None:
+        """Record the ``direct`` parameters when their module's forward has read them, not at the
+        start of the step: where the weights reach a rank during the forward (DDP's param
+        all-gather overlapped with it, finished by its forward pre-hooks), a parameter at the start
+        of the step holds only this rank's optimizer range updated, the rest from the step before."""
+        names, self.direct = {id(p): n for n, p in self.direct}, []
+
+        def hook_of(own):
+            def hook(*_):  # returns None: the module's output stays its own
+                for name, p in own:
+                    self.record(name, p)
+            return hook
+
+        for module in modules:
+            own = [(names[id(p)], p) for p in module.parameters(recurse=False) if id(p) in names]
+            if own:
+                module.register_forward_hook(hook_of(own))
 
 
 def gathered(layout: Layout) -> Layout:

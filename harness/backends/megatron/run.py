@@ -309,6 +309,8 @@ class _MegatronStep:
                   if _GTP_SHARDABLE(n) and not getattr(p, "is_gtp_weight_remat", False)]
         gathered_layouts = {n: gathered(lay) for n, lay in rec.layouts.items()}
         self.materialized = Materialized(rec.cap, gathered_layouts, direct)
+        if job.side.overlap_param_gather:  # the updated weights arrive in the forward
+            self.materialized.at_forward(mod for chunk in chunks for mod in chunk.module.modules())
         if gtp_on:
             record_gathers(rec.named, self.materialized.record, rec.cap)
 
