@@ -122,6 +122,14 @@ def _load_state(out: Path, settings: Settings) -> tuple[State, Coverage]:
     return state, coverage
 
 
+def scenario_document(settings: Settings, draw: Draw, name: str, inject: tuple[str, ...] = ()) -> dict:
+    """A draw's scenario document on the campaign's tree, with the faults ``inject`` planted."""
+    doc = draw.document(settings.space, name, inject)
+    if settings.megatron_core != "installed":
+        doc["train"]["megatron_core"] = settings.megatron_core
+    return doc
+
+
 class Runner:
     """Judges draws: each becomes a scenario, a batch runs through the session (sides of one world
     size share launches), and each pair's first divergence is read back from its summary. The
@@ -131,10 +139,7 @@ class Runner:
         self.settings, self.out, self.batches = settings, out, 0
 
     def document(self, draw: Draw, name: str) -> dict:
-        doc = draw.document(self.settings.space, name, self.settings.inject)
-        if self.settings.megatron_core != "installed":
-            doc["train"]["megatron_core"] = self.settings.megatron_core
-        return doc
+        return scenario_document(self.settings, draw, name, self.settings.inject)
 
     def scenario(self, draw: Draw, name: str):
         s = parse_scenario(self.document(draw, name), f"fuzz draw {name}")
@@ -307,9 +312,7 @@ def _write_stages(state: State, settings: Settings, out: Path) -> None:
         return
     pairs = []
     for j in passing:
-        doc = Draw.from_json(j["draw"]).document(settings.space, j["name"])
-        if settings.megatron_core != "installed":
-            doc["train"]["megatron_core"] = settings.megatron_core
+        doc = scenario_document(settings, Draw.from_json(j["draw"]), j["name"])  # no planted fault
         pairs.append({"label": j["name"], **{k: v for k, v in doc.items() if k not in ("name", "timeout_s")}})
     matrix = {"name": f"fuzz-{settings.seed}-stages", "timeout_s": settings.space.timeout_s,
               "description": f"passing pairs of gtp-parity fuzz (seed {settings.seed})",

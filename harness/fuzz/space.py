@@ -76,9 +76,6 @@ class Space:
                self.candidates]
         return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
-    def default_of(self, section: str, key: str) -> Any:
-        return self.values[(section, key)][0]
-
     def to_json(self) -> dict:
         return {"backend": self.backend, "world_sizes": list(self.world_sizes), "source": self.source,
                 "keys": {f"{s}.{k}": list(v) for (s, k), v in self.values.items()},
