@@ -15,12 +15,13 @@ from harness import scenario
 from harness.capture import trace
 from harness.common.errors import BadInput
 from harness.compare.assemble import assemble_trace
-from harness.scenario.arch_faults import ARCH_FAULTS, BIAS, GLU, QKV
+from harness.scenario.arch_faults import ARCH_FAULTS, BIAS, GLU, QKV, TIED
 from harness.scenario.faults import CATALOG
 from harness.scenario.planting import plant
 from tests.helpers import ROOT, run, step1_partial_grad_bound, summary
 
-FAULTS = (BIAS, GLU, QKV)
+FAULTS = (BIAS, GLU, QKV, TIED)
+GTP_FAULTS = (BIAS, GLU, QKV)
 
 
 def _base(**model) -> scenario.Scenario:
@@ -29,6 +30,13 @@ def _base(**model) -> scenario.Scenario:
     s = next(x for x in scenario.load(ROOT / "scenarios" / "architectures.toml")
              if x.name == "bias-tp1-gtp2-fp32")
     return dataclasses.replace(s, model=dataclasses.replace(s.model, **model))
+
+
+def _tied() -> scenario.Scenario:
+    """The bias case with tied embeddings, TP 1 against TP 2 at GTP off (GTP raises on tied ones)."""
+    s = _base(untie_embeddings=False)
+    return dataclasses.replace(s, name="arch-tied-clean",
+                               candidate=dataclasses.replace(s.candidate, gtp=1, tp=2))
 
 
 # Every switch the three faults need: a bias, a gated fc1 of 160 rows (2 GTP shards of 80, no pad),
@@ -46,8 +54,9 @@ def test_the_catalogue_holds_them_with_their_targets():
 
 
 def test_each_fault_fits_the_model_with_its_switches():
-    planted = plant([_base(**SWITCHES)], FAULTS)
-    assert planted[0].candidate.inject == FAULTS
+    planted = plant([_base(**SWITCHES)], GTP_FAULTS)
+    assert planted[0].candidate.inject == GTP_FAULTS
+    assert plant([_tied()], [TIED])[0].candidate.inject == (TIED,)
 
 
 @pytest.mark.parametrize(("fault", "model", "train", "said"), [
@@ -57,6 +66,8 @@ def test_each_fault_fits_the_model_with_its_switches():
     (GLU, {"activation": "swiglu"}, {"world_size": 4, "tp": 2}, "fc1's TP block of 80 rows"),
     (QKV, {}, {}, "needs grouped-query attention"),
     (QKV, {"num_query_groups": 1}, {}, "whole query groups on each GTP shard"),
+    (TIED, {"untie_embeddings": False}, {}, "at GTP off with tied embeddings"),  # the candidate has GTP
+    (TIED, {}, {"gtp": 1}, "at GTP off with tied embeddings"),  # untied
 ])
 def test_a_side_without_the_layout_a_fault_needs_refuses_it(fault, model, train, said):
     s = _base(**{"add_bias_linear": False, **model})
@@ -81,7 +92,7 @@ def test_at_g_4_the_halves_are_two_shards_each_and_two_query_groups_too_few():
     assert arch_reach(QKV, side, dataclasses.replace(s.model, num_query_groups=4)) is None
 
 
-@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize("fault", GTP_FAULTS)
 def test_a_side_without_gtp_refuses_each(fault):
     with pytest.raises(BadInput, match=r"\[reference\]\.inject") as e:
         plant([_base(**SWITCHES)], [fault], side="reference")
@@ -97,7 +108,7 @@ def test_gtp_parity_inject_lists_them(capsys):
         assert f"{name} " in listed and CATALOG[name].bug_class in listed
 
 
-# --- the three planted, in one launch -------------------------------------------------------------
+# --- the four planted, in one launch set -----------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +118,9 @@ def arch_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("arch-faults")
     base = dataclasses.replace(_base(**SWITCHES), name="arch-clean")
     planted = [base] + [dataclasses.replace(p, name=f"arch-{f}")
-                        for f in FAULTS for p in plant([base], [f])]
+                        for f in GTP_FAULTS for p in plant([base], [f])]
+    tied = _tied()
+    planted += [tied, dataclasses.replace(plant([tied], [TIED])[0], name=f"arch-{TIED}")]
     code, _ = run(planted, out)
     return code, out, base
 
@@ -116,8 +129,9 @@ def arch_run(tmp_path_factory):
 def test_the_model_with_every_switch_is_at_parity_unplanted(arch_run):
     code, out, _ = arch_run
     assert code == 1  # the planted ones fail
-    s = summary(out, "arch-clean")
-    assert s["verdict"] == "pass", s.get("first_divergence")
+    for name in ("arch-clean", "arch-tied-clean"):
+        s = summary(out, name)
+        assert s["verdict"] == "pass", (name, s.get("first_divergence"))
 
 
 @pytest.mark.multirank
@@ -129,7 +143,10 @@ def test_each_fault_is_localized_where_the_catalogue_says(arch_run, fault):
     assert s["verdict"] == "fail"
     got = (fd["step"], fd["phase"], fd["kind"], fd["tensor"], fd["signature"])
     assert got == tuple(expect[k] for k in ("step", "phase", "kind", "tensor", "signature")), fd
-    assert fd["ranks"] == [0, 1]  # both GTP peers: each its own partial, or the same wrong hand-out
+    if fault == TIED:  # TP 2 x DP 1: the worst element's TP shard is on one rank
+        assert len(fd["ranks"]) == 1, fd
+    else:  # both GTP peers: each its own partial, or the same wrong hand-out
+        assert fd["ranks"] == [0, 1]
     if expect["signature"] == "permuted-blocks":
         assert fd["permutation"] == {"blocks": 2, "pad_rows": 0, "permutation": [1, 0]}, fd
 
@@ -169,3 +186,18 @@ def test_the_handed_out_weight_is_the_gathered_one_with_its_blocks_moved(arch_ru
                  for role in ("reference", "candidate"))
     assert not torch.equal(ref, cand)
     assert torch.equal(torch.roll(ref, shifts=ref.shape[0] // 2, dims=0), cand)
+
+
+@pytest.mark.multirank
+def test_the_tied_grad_holds_the_lookups_use_alone(arch_run):
+    """With the output layer's use dropped, the shared weight's grad is the embedding lookup's: zero
+    on every row no input token looks up (4 x 16 inputs from 72 tokens leave at least 8 such rows),
+    where the reference's grad holds the output layer's dense term; on looked-up rows both hold the
+    lookup's term, so the two grads differ there too but not everywhere."""
+    _, out, _ = arch_run
+    traces, name = _traces(out, f"arch-{TIED}"), CATALOG[TIED].target
+    ref, cand = (assemble_trace(traces[role]).tensors[(1, "main_grad", name)]
+                 for role in ("reference", "candidate"))
+    unused = (cand == 0).all(dim=1)
+    assert int(unused.sum()) >= 72 - 4 * 16
+    assert bool((ref[unused] != 0).any(dim=1).all())  # the output layer's term, dropped

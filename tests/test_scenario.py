@@ -80,8 +80,9 @@ def test_base_is_valid(tmp_path):
         # found by gtp-parity fuzz: TP x PP beyond the world divided by zero data ranks
         (with_lines(candidate="tp = 2\ngtp = 1\npipeline_parallel = 2", train="world_size = 2"),
          "[candidate].world_size", "multiple of TP x G x PP = 2 x 1 x 2"),
-        (with_lines(model="untie_embeddings = false"), "[model].untie_embeddings",
-         "tied embedding/output weights are not supported with GTP"),
+        (with_lines(model="untie_embeddings = false", candidate="backend = \"torch\""),
+         "[model].untie_embeddings", "tied embedding/output weights under GTP are not covered by the torch"),
+        (with_lines(model="preset = \"falcon\""), "[model].preset", "must be one of 'gpt', 'llama'"),
         (with_lines(train="steps = 0"), "[reference].steps", "must be >= 1"),
         (with_lines(candidate="lr_warmup_steps = 2"), "[candidate].lr_warmup_steps",
          "< lr_decay_steps (or steps) = 2"),

@@ -41,10 +41,11 @@ def logits_name(depth: int) -> str:
     return depth_name(depth, "output_layer")
 
 
-def shared_weights(mtp_num_layers: int, repeated: bool) -> tuple[str, ...]:
-    """fnmatch patterns of the parameters used more than once per forward (none without MTP)."""
+def shared_weights(mtp_num_layers: int, repeated: bool, tied: bool = False) -> tuple[str, ...]:
+    """fnmatch patterns of the parameters used more than once per forward (none without MTP or a
+    tied output layer, which computes with the word embedding's parameter)."""
     if not mtp_num_layers:
-        return ()
+        return ("embedding.word_embeddings.weight",) if tied else ()
     return ALWAYS_SHARED + (("mtp.layers.0.*",) if repeated and mtp_num_layers > 1 else ())
 
 
@@ -63,13 +64,17 @@ def gtp_shared(name: str, patterns: tuple[str, ...]) -> bool:
 
 
 def manifest_config(model) -> dict:
-    """What a trace's ``config`` records of MTP (nothing without it: older traces read alike)."""
+    """What a trace's ``config`` records of the weights used twice: MTP, a tied output layer (nothing
+    without them: older traces read alike)."""
+    out = {} if getattr(model, "untie_embeddings", True) else {"tied_embeddings": True}
     if not getattr(model, "mtp_num_layers", 0):
-        return {}
-    return {"mtp_num_layers": model.mtp_num_layers, "mtp_use_repeated_layer": model.mtp_use_repeated_layer}
+        return out
+    return {**out, "mtp_num_layers": model.mtp_num_layers,
+            "mtp_use_repeated_layer": model.mtp_use_repeated_layer}
 
 
 def shared_of_config(cfg: dict | None) -> tuple[str, ...]:
     """:func:`shared_weights` of a trace's recorded ``config``."""
     cfg = cfg or {}
-    return shared_weights(int(cfg.get("mtp_num_layers", 0)), bool(cfg.get("mtp_use_repeated_layer", False)))
+    return shared_weights(int(cfg.get("mtp_num_layers", 0)), bool(cfg.get("mtp_use_repeated_layer", False)),
+                          bool(cfg.get("tied_embeddings", False)))

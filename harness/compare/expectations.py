@@ -165,14 +165,15 @@ def expectation(row: dict, ref: dict, cand: dict, up: _Upstream, why_not: str | 
 
 
 def _per_use(name: str, ref: dict, cand: dict) -> tuple[str, str] | None:
-    """A weight used more than once per forward (MTP's shared weights) that GTP shards on a
-    side: GTP reduce-scatters each use's wgrad on its own, where GTP off sums the uses in
-    autograd first; the terms of that other grouping are not recorded."""
+    """A weight used more than once per forward (MTP's shared weights, a tied embedding) that GTP
+    shards on a side: GTP reduce-scatters each use's wgrad on its own, where GTP off sums the uses
+    in autograd first; the terms of that other grouping are not recorded."""
     shared = mtp.shared_of_config(ref)
     degree = "expert_gtp" if ".mlp.experts." in name else "gtp"
     if not mtp.gtp_shared(name, shared) or max(int(ref.get(degree, 1)), int(cand.get(degree, 1))) == 1:
         return None
-    uses = f"1 + {ref['mtp_num_layers']}" if not name.startswith("mtp.") else str(ref["mtp_num_layers"])
+    depths = int(ref.get("mtp_num_layers", 0))  # none: a tied output layer's two uses
+    uses = (f"1 + {depths}" if depths else "2") if not name.startswith("mtp.") else str(depths)
     return NOISE, (f"used {uses} times per forward: GTP reduce-scatters each use's wgrad on its own, GTP off "
                    "sums the uses in autograd first; no side records the uses' magnitudes")
 

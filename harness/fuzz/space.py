@@ -30,7 +30,8 @@ CLASSES = {"model": ModelConfig, "data": DataConfig, "train": Side}
 # Keys a draw never sets: the side's code and backend, its world (the space's), a checkpoint's
 # topology (a [checkpoint] table, not keys), the harness's self-test, and the golden's own keys.
 NEVER_DRAWN_GROUPS = frozenset({"backend", "checkpoint", "self-test"})
-NEVER_DRAWN = frozenset({"world_size", "dp", "seed", "muon_blocks"})
+# preset: a name for switches the space draws one by one.
+NEVER_DRAWN = frozenset({"world_size", "dp", "seed", "muon_blocks", "preset"})
 # Axes: the side keys a pair's two sides take apart. Topology and the code paths only: a pair
 # differing in precision (a bf16 grad reduction) or optimizer (Muon's blockwise mode) does not
 # train the same model, and its verdict says so by design.

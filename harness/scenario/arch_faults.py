@@ -1,9 +1,11 @@
 """The planted faults of the architecture switches ([model]'s biases, gated MLP, grouped-query
-attention): one per layout they add to what GTP shards or replicates. Part of the catalogue
+attention, tied embeddings): one per layout they add to what GTP shards or replicates or a weight
+shares. Part of the catalogue
 (:mod:`harness.scenario.faults` merges them into ``CATALOG``); :mod:`harness.backends.faults.arch`
 plants them; torch-free.
 
-Each acts on layer 0 of a megatron side with GTP; :func:`arch_reach` says why a side cannot take
+Each acts on layer 0 of a megatron side with GTP (the tied one on the embedding, at GTP off);
+:func:`arch_reach` says why a side cannot take
 one (the switch it needs is off, or its layout is not the one the expected signature names).
 """
 
@@ -13,6 +15,7 @@ from harness.scenario.choices import GATED
 from harness.scenario.fault import Fault
 
 BIAS, GLU, QKV = "gtp-bias-grad-unreduced", "gtp-glu-halves-crossed", "gtp-qkv-groups-reordered"
+TIED = "tied-grad-one-use"
 
 ARCH_FAULTS: dict[str, Fault] = {
     f.name: f
@@ -47,6 +50,16 @@ ARCH_FAULTS: dict[str, Fault] = {
              "tensor": "decoder.layers.0.self_attention.linear_qkv.weight", "signature": "permuted-blocks"},
             target="decoder.layers.0.self_attention.linear_qkv.weight",
         ),
+        Fault(
+            TIED, "a weight used more than once per step",
+            "the output layer computes with a detached view of embedding.word_embeddings.weight, the "
+            "parameter a tied output layer shares with the embedding lookup: the shared weight's grad "
+            "holds the lookup's use only, as a tied copy whose second use's grad is never added would",
+            # Every weight used once keeps its grad: the output layer's input grad is untouched.
+            {"step": 1, "phase": "backward", "kind": "main_grad",
+             "tensor": "embedding.word_embeddings.weight", "signature": "shared-weight-only"},
+            target="embedding.word_embeddings.weight",
+        ),
     ]
 }
 
@@ -61,6 +74,11 @@ def arch_reach(name: str, side, model) -> str | None:
     """Why fault ``name`` of :data:`ARCH_FAULTS` cannot fire on ``side`` of a scenario of ``model``
     (None: it can, or it is not one of them)."""
     if name not in ARCH_FAULTS:
+        return None
+    if name == TIED:  # under GTP megatron-core raises before any grad (scenarios/architectures.toml)
+        if side.backend != "megatron" or side.gtp > 1 or model.untie_embeddings:
+            return (f"{name!r} is planted on a megatron side at GTP off with tied embeddings "
+                    "([model].untie_embeddings = false)")
         return None
     if side.backend != "megatron" or side.gtp == 1:
         return f"{name!r} is planted on a megatron side with GTP (gtp > 1)"

@@ -22,6 +22,7 @@ import harness.scenario.checkpoint as checkpointing
 from harness.scenario.options import golden_side
 from harness.common.errors import BadInput, shown
 from harness.scenario.matrix import expand_matrix, read_toml
+from harness.scenario.presets import expand_preset
 from harness.scenario.tree_specs import is_code_comparison
 from harness.scenario.rules import validate
 from harness.scenario.schema import (
@@ -118,7 +119,8 @@ def parse_scenario(raw: dict, source: str, limits: bool = True) -> Scenario:
     for side in ("reference", "candidate"):
         if side not in raw:
             raise BadInput(f"{source}: [{side}]", "missing table: a scenario compares two sides")
-    model = _build(ModelConfig, raw.get("model", {}), f"{source}: [model]")
+    model = _build(ModelConfig, expand_preset(raw.get("model", {}), f"{source}: [model]"),
+                   f"{source}: [model]")
     data = _build(DataConfig, raw.get("data", {}), f"{source}: [data]")
     train = raw.get("train", {})
     _build(Side, train, f"{source}: [train]")  # unknown keys in defaults are errors too

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 from harness.common.errors import shown
 from harness.scenario.choices import (  # noqa: F401
     BACKENDS, GATED, PRECISIONS, RECIPE_NAMES, Activation, Backend, LossMask, MlmData, Normalization,
-    PositionEmbedding, Precision, Recipe,
+    PositionEmbedding, Precision, Preset, Recipe,
 )
 from harness.scenario.options import option
 # The policies are part of the schema: parsing resolves their fields' types in this namespace.
@@ -86,6 +86,9 @@ class ModelConfig:
 
     SECTION: ClassVar[str] = "model"
 
+    preset: Preset | None = option(
+        None, "architecture", """a model family's switches at tiny sizes (harness/scenario/presets.py says which);
+        every other key of [model] set beside it overrides the preset's value""", added_later=True)
     num_layers: int = option(2, "architecture", "transformer layers", low=1,
                              mcore=("TransformerConfig.num_layers",), mlm="--num-layers")
     hidden_size: int = option(128, "architecture", "model width", low=1,
@@ -101,7 +104,7 @@ class ModelConfig:
                              mcore=("GPTModel.vocab_size",), mlm="--vocab-size")
     untie_embeddings: bool = option(
         True, "architecture", """a separate output layer weight; false: the output layer computes with the
-        word embedding's (tied), at GTP off (the harness refuses tied embeddings under GTP)""",
+        word embedding's (tied); under GTP megatron-core's sides run it (the torch backend's GTP does not)""",
         mcore=("GPTModel.share_embeddings_and_output_weights (negated)",),
         mlm="--untie-embeddings-and-output-weights")
     add_bias_linear: bool = option(

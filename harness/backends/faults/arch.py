@@ -11,6 +11,8 @@ run-time patches of megatron-core's finalize and GTP gather, undone with the sid
   swapped) or one GTP shard (each shard's query groups in the next shard's place). The faults'
   reach admits them only where that is a permutation of GTP's shard blocks, an order GTP's own
   all-gather could put the shards in. The backward's re-gather is left alone.
+- ``tied-grad-one-use``: the output layer's forward is handed a detached view of the shared
+  word-embedding weight (GPTModel passes it as ``weight``): its use's grad is dropped.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import importlib
 import torch
 
 from harness.backends.patching import patch
-from harness.scenario.arch_faults import ARCH_FAULTS, BIAS, GLU, QKV
+from harness.scenario.arch_faults import ARCH_FAULTS, BIAS, GLU, QKV, TIED
 
 
 def _target(ctx, name: str):
@@ -77,4 +79,21 @@ def _qkv_groups_reordered(ctx) -> None:
     _rolled_gather(ctx, QKV, lambda rows: rows // ctx.side.gtp)  # shard k's groups in shard k + 1's place
 
 
-ARCH_INSTALLERS = {BIAS: _bias_grad_unreduced, GLU: _glu_halves_crossed, QKV: _qkv_groups_reordered}
+def _tied_grad_one_use(ctx) -> None:
+    shared = _target(ctx, TIED)
+    layers = [m for c in ctx.model for n, m in c.named_modules() if n.split(".")[-1] == "output_layer"]
+    if not layers:
+        raise RuntimeError(f"planted fault {TIED}: the model has no output layer")
+    for layer in layers:
+        forward = layer.forward
+
+        def detached(input_, weight=None, *args, _forward=forward, **kwargs):
+            if weight is shared:  # the tied use: its grad no longer reaches the parameter
+                weight = weight.detach()
+            return _forward(input_, weight, *args, **kwargs)
+
+        patch(layer, "forward", detached)
+
+
+ARCH_INSTALLERS = {BIAS: _bias_grad_unreduced, GLU: _glu_halves_crossed, QKV: _qkv_groups_reordered,
+                   TIED: _tied_grad_one_use}
