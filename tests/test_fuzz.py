@@ -5,6 +5,7 @@ run the same code."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from harness.common.errors import BadInput
 from harness.compare.summary import FirstDivergence
 from harness.fuzz.campaign import Runner, Settings, _load_state
 from harness.fuzz.cluster import Cluster, known_as, tensor_pattern
-from harness.fuzz.shrink import shrink
+from harness.fuzz.shrink import Shrunk, shrink
 from harness.fuzz.space import Axis, Coverage, Draw, draw_for, load_space
 from harness.scenario import load, parse_scenario
 from harness.scenario.options import declared
@@ -242,3 +243,68 @@ def test_a_bug_of_one_side_needs_no_axis():
 
     out = shrink(draw, _fd(), space, between_sides, deadline=float("inf"))
     assert needs_of(out.draw) == ["axis:per_token_loss=none->transformer-config"]
+
+
+# --- a campaign spread over nodes --------------------------------------------------------------
+
+
+def _fake_judge(fails: set[int]):
+    """Runner.judge without launching: pairs whose index is in ``fails`` fail with one signature."""
+    from types import SimpleNamespace
+
+    from harness.compare.summary import Verdict
+
+    def judge(self, draws, names=None):
+        out = []
+        for name in names or [None] * len(draws):
+            failing = name is not None and int(name.rsplit("-", 1)[1]) in fails
+            fd = _fd("replica-drift", "main_grad") if failing else None
+            out.append(SimpleNamespace(verdict=Verdict.FAIL if failing else Verdict.PASS, error=None,
+                                       first_divergence=fd))
+        return out
+
+    return judge
+
+
+def test_nodes_judge_the_draws_one_node_would_and_merge_into_one_campaign(tmp_path, monkeypatch):
+    from harness.fuzz import campaign
+    from harness.fuzz.merge import merge
+
+    space = dataclasses.replace(load_space(str(SPACE)), candidates=3)  # each draw validates 3, not 24
+    monkeypatch.setattr(campaign.Runner, "judge", _fake_judge({2, 3}))
+    # every failing pair's shrink ends at once and keeps the draw: one cluster per node that saw one
+    monkeypatch.setattr(campaign, "shrink", lambda d, fd, sp, fds, deadline: Shrunk(d, fd, 0, 0.0, True))
+    alone = campaign.run(Settings(seed=7, space=space, max_pairs=4, batch=2), tmp_path / "one", say=str)
+    folders = [tmp_path / f"node-{i}" for i in range(2)]
+    for i, folder in enumerate(folders):
+        s = Settings(seed=7, space=space, max_pairs=2, batch=2, node=i, nodes=2)
+        doc = campaign.run(s, folder, say=str)
+        assert [j["index"] % 2 for j in doc["judged"]] == [i] * 2
+    merged = merge(folders, Settings(seed=7, space=space), tmp_path / "merged")
+    pairs = [[(j["index"], j["draw"]) for j in doc["judged"]] for doc in (merged, alone)]
+    assert pairs[0] == pairs[1]
+    assert merged["coverage"] == alone["coverage"] and merged["identity"]["nodes"] == 2
+    # the shrink stub keeps each failing draw whole: two clusters, numbered as one node numbered them
+    assert len(alone["clusters"]) == 2
+    assert [(c["id"], c["members"]) for c in merged["clusters"]] == [(c["id"], c["members"])
+                                                                     for c in alone["clusters"]]
+    assert [j["cluster"] for j in merged["judged"]] == [j["cluster"] for j in alone["judged"]]
+    for c in merged["clusters"]:
+        assert (tmp_path / "merged" / c["scenario_file"]).is_file()
+    with pytest.raises(BadInput, match="every node of one campaign once"):
+        merge(folders[:1], Settings(seed=7, space=space), tmp_path / "half")
+    with pytest.raises(BadInput, match="another seed"):
+        merge(folders, Settings(seed=8, space=space), tmp_path / "other")
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--node", "2/2"], "0 <= I < N"),
+    (["--merge", "nowhere"], "holds no fuzz.json"),
+    (["--node", "0/2", "--merge", "nowhere"], "without --node"),
+])
+def test_a_bad_node_share_or_merge_is_refused(tmp_path, capsys, args, said):
+    try:
+        code = main(["fuzz", "--out", str(tmp_path / "o"), *args])
+    except SystemExit as e:  # argparse's own refusal
+        code = e.code
+    assert code == 2 and said in capsys.readouterr().err

@@ -20,6 +20,14 @@ def duration(text: str) -> float:
     return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
 
 
+def node_share(text: str) -> tuple[int, int]:
+    """(node, nodes) from ``I/N`` with 0 <= I < N."""
+    m = re.fullmatch(r"(\d+)/(\d+)", text.strip())
+    if m is None or not 0 <= int(m.group(1)) < int(m.group(2)):
+        raise argparse.ArgumentTypeError(f"a node's share as I/N with 0 <= I < N (0/4 ... 3/4), got {text!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
 def _cmd_fuzz(args) -> int:
     from harness.common.errors import EXIT_RUN_FAILED, BadInput
     from harness.fuzz.campaign import Settings, run
@@ -34,9 +42,20 @@ def _cmd_fuzz(args) -> int:
         raise BadInput("--recorded", f"{args.recorded} is not a folder of scenario files")
     settings = Settings(seed=args.seed, space=load_space(args.space), megatron_core=args.megatron_core,
                         inject=tuple(args.inject), budget_s=args.budget, max_pairs=args.pairs,
-                        shrink_s=args.shrink_budget, batch=args.batch, jobs=args.jobs, recorded=recorded)
+                        shrink_s=args.shrink_budget, batch=args.batch, jobs=args.jobs, recorded=recorded,
+                        node=args.node[0], nodes=args.node[1])
     out = out_dir(args.out, "--out")
-    doc = run(settings, out)
+    if args.merge:
+        from harness.fuzz.merge import merge
+
+        if args.node[1] > 1:
+            raise BadInput("--merge", "folds every node's folder into one: give it without --node")
+        missing = [d for d in args.merge if not (Path(d) / "fuzz.json").is_file()]
+        if missing:
+            raise BadInput("--merge", f"{missing[0]} holds no fuzz.json (a node's campaign folder)")
+        doc = merge([Path(d) for d in args.merge], settings, out)
+    else:
+        doc = run(settings, out)
     new = [c for c in doc["clusters"] if not c.get("known")]
     print(f"\ngtp-parity fuzz: {doc['throughput']['pairs']} pairs judged in {doc['elapsed_s']:.0f} s, "
           f"{len(doc['clusters'])} cluster(s), {len(new)} new -> {out / 'index.html'}")
@@ -72,4 +91,9 @@ def add_parser(sub) -> None:
     f.add_argument("--jobs", type=positive_int, default=2, help="launches run at once (default 2)")
     f.add_argument("--recorded", metavar="DIR", default=None,
                    help="scenario files whose [expect] divergences are known (e.g. scenarios)")
+    f.add_argument("--node", type=node_share, default=(0, 1), metavar="I/N",
+                   help="judge node I's share of a campaign spread over N nodes (each draws every pair, "
+                        "judges those with index mod N = I); the same --seed and --space on every node")
+    f.add_argument("--merge", nargs="+", metavar="DIR",
+                   help="fold the nodes' folders of one campaign into --out (no pair is run)")
     f.set_defaults(fn=_cmd_fuzz)

@@ -50,10 +50,16 @@ class Settings:
     jobs: int = 2
     recorded: Path | None = None
     """Where the shipped scenarios with ``[expect]`` are (a cluster matching one is known)."""
+    node: int = 0
+    nodes: int = 1
+    """A campaign spread over ``nodes`` machines: each draws every index (draws depend on the
+    coverage of all before them) and judges those ``node`` is given (index mod nodes);
+    :mod:`harness.fuzz.merge` folds the nodes' folders into one campaign."""
 
     def identity(self) -> dict:
+        spread = {"node": [self.node, self.nodes]} if self.nodes > 1 else {}
         return {"format": FORMAT, "seed": self.seed, "space": self.space.digest(),
-                "megatron_core": self.megatron_core, "inject": list(self.inject)}
+                "megatron_core": self.megatron_core, "inject": list(self.inject), **spread}
 
 
 @dataclass
@@ -65,6 +71,9 @@ class State:
     elapsed_s: float = 0.0
     pair_s: float = 0.0
     """Seconds spent judging drawn pairs (not shrinking)."""
+    next_index: int = 0
+    drawn_elsewhere: list[dict] = field(default_factory=list)
+    """The draws other nodes judge (:attr:`Settings.nodes`): coverage counts them here too."""
 
     def to_json(self, settings: Settings, coverage: Coverage) -> dict:
         values, pairs = coverage.reachable(settings.space)
@@ -73,7 +82,9 @@ class State:
                 "elapsed_s": round(self.elapsed_s, 1), "pair_s": round(self.pair_s, 1),
                 "coverage": {"values": len(coverage.values), "values_in_space": values,
                              "pairs": len(coverage.pairs), "pairs_in_space": pairs},
-                "throughput": throughput(self), "errors": run_errors(self.judged)}
+                "throughput": throughput(self), "errors": run_errors(self.judged),
+                "next_index": self.next_index,
+                **({"drawn_elsewhere": self.drawn_elsewhere} if self.drawn_elsewhere else {})}
 
 
 def run_errors(judged: list[dict]) -> dict[str, list[str]]:
@@ -116,9 +127,10 @@ def _load_state(out: Path, settings: Settings) -> tuple[State, Coverage]:
                        "--out")
     state = State(identity=identity, judged=doc["judged"], refused=Counter(doc["refused"]),
                   clusters=[Cluster.from_json(c) for c in doc["clusters"]], elapsed_s=doc["elapsed_s"],
-                  pair_s=doc["pair_s"])
-    for j in state.judged:
-        coverage.add(Draw.from_json(j["draw"]))
+                  pair_s=doc["pair_s"], drawn_elsewhere=doc.get("drawn_elsewhere", []),
+                  next_index=doc.get("next_index", len(doc["judged"]) and doc["judged"][-1]["index"] + 1))
+    for d in [j["draw"] for j in state.judged] + state.drawn_elsewhere:
+        coverage.add(Draw.from_json(d))
     return state, coverage
 
 
@@ -217,26 +229,20 @@ def run(settings: Settings, out: Path, say=print) -> dict:
             left = settings.budget_s - state.elapsed_s
             if left <= 0 or (settings.max_pairs is not None and len(state.judged) >= settings.max_pairs):
                 break
-            index0 = len(state.judged) and state.judged[-1]["index"] + 1
-            draws, names = [], []
-            for index in range(index0, index0 + settings.batch):
-                if settings.max_pairs is not None and len(state.judged) + len(draws) >= settings.max_pairs:
-                    break
-                d, refused = draw_for(settings.space, settings.seed, index, coverage, runner.refusal)
-                state.refused.update(refused)
-                if d is None:
-                    continue
-                coverage.add(d)
-                draws.append(d)
-                names.append(f"fuzz-{settings.seed}-{index:05d}")
-            if not draws:
+            b = _next_batch(state, settings, coverage, runner)
+            if not b.draws:
+                refused = state.refused + b.refused
                 raise BadInput("--space", "the rules refuse every draw of this space: "
-                               + "; ".join(f"{r} ({n}x)" for r, n in state.refused.most_common(3)))
+                               + "; ".join(f"{r} ({n}x)" for r, n in refused.most_common(3)))
+            names = [f"fuzz-{settings.seed}-{i:05d}" for i in b.indices]
             t0 = time.monotonic()
-            summaries = runner.judge(draws, names)
+            summaries = runner.judge(b.draws, names)
             state.pair_s += time.monotonic() - t0
-            for index, (d, name, s) in enumerate(zip(draws, names, summaries), start=index0):
+            for index, name, d, s in zip(b.indices, names, b.draws, summaries):
                 state.judged.append(_judged(index, name, d, s))
+            state.refused.update(b.refused)
+            state.drawn_elsewhere += b.elsewhere
+            state.next_index = b.next_index
             _settle(state, settings, runner, recorded, out, say)
             state.elapsed_s = before + time.monotonic() - started
             _write(state, settings, coverage, out)
@@ -245,6 +251,42 @@ def run(settings: Settings, out: Path, say=print) -> dict:
         say("\ngtp-parity fuzz: interrupted; what is done is kept")
     state.elapsed_s = before + time.monotonic() - started
     return _write(state, settings, coverage, out)
+
+
+@dataclass
+class Batch:
+    """The next draws a node judges, with what drawing them saw: committed to the state once they
+    are judged (an interrupted batch is drawn again on resume, as an uninterrupted one would)."""
+
+    draws: list[Draw] = field(default_factory=list)
+    indices: list[int] = field(default_factory=list)
+    elsewhere: list[dict] = field(default_factory=list)
+    """The other nodes' draws among them (coverage counts them on every node)."""
+    refused: Counter = field(default_factory=Counter)
+    next_index: int = 0
+
+
+def _next_batch(state: State, settings: Settings, coverage: Coverage, runner: Runner) -> Batch:
+    """Every index is drawn on every node (a draw depends on the coverage of all before it); this
+    node keeps the indices it is given (index mod nodes)."""
+    b, index = Batch(), state.next_index
+    while len(b.draws) < settings.batch and index < state.next_index + settings.batch * settings.nodes:
+        own = index % settings.nodes == settings.node
+        if own and settings.max_pairs is not None and len(state.judged) + len(b.draws) >= settings.max_pairs:
+            break
+        d, refused = draw_for(settings.space, settings.seed, index, coverage, runner.refusal)
+        if own:
+            b.refused.update(refused)
+        if d is not None:
+            coverage.add(d)
+            if own:
+                b.draws.append(d)
+                b.indices.append(index)
+            else:
+                b.elsewhere.append(d.to_json())
+        index += 1
+    b.next_index = index
+    return b
 
 
 def _judged(index: int, name: str, d: Draw, s: ScenarioSummary | None) -> dict:

@@ -87,8 +87,8 @@ class ModelConfig:
     SECTION: ClassVar[str] = "model"
 
     preset: Preset | None = option(
-        None, "architecture", """a model family's switches at tiny sizes (harness/scenario/presets.py says which);
-        every other key of [model] set beside it overrides the preset's value""", added_later=True)
+        None, "architecture", """a model family's switches at tiny sizes (harness/scenario/presets.py says
+        which); every other key of [model] set beside it overrides the preset's value""", added_later=True)
     num_layers: int = option(2, "architecture", "transformer layers", low=1,
                              mcore=("TransformerConfig.num_layers",), mlm="--num-layers")
     hidden_size: int = option(128, "architecture", "model width", low=1,
