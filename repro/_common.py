@@ -65,6 +65,7 @@ class Run:
     bf16: bool = False  # bf16 params and activations (Float16Module, as training wraps them);
     # main_grad stays fp32 (DDP grad_reduce_in_fp32)
     mtp_num_layers: int = 0  # multi-token prediction depths (the local spec's MTP block)
+    tied: bool = False  # the output layer computes with the word embedding's weight
     model: Model = field(default_factory=Model)
 
 
@@ -145,7 +146,7 @@ def build(run: Run, collection=None):
         model = GPTModel(
             config=config, transformer_layer_spec=spec,
             vocab_size=m.vocab_size, max_sequence_length=m.seq_length,
-            share_embeddings_and_output_weights=False, position_embedding_type="learned_absolute", **groups,
+            share_embeddings_and_output_weights=run.tied, position_embedding_type="learned_absolute", **groups,
             mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
                 if run.mtp_num_layers else None,
         )

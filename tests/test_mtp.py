@@ -50,7 +50,6 @@ def test_mtp_parameters_are_megatron_cores_names_and_sizes():
 MTP_CASES = [
     ("mtp-pp2", 'mtp_num_layers = 1', "train", "pipeline_parallel = 2", "[reference].pipeline_parallel",
      "pipeline_parallel = 1"),
-    ("mtp-tp2", 'mtp_num_layers = 1', "train", "tp = 2", "[reference].tp", "TP 1"),
     ("mtp-per-token", 'mtp_num_layers = 1', "train", 'per_token_loss = "both"', "[reference].per_token_loss",
      "mean loss"),
     ("mtp-torch-side", 'mtp_num_layers = 1', "candidate", 'backend = "torch"', "[candidate].backend",

@@ -221,6 +221,18 @@ def test_gtp_with_mtp_raises_at_the_first_backward_on_the_wheel(tmp_path):
         assert rank["gtp-off-mtp1"]["shared"]["output_layer.weight"]["finite"]
 
 
+def test_a_tied_output_layer_under_gtp_raises_at_its_first_forward(tmp_path):
+    """FINDINGS S on the wheel: GPTModel hands the tied output layer the embedding's GTP shard, and
+    ColumnParallelLinear.forward refuses a supplied weight of another shape than the TP-local one."""
+    ranks = _run("gtp_tied_embeddings.py", ["gtp-off-tied", "gtp2-tied"], tmp_path, returncode=1)
+    for rank in ranks:
+        assert rank["gtp2-tied"]["raised"] == ("RuntimeError: supplied weight's shape is (48, 64), "
+                                               "not (72, 64) as expected")
+        assert rank["gtp2-tied"]["where"].endswith("tensor_parallel/layers.py:forward:1132")
+        assert "gpt_model.py:_postprocess" in rank["gtp2-tied"]["where"]
+        assert rank["gtp-off-tied"]["loss"] > 0 and "raised" not in rank["gtp-off-tied"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("rev", "embedding_finite"), [("79e6b6a7f5", False), ("d262dbed3d", True)])
 def test_gtp_with_mtp_upstream_fixes(tmp_path, rev, embedding_finite):

@@ -28,8 +28,10 @@ def in_backward() -> bool:
 class DepthCapture:
     """The depth counters of one model's forward and the hooks that read them."""
 
-    def __init__(self, cap: Capture, depths: int):
-        self.cap, self.depths = cap, depths
+    def __init__(self, cap: Capture, depths: int, sequence_parallel: bool = False):
+        # Under sequence parallelism the embedding's and the MTP layers' outputs are cut over TP by
+        # sequence, as the decoder's are (the output layer gathers the sequence first).
+        self.cap, self.depths, self.sp = cap, depths, sequence_parallel
         self.depth = self.output_calls = self.embedding_calls = self.loss_calls = 0
 
     def start(self, *unused) -> None:
@@ -38,7 +40,7 @@ class DepthCapture:
 
     def module_hook(self, module_name: str):
         def hook(module, args, output):
-            self.cap.output("activation", names.depth_name(self.depth, module_name), output)
+            self.cap.output("activation", names.depth_name(self.depth, module_name), output, self.sp)
             if not module_name and not in_backward():
                 self.depth += 1  # the MTP layer itself finishes its depth
         return hook
@@ -46,7 +48,7 @@ class DepthCapture:
     def embedding_hook(self, module, args, output) -> None:
         calls = self.embedding_calls  # the decoder's input, then each depth's shifted input
         self.cap.output("activation", "embedding" if not calls else names.depth_name(calls - 1, "embedding"),
-                        output)
+                        output, self.sp)
         if not in_backward():
             self.embedding_calls += 1
 
@@ -71,13 +73,14 @@ class DepthCapture:
                    sample_ids=cap.sample_ids)
 
 
-def attach(cap: Capture, model, depths: int, modules: dict) -> DepthCapture | None:
+def attach(cap: Capture, model, depths: int, modules: dict,
+           sequence_parallel: bool = False) -> DepthCapture | None:
     """Hook ``model``'s MTP block, embedding and output layer (``model.mtp.layers``, as
     megatron-core names them); ``modules``, the plain captured modules, loses its ``embedding``
     and ``output_layer`` entries, which this names per call. None without MTP."""
     if not depths:
         return None
-    state = DepthCapture(cap, depths)
+    state = DepthCapture(cap, depths, sequence_parallel)
     modules.pop("output_layer", None)
     modules.pop("embedding", None)
     # The hooks live as long as the model (one side's).

@@ -348,7 +348,8 @@ def _signature(first: dict, df: pd.DataFrame, logical: dict, mesh: dict, key,
     r = ref.tensors.get(key)
     c = cand.tensors.get(key)
     if r is None and key in ref.samples:
-        ids = first.get("sample_ids") or []
+        ids = first.get("sample_ids")
+        ids = list(ids) if isinstance(ids, (list, tuple)) else []  # NaN where the row names none
         r = torch.stack([ref.samples[key][i] for i in ids]) if ids else None
         c = torch.stack([cand.samples[key][i] for i in ids]) if ids else None
     if r is None or c is None:

@@ -43,9 +43,6 @@ def validate_mtp_side(s: Scenario, name: str, side: Side, where: str) -> None:
         raise BadInput(f"{where}.pipeline_parallel",
                        "MTP scenarios run at pipeline_parallel = 1: the last stage's copy of the embedding "
                        "that MTP needs under pipelining is not recorded by this harness")
-    if side.tp != 1:
-        raise BadInput(f"{where}.tp",
-                       "MTP scenarios run at TP 1: MTP under tensor parallelism is not covered yet")
     if side.per_token_loss != "none":
         # process_mtp_loss re-weights each depth by the micro-batch's token counts under a
         # per-token loss; the golden models the mean loss only.
