@@ -146,7 +146,8 @@ def build(run: Run, collection=None):
         model = GPTModel(
             config=config, transformer_layer_spec=spec,
             vocab_size=m.vocab_size, max_sequence_length=m.seq_length,
-            share_embeddings_and_output_weights=run.tied, position_embedding_type="learned_absolute", **groups,
+            share_embeddings_and_output_weights=run.tied, position_embedding_type="learned_absolute",
+            **groups,
             mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
                 if run.mtp_num_layers else None,
         )
