@@ -141,3 +141,21 @@ def test_extra_rounding_names_the_narrower_dtype_and_the_rounded_side():
     # wrong rows of values below fp16's normal range (Adam's second moments, ~1e-8): not fp16's ULPs
     small = exact.double().abs() * 1e-8
     assert extra_rounding(small, torch.cat([small[:32], small[33:], small[32:33]])) is None
+
+
+def test_a_shape_mismatch_of_a_per_sample_tensor_is_named_without_its_sample_ids():
+    """A per-sample activation whose two sides' shapes differ (a capture layout the harness got wrong)
+    has a row with no sample ids (NaN in the table): named ``mismatch`` with its shapes in the row, never
+    a crash of the signature (an MTP depth's re-embedding under sequence parallelism once did this)."""
+    from types import SimpleNamespace
+
+    import pandas as pd
+
+    from harness.compare.localize import _signature
+
+    key = (1, "activation", "embedding")
+    logical = {"reference": SimpleNamespace(tensors={}, samples={key: {0: torch.zeros(16, 4)}}),
+               "candidate": SimpleNamespace(tensors={}, samples={key: {0: torch.zeros(8, 4)}})}
+    first = {"step": 1, "kind": "activation", "tensor": "embedding", "policy": "shape",
+             "sample_ids": float("nan"), "detail": "shape (1, 16, 4) vs (1, 8, 4)"}
+    assert _signature(first, pd.DataFrame([first]), logical, {"tp": 2}, key) == ("mismatch", {})
