@@ -131,3 +131,14 @@ def test_parallel_output_off_runs_at_tp_1_in_bf16_and_a_padded_pair_of_tp_1_and_
     s = _case(**PADDED)
     validate(dataclasses.replace(s, candidate=dataclasses.replace(s.candidate, tp=2, world_size=4)))
     assert math.isclose(padded_vocab_size(s.model, 2), padded_vocab_size(s.model, 1))
+
+
+def test_validate_exits_2_naming_the_key_and_the_reason(tmp_path, capsys):
+    from harness.cli import main
+
+    text = (ROOT / "tests" / "assets" / "mlm_tiny.toml").read_text()
+    path = tmp_path / "s.toml"
+    path.write_text(text.replace("vocab_size = 72\n", "vocab_size = 72\nlabel_smoothing = 0.1\n", 1))
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "[model].label_smoothing" in err and "no switch reaches it" in err
