@@ -1,8 +1,9 @@
 """The architecture switches' planted faults (harness.scenario.arch_faults): a replicated bias whose
 grad is not reduced over the GTP group, a gated fc1's halves and GQA's query groups moved across GTP
-shards. Each refused, with its reason, on a side without the switch or layout it needs (fast); the
-three planted in one launch on a tiny GTP 2 model with every switch they need, each localized where
-the catalogue says, with what it did measured from the traces."""
+shards, a padded vocabulary's output layer handed out with GTP's pad rows in front. Each refused, with
+its reason, on a side without the switch or layout it needs (fast); all planted in one launch on a
+tiny GTP 2 model with every switch they need, each localized where the catalogue says, with what it
+did measured from the traces."""
 
 from __future__ import annotations
 
@@ -15,13 +16,13 @@ from harness import scenario
 from harness.capture import trace
 from harness.common.errors import BadInput
 from harness.compare.assemble import assemble_trace
-from harness.scenario.arch_faults import ARCH_FAULTS, BIAS, GLU, QKV, TIED
+from harness.scenario.arch_faults import ARCH_FAULTS, BIAS, GLU, QKV, TIED, VOCAB
 from harness.scenario.faults import CATALOG
 from harness.scenario.planting import plant
 from tests.helpers import ROOT, run, step1_partial_grad_bound, summary
 
-FAULTS = (BIAS, GLU, QKV, TIED)
-GTP_FAULTS = (BIAS, GLU, QKV)
+FAULTS = (BIAS, GLU, QKV, VOCAB, TIED)
+GTP_FAULTS = (BIAS, GLU, QKV, VOCAB)
 
 
 def _base(**model) -> scenario.Scenario:
@@ -39,9 +40,11 @@ def _tied() -> scenario.Scenario:
                                candidate=dataclasses.replace(s.candidate, gtp=1, tp=2))
 
 
-# Every switch the three faults need: a bias, a gated fc1 of 160 rows (2 GTP shards of 80, no pad),
-# 2 query groups of 64 rows in a 128-row QKV (one group per GTP shard, no pad).
-SWITCHES = {"add_bias_linear": True, "activation": "swiglu", "num_query_groups": 2}
+# Every switch the faults need: a bias, a gated fc1 of 160 rows (2 GTP shards of 80, no pad),
+# 2 query groups of 64 rows in a 128-row QKV (one group per GTP shard, no pad), 71 tokens padded
+# to 72 rows (GTP pads the output layer's 72 to 96: 24 pad rows).
+SWITCHES = {"add_bias_linear": True, "activation": "swiglu", "num_query_groups": 2, "vocab_size": 71,
+            "make_vocab_size_divisible_by": 4}
 
 
 # --- reach: refused, naming what is missing -------------------------------------------------------
@@ -68,6 +71,8 @@ def test_each_fault_fits_the_model_with_its_switches():
     (QKV, {"num_query_groups": 1}, {}, "whole query groups on each GTP shard"),
     (TIED, {"untie_embeddings": False}, {}, "at GTP off with tied embeddings"),  # the candidate has GTP
     (TIED, {}, {"gtp": 1}, "at GTP off with tied embeddings"),  # untied
+    (VOCAB, {}, {}, "needs a padded vocabulary"),
+    (VOCAB, {"vocab_size": 60, "make_vocab_size_divisible_by": 32}, {}, "needs GTP pad rows"),
 ])
 def test_a_side_without_the_layout_a_fault_needs_refuses_it(fault, model, train, said):
     s = _base(**{"add_bias_linear": False, **model})
@@ -108,7 +113,7 @@ def test_gtp_parity_inject_lists_them(capsys):
         assert f"{name} " in listed and CATALOG[name].bug_class in listed
 
 
-# --- the four planted, in one launch set -----------------------------------------------------------
+# --- the five planted, in one launch set -----------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +154,8 @@ def test_each_fault_is_localized_where_the_catalogue_says(arch_run, fault):
         assert fd["ranks"] == [0, 1]
     if expect["signature"] == "permuted-blocks":
         assert fd["permutation"] == {"blocks": 2, "pad_rows": 0, "permutation": [1, 0]}, fd
+    if expect["signature"] == "pad-rows-as-data":  # 72 rows padded to a multiple of 16 x 2: 24
+        assert fd["inserted_rows"] == {"row": 0, "count": 24}, fd
 
 
 def _traces(out, name):
@@ -201,3 +208,16 @@ def test_the_tied_grad_holds_the_lookups_use_alone(arch_run):
     unused = (cand == 0).all(dim=1)
     assert int(unused.sum()) >= 72 - 4 * 16
     assert bool((ref[unused] != 0).any(dim=1).all())  # the output layer's term, dropped
+
+
+@pytest.mark.multirank
+def test_the_output_layers_hand_out_has_gtps_pad_rows_in_front(arch_run):
+    """Step 1's hand-out of the padded vocabulary's output layer (72 rows: 71 tokens and a padded row)
+    is the reference's weight with GTP's 24 zero pad rows in front and its last 24 rows cut off, bit
+    for bit: the first 24 tokens' logits are 0 in the loss."""
+    _, out, _ = arch_run
+    traces, name = _traces(out, f"arch-{VOCAB}"), CATALOG[VOCAB].target
+    ref, cand = (assemble_trace(traces[role]).tensors[(1, "materialized", name)]
+                 for role in ("reference", "candidate"))
+    assert ref.shape[0] == 72 and bool(ref[:24].ne(0).any())
+    assert torch.equal(cand, torch.cat([torch.zeros_like(ref[:24]), ref[:48]]))

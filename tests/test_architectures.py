@@ -163,3 +163,45 @@ def test_a_qkv_shaped_like_the_padded_embedding_shares_its_gather_buffer(arch_ru
     qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
     assert pairs == {("embedding.word_embeddings.weight", qkv)}
     assert by_name["gqa-tp2-gtp2-prefetch-off-fp32"]["verdict"] == "pass"
+
+
+# A padded vocabulary: 71 tokens, make_vocab_size_divisible_by 4. Written out here, not read from the
+# harness: 71 padded to a multiple of 4 x TP is 72 rows at TP 1 and at TP 2, one padded row; its
+# TP-local rows (TP, G) -> 72 at TP 1, 36 at TP 2; GTP 2 pads 72 to 96 (48 a shard) and 36 to 64 (32).
+PADDED_ROWS = {(1, 1): 72, (2, 1): 36, (1, 2): 48, (2, 2): 32}
+VOCAB = [s.name for s in MATRIX + GOLDEN if s.model.make_vocab_size_divisible_by != 1]
+
+
+@pytest.mark.parametrize("name", VOCAB)
+def test_megatron_core_built_the_padded_vocabulary(arch_run, name):
+    """megatron-core's word embedding and output layer hold the padded rows (the harness loads its
+    canonical weights into exactly what megatron-core built), the trace describes the padded row."""
+    _, by_name, _ = arch_run
+    s = BY_NAME[name]
+    assert (s.model.vocab_size, s.model.make_vocab_size_divisible_by, s.model.hidden_size) == (71, 4, 64)
+    roles = [r for r in ("reference", "candidate") if s.sides[r].backend == "megatron"]
+    for role in roles:
+        side = s.sides[role]
+        got = _params(by_name[name]["traces"][role])
+        t = trace.read(by_name[name]["traces"][role])
+        for table in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            assert got[table][0] == (PADDED_ROWS[(side.tp, side.gtp)], 64), (role, table)
+            layout = next(e.layout for e in t.entries if e.name == table and e.kind == "param")
+            assert (layout.logical_shape, layout.vocab_padding) == ((72, 64), 1)
+
+
+def test_the_padded_row_takes_part_in_the_softmax_and_no_token_reaches_it(arch_run):
+    """In megatron-core (GTP off, TP 1) the output layer's padded row gets a gradient, its share of
+    the softmax denominator; the word embedding's padded row none, exactly: no token looks it up.
+    The golden holds the same (the case passes against it)."""
+    from harness.compare.assemble import assemble_trace
+
+    _, by_name, _ = arch_run
+    name = "golden-vocab-pad"
+    for role in ("reference", "candidate"):  # megatron-core, the golden model
+        tensors = assemble_trace(trace.read(by_name[name]["traces"][role])).tensors
+        embedding = tensors[(1, "main_grad", "embedding.word_embeddings.weight")]
+        output = tensors[(1, "main_grad", "output_layer.weight")]
+        assert bool(embedding[:71].ne(0).any()) and bool(embedding[71].eq(0).all()), role
+        assert bool(output[71].ne(0).all()), role
+    assert by_name[name]["verdict"] == "pass"

@@ -110,7 +110,7 @@ def test_every_megatron_lm_flag_the_declarations_and_the_args_rules_name_exists(
     ("--moe-router-topk", "[model].moe_topk"),
     ("--moe-shared-expert-intermediate-size", "shapes the model's parameters"),
     ("--context-parallel-size", "parallel layout"),
-    ("--make-vocab-size-divisible-by", "fixed by the harness"),
+    ("--make-vocab-size-divisible-by", "[model].make_vocab_size_divisible_by"),
     ("--swiglu", "[model].activation sets"),
     ("--squared-relu", "[model].activation = \"squared_relu\""),
     ("--quick-geglu", "the golden does not follow"),

@@ -222,7 +222,7 @@ def test_gtp_with_mtp_raises_at_the_first_backward_on_the_wheel(tmp_path):
 
 
 def test_a_tied_output_layer_under_gtp_raises_at_its_first_forward(tmp_path):
-    """FINDINGS S on the wheel: GPTModel hands the tied output layer the embedding's GTP shard, and
+    """FINDINGS T on the wheel: GPTModel hands the tied output layer the embedding's GTP shard, and
     ColumnParallelLinear.forward refuses a supplied weight of another shape than the TP-local one."""
     ranks = _run("gtp_tied_embeddings.py", ["gtp-off-tied", "gtp2-tied"], tmp_path, returncode=1)
     for rank in ranks:

@@ -8,6 +8,7 @@ cut into its own layout by :func:`layout_of`, so step-0 logical weights are equa
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from harness.common.layout import Layout, gtp_pad
 from harness.common.mesh import Mesh
 from harness.scenario.arch_rules import qkv_rows
 from harness.scenario.schema import GATED, ModelConfig, Side
+from harness.scenario.vocab_rules import padded_vocab_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,12 +38,16 @@ class ParamSpec:
     tp_stride: int = 1
     """Blocks TP cuts one by one (megatron-core's ``partition_stride``): 2 for a gated fc1's
     ``[gate; up]``, rank r holding ``[gate_r; up_r]``."""
+    vocab_padding: int = 0
+    """Rows the padded vocabulary adds at the tail of dim 0 (the word embedding, the output layer)."""
 
 
 def param_specs(m: ModelConfig) -> list[ParamSpec]:
-    """Every parameter of the GPT, in megatron-core's registration order."""
-    h, v = m.hidden_size, m.vocab_size
-    specs = [ParamSpec("embedding.word_embeddings.weight", (v, h), 0, True, "normal")]
+    """Every parameter of the GPT, in megatron-core's registration order (the vocabulary padded:
+    :func:`~harness.scenario.vocab_rules.padded_vocab_size`, equal on every side)."""
+    h, v = m.hidden_size, padded_vocab_size(m)
+    pad = v - m.vocab_size
+    specs = [ParamSpec("embedding.word_embeddings.weight", (v, h), 0, True, "normal", vocab_padding=pad)]
     if m.position_embedding_type == "learned_absolute":  # RoPE and none have no parameters
         specs.append(ParamSpec("embedding.position_embeddings.weight", (m.seq_length, h), None, False,
                                "normal"))
@@ -50,7 +56,7 @@ def param_specs(m: ModelConfig) -> list[ParamSpec]:
     specs += _norm_specs("decoder.final_layernorm", m)
     specs += _mtp_specs(m)
     if m.untie_embeddings:
-        specs.append(ParamSpec("output_layer.weight", (v, h), 0, True, "normal"))
+        specs.append(ParamSpec("output_layer.weight", (v, h), 0, True, "normal", vocab_padding=pad))
     return specs
 
 
@@ -162,7 +168,15 @@ def layout_of(spec: ParamSpec, side: Side, num_experts: int = 0) -> Layout:
         local0 = spec.shape[0] // (side.tp if spec.tp_dim == 0 else 1)
         placements["gtp"] = Shard(0)
         pads["gtp"] = gtp_pad(local0, side.gtp, side.gtp_pad_alignment)
-    return Layout(spec.shape, mesh, placements, pads, strides=strides)
+    return Layout(spec.shape, mesh, placements, pads, strides=strides, vocab_padding=spec.vocab_padding)
+
+
+def vocabulary_described(layouts: dict[str, Layout], m: ModelConfig) -> dict[str, Layout]:
+    """``layouts`` read off megatron-core's attributes (which do not say which rows the padded
+    vocabulary adds) with the vocabulary tables' padding rows described."""
+    pad = {s.name: s.vocab_padding for s in param_specs(m) if s.vocab_padding}
+    return {n: dataclasses.replace(layout, vocab_padding=pad[n]) if n in pad else layout
+            for n, layout in layouts.items()}
 
 
 def _expert_layout(spec: ParamSpec, side: Side, num_experts: int) -> Layout:

@@ -203,4 +203,4 @@ def gathered(layout: Layout) -> Layout:
     stride (a gated fc1's TP-local block is ``[gate_r; up_r]`` gathered or not)."""
     strides = {"tp": layout.strides["tp"]} if "tp" in layout.strides else {}
     return Layout(layout.logical_shape, layout.mesh, {"tp": layout.placement("tp")},
-                  grid=layout.grid, fixed=layout.fixed, strides=strides)
+                  grid=layout.grid, fixed=layout.fixed, strides=strides, vocab_padding=layout.vocab_padding)

@@ -47,6 +47,11 @@ class Layout:
     each of the k equal blocks is cut along the axis and a rank holds its piece of every block, in
     block order. A gated fc1 ``[gate; up]`` is cut with stride 2 over TP: rank r holds
     ``[gate_r; up_r]`` (DTensor's ``_StridedShard``)."""
+    vocab_padding: int = 0
+    """Rows at the tail of dim 0 that a padded vocabulary adds (the word embedding's, the output
+    layer's): logical rows, cut, held, trained and compared as the others (megatron-core's softmax
+    counts the output layer's), never a token's; the vocabulary's own are the first
+    ``logical_shape[0] - vocab_padding``. GTP's ``pads`` come after them, in the TP-local block."""
 
     def placement(self, axis: str) -> Placement:
         return self.placements.get(axis, Replicate())
@@ -59,6 +64,7 @@ class Layout:
             "pads": dict(self.pads),
             **({"grid": self.grid, "fixed": dict(self.fixed)} if self.grid != "dense" else {}),
             **({"strides": dict(self.strides)} if self.strides else {}),
+            **({"vocab_padding": self.vocab_padding} if self.vocab_padding else {}),
         }
 
     @staticmethod
@@ -71,6 +77,7 @@ class Layout:
             grid=doc.get("grid", "dense"),
             fixed=dict(doc.get("fixed", {})),
             strides=dict(doc.get("strides", {})),
+            vocab_padding=int(doc.get("vocab_padding", 0)),
         )
 
     def local_shape(self) -> tuple[int, ...]:

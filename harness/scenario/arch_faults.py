@@ -1,12 +1,11 @@
 """The planted faults of the architecture switches ([model]'s biases, gated MLP, grouped-query
-attention, tied embeddings): one per layout they add to what GTP shards or replicates or a weight
-shares. Part of the catalogue
-(:mod:`harness.scenario.faults` merges them into ``CATALOG``); :mod:`harness.backends.faults.arch`
-plants them; torch-free.
+attention, tied embeddings, padded vocabulary): one per layout they add to what GTP shards or
+replicates or a weight shares. Part of the catalogue (:mod:`harness.scenario.faults` merges them
+into ``CATALOG``); :mod:`harness.backends.faults.arch` plants them; torch-free.
 
-Each acts on layer 0 of a megatron side with GTP (the tied one on the embedding, at GTP off);
-:func:`arch_reach` says why a side cannot take
-one (the switch it needs is off, or its layout is not the one the expected signature names).
+Each acts on layer 0 (the padded vocabulary's: on the output layer) of a megatron side with GTP
+(the tied one on the embedding, at GTP off); :func:`arch_reach` says why a side cannot take one
+(the switch it needs is off, or its layout is not the one the expected signature names).
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from harness.scenario.fault import Fault
 
 BIAS, GLU, QKV = "gtp-bias-grad-unreduced", "gtp-glu-halves-crossed", "gtp-qkv-groups-reordered"
 TIED = "tied-grad-one-use"
+VOCAB = "gtp-vocab-pad-rows-in-loss"
 
 ARCH_FAULTS: dict[str, Fault] = {
     f.name: f
@@ -60,6 +60,16 @@ ARCH_FAULTS: dict[str, Fault] = {
              "tensor": "embedding.word_embeddings.weight", "signature": "shared-weight-only"},
             target="embedding.word_embeddings.weight",
         ),
+        Fault(
+            VOCAB, "padding",
+            "the forward all-gather of output_layer.weight (a padded vocabulary: its padded rows, then GTP's "
+            "pad rows at the tail of the TP block) hands out the gathered block with GTP's zero pad rows in "
+            "front: they stand in the first vocabulary entries' places, whose logits become 0 in the loss's "
+            "softmax, and every row behind them moves down",
+            {"step": 1, "phase": "weights", "kind": "materialized", "tensor": "output_layer.weight",
+             "signature": "pad-rows-as-data"},
+            target="output_layer.weight",
+        ),
     ]
 }
 
@@ -102,4 +112,18 @@ def arch_reach(name: str, side, model) -> str | None:
         if not (_unpadded(rows, side) and groups % side.gtp == 0):  # whole groups per shard
             return (f"{name!r} needs whole query groups on each GTP shard: the TP block's {groups} groups "
                     f"({rows} rows) a multiple of G = {side.gtp}, with no pad rows")
+    return _vocab_reach(name, side, model) if name == VOCAB else None
+
+
+def _vocab_reach(name: str, side, model) -> str | None:
+    multiple = model.make_vocab_size_divisible_by * side.tp
+    rows = -(-model.vocab_size // multiple) * multiple // side.tp  # the output layer's TP block
+    if rows * side.tp == model.vocab_size:
+        return (f"{name!r} needs a padded vocabulary (vocab_size {model.vocab_size} is not padded at "
+                f"TP {side.tp})")
+    align = side.gtp_pad_alignment * side.gtp
+    pad = (-rows) % align if align else 0
+    if not 0 < pad < rows:
+        return (f"{name!r} needs GTP pad rows behind the output layer's TP block of {rows} rows, fewer "
+                f"than its rows (gtp_pad_alignment x G = {align})")
     return None

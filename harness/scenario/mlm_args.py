@@ -13,14 +13,14 @@ from __future__ import annotations
 from harness.scenario.options import Option, mlm_flags
 from harness.scenario.schema import DataConfig, ModelConfig, Side
 
-# What the harness fixes for every mlm side: the model's fixed choices (no dropout, an unpadded
-# vocabulary), the data loader and the logging the hooks read.
+# What the harness fixes for every mlm side: the model's fixed choices (no dropout), the data
+# loader and the logging the hooks read.
 FIXED_FLAGS = (
     "--tokenizer-type", "NullTokenizer", "--weight-decay-incr-style", "constant",
     "--no-gradient-accumulation-fusion",
     "--attention-dropout", "0", "--hidden-dropout", "0", "--attention-softmax-in-fp32",
     "--pipeline-model-parallel-size", "1", "--log-interval", "1", "--dataloader-type", "single",
-    "--num-workers", "0", "--log-num-zeros-in-grad", "--make-vocab-size-divisible-by", "1",
+    "--num-workers", "0", "--log-num-zeros-in-grad",
 )
 
 _PARAMETERS = "shapes the model's parameters beyond the scenario's keys (the harness could not assemble them)"

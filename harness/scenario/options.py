@@ -218,7 +218,7 @@ def key_tables(*classes: type) -> str:
                     "|---" * len(head) + "|"]
             for o in (o for o in opts.values() if o.group == group):
                 backends = ", ".join(b for b in BACKENDS if b in o.backends)
-                backends = "all" if o.backends == EVERY_BACKEND else backends
+                backends = "all" if o.backends == EVERY_BACKEND else backends or "none"
                 reaches = "<br>".join(f"`{r}`" for r in (*o.mcore, o.mlm) if r) or "the harness"
                 choices = f"one of {', '.join(f'`{c}`' for c in o.choices)}" if o.choices else ""
                 notes = [choices, value_range(o), "placement only" if o.placement_only else ""]

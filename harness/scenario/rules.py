@@ -18,6 +18,7 @@ from harness.scenario.moe_rules import moe_parameter_count, validate_moe_model, 
 from harness.scenario.arch_rules import (
     arch_parameter_count, qkv_rows, validate_arch_model, validate_arch_side,
 )
+from harness.scenario.vocab_rules import padded_vocab_size, validate_vocab_model, validate_vocab_side
 from harness.scenario.mtp_rules import mtp_parameter_count, validate_mtp_model, validate_mtp_side
 from harness.scenario.muon_rules import validate_muon_side
 from harness.scenario.path_rules import validate_paths
@@ -41,6 +42,7 @@ def validate(s: Scenario, limits: bool = True) -> None:
     validate_moe_model(s)
     validate_mtp_model(s)
     validate_arch_model(s)
+    validate_vocab_model(s)
     steps = {}
     for name, side in s.sides.items():
         where = f"{s.source}: [{name}]"
@@ -48,6 +50,7 @@ def validate(s: Scenario, limits: bool = True) -> None:
         _validate_choices(side, where)
         _validate_training(side, where)
         _validate_topology(s, name, side, where)
+        validate_vocab_side(s, side, where)
         _validate_recipe(s, side, where)
         _validate_faults(name, side, where, s.data)
         validate_paths(s, side, where)
@@ -133,7 +136,7 @@ def _validate_topology(s: Scenario, name: str, side: Side, where: str) -> None:
                        f"PP = {side.tp} x {side.gtp} x {side.pipeline_parallel}")
     if side.dp is not None and side.dp != side.replicate_dp:
         raise BadInput(f"{where}.dp", f"dp {side.dp} != world_size / (TP x G) = {side.replicate_dp}")
-    for key in ("num_attention_heads", "hidden_size", "ffn_hidden_size", "vocab_size"):
+    for key in ("num_attention_heads", "hidden_size", "ffn_hidden_size"):  # the vocabulary: padded
         if getattr(m, key) % side.tp:
             raise BadInput(f"{where}.tp", f"TP {side.tp} must divide [model].{key} = {getattr(m, key)}")
     if side.gtp > 1:
@@ -280,7 +283,7 @@ def _validate_limits(s: Scenario) -> None:
 
 def parameter_count(m: ModelConfig) -> int:
     """Parameters of the GPT (LayerNorms, embeddings, the switches' own), for the size limit."""
-    h, f, v = m.hidden_size, m.ffn_hidden_size, m.vocab_size
+    h, f, v = m.hidden_size, m.ffn_hidden_size, padded_vocab_size(m)
     layer = 4 * h * h + 2 * h * f + 4 * h  # qkv + proj, fc1 + fc2, two LayerNorms (weight, bias)
     return (m.num_layers * layer + v * h * (2 if m.untie_embeddings else 1) + m.seq_length * h + 2 * h
             + moe_parameter_count(m) + mtp_parameter_count(m) + arch_parameter_count(m))
@@ -297,8 +300,8 @@ def _gtp_dim0s(m: ModelConfig, tp: int) -> dict[str, int]:
         "linear_proj": m.hidden_size,
         "linear_fc1": (2 if m.activation in GATED else 1) * m.ffn_hidden_size // tp,
         "linear_fc2": m.hidden_size,
-        "word_embeddings": m.vocab_size // tp,
-        "output_layer": m.vocab_size // tp,
+        "word_embeddings": padded_vocab_size(m, tp) // tp,
+        "output_layer": padded_vocab_size(m, tp) // tp,
     }
 
 

@@ -100,8 +100,18 @@ class ModelConfig:
         mcore=("TransformerConfig.num_attention_heads",), mlm="--num-attention-heads")
     seq_length: int = option(64, "architecture", "tokens per sample", low=1,
                              mcore=("GPTModel.max_sequence_length",), mlm="--seq-length")
-    vocab_size: int = option(128, "architecture", "vocabulary size (not padded: TP must divide it)", low=1,
-                             mcore=("GPTModel.vocab_size",), mlm="--vocab-size")
+    vocab_size: int = option(
+        128, "architecture", """vocabulary size: the data draws its tokens from it; the model's word embedding
+        and output layer hold it padded (make_vocab_size_divisible_by)""", low=1,
+        mcore=("GPTModel.vocab_size (padded)",), mlm="--vocab-size")
+    make_vocab_size_divisible_by: int = option(
+        1, "architecture", """the model's vocabulary is vocab_size padded to a multiple of this x TP, as
+        Megatron-LM pads it (1: padded only where TP does not divide vocab_size). The padded rows are
+        parameters as the others (initialized, trained; the output layer's take part in the softmax
+        denominator); no token reaches them. Every side and the golden must hold the same padded size""",
+        low=1, backends=ARCH_BACKENDS, added_later=True,
+        mcore=("GPTModel.vocab_size (vocab_size padded to a multiple of this x TP)",),
+        mlm="--make-vocab-size-divisible-by")
     untie_embeddings: bool = option(
         True, "architecture", """a separate output layer weight; false: the output layer computes with the
         word embedding's (tied); under GTP megatron-core's sides run it (the torch backend's GTP does not)""",
@@ -152,6 +162,16 @@ class ModelConfig:
         10000, "architecture", "RoPE's base: the inverse frequencies are base^(-2i / rotary dim); with "
         "``rope`` only", low=1, backends=ARCH_BACKENDS, added_later=True, mcore=("GPTModel.rotary_base",),
         mlm="--rotary-base (with rope)")
+    parallel_output: bool = option(
+        True, "loss", """the logits stay cut over TP into the vocab-parallel cross entropy; false: the output
+        layer gathers them over TP first. TP 1 only, and bf16 on megatron: megatron-core's loss runs the
+        vocab-parallel cross entropy over TP on the gathered logits (off by log TP), and in fp32 its backward
+        raises (validate says where)""", backends=frozenset({"megatron", "torch"}), added_later=True,
+        mcore=("GPTModel.parallel_output",))
+    label_smoothing: float = option(
+        0.0, "loss", """the cross entropy's label smoothing: refused, as no switch of megatron-core or
+        Megatron-LM reaches vocab_parallel_cross_entropy's""", low=0.0, high=1.0,
+        backends=frozenset(), added_later=True)
     init_std: float = option(
         0.02, "architecture", "std of the normal initialization; output projections use std / sqrt(2 x "
         "num_layers)", mcore=("TransformerConfig.init_method_std",), mlm="--init-method-std")

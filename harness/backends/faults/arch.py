@@ -13,6 +13,9 @@ run-time patches of megatron-core's finalize and GTP gather, undone with the sid
   all-gather could put the shards in. The backward's re-gather is left alone.
 - ``tied-grad-one-use``: the output layer's forward is handed a detached view of the shared
   word-embedding weight (GPTModel passes it as ``weight``): its use's grad is dropped.
+- ``gtp-vocab-pad-rows-in-loss``: the output layer's forward hand-out (a padded vocabulary) is its
+  gathered TP block with GTP's zero pad rows read in front (the last rows cut off): the padding
+  leaks into the logits and the loss. The backward's re-gather is left alone.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import importlib
 import torch
 
 from harness.backends.patching import patch
-from harness.scenario.arch_faults import ARCH_FAULTS, BIAS, GLU, QKV, TIED
+from harness.scenario.arch_faults import ARCH_FAULTS, BIAS, GLU, QKV, TIED, VOCAB
 
 
 def _target(ctx, name: str):
@@ -55,8 +58,13 @@ def _bias_grad_unreduced(ctx) -> None:
 
 
 def _rolled_gather(ctx, name: str, shift) -> None:
-    """The target's forward hand-out rolled by ``shift(rows)`` rows along dim 0 (a new tensor:
-    the gather buffer itself is left as GTP filled it)."""
+    """The target's forward hand-out rolled by ``shift(rows)`` rows along dim 0."""
+    _changed_gather(ctx, name, lambda out, param: torch.roll(out, shifts=shift(out.shape[0]), dims=0))
+
+
+def _changed_gather(ctx, name: str, change) -> None:
+    """The target's forward hand-out replaced by ``change(out, param)`` (a new tensor: the gather
+    buffer itself is left as GTP filled it)."""
     from megatron.core.tensor_parallel.generalized_tensor_parallelism import GTPShardedParam
 
     target = _target(ctx, name)
@@ -64,9 +72,7 @@ def _rolled_gather(ctx, name: str, shift) -> None:
 
     def all_gather_and_prefetch(self, fwd=True, nvtx_label=None):
         out = original(self, fwd=fwd, nvtx_label=nvtx_label)
-        if fwd and self is target:
-            return torch.roll(out, shifts=shift(out.shape[0]), dims=0)
-        return out
+        return change(out, self) if fwd and self is target else out
 
     patch(GTPShardedParam, "all_gather_and_prefetch", all_gather_and_prefetch)
 
@@ -95,5 +101,14 @@ def _tied_grad_one_use(ctx) -> None:
         patch(layer, "forward", detached)
 
 
+def _pad_in_front(out: torch.Tensor, param) -> torch.Tensor:
+    pad = int(param.pad_length)  # GTP's pad rows of the TP block, zero as its gather buffer holds them
+    return torch.cat([out.new_zeros((pad, *out.shape[1:])), out[:out.shape[0] - pad]])
+
+
+def _vocab_pad_rows_in_loss(ctx) -> None:
+    _changed_gather(ctx, VOCAB, _pad_in_front)
+
+
 ARCH_INSTALLERS = {BIAS: _bias_grad_unreduced, GLU: _glu_halves_crossed, QKV: _qkv_groups_reordered,
-                   TIED: _tied_grad_one_use}
+                   TIED: _tied_grad_one_use, VOCAB: _vocab_pad_rows_in_loss}

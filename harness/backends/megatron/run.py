@@ -9,6 +9,8 @@ in samples, as Megatron-LM does). What a step records, and when, is
 
 from __future__ import annotations
 
+import dataclasses
+
 from functools import partial
 
 import torch
@@ -27,9 +29,12 @@ from harness.backends.recording import Materialized, Recording, StepScalars, gat
 from harness.capture.api import Capture
 from harness.common import muon
 from harness.common.dtypes import DTYPES
-from harness.backends.gpt import canonical_state, captured_modules, layout_of, mesh_of, param_specs
+from harness.backends.gpt import (
+    canonical_state, captured_modules, layout_of, mesh_of, param_specs, vocabulary_described,
+)
 from harness.common.layout import from_mcore_param, holds, shard
 from harness.scenario.options import mcore_kwargs
+from harness.scenario.vocab_rules import padded_vocab_size
 from harness.common.mesh import on_grid
 
 
@@ -105,6 +110,7 @@ def _build(job: Job):
             config=config,
             transformer_layer_spec=moe.layer_spec(job),
             **mcore_kwargs("GPTModel", m),
+            vocab_size=padded_vocab_size(m, side.tp),  # padded as Megatron-LM pads it
             share_embeddings_and_output_weights=not m.untie_embeddings,
             mtp_block_spec=mtp.block_spec(job, config, moe.layer_spec(job)),
             **pipeline.stage_flags(vp),
@@ -155,6 +161,7 @@ def _load_canonical(model, job: Job, mesh: dict, coord: dict, vp: int | None = N
             raise RuntimeError(f"megatron-core built a parameter the harness does not know: {name}")
         ours = layout_of(spec, job.side, job.model.num_experts)
         theirs = moe.mcore_layout(p, ours) if spec.expert is not None else from_mcore_param(p, mesh)
+        theirs = dataclasses.replace(theirs, vocab_padding=spec.vocab_padding)  # not an attribute of theirs
         if ours.to_json() != theirs.to_json():
             raise RuntimeError(f"{name}: megatron-core lays it out as {theirs.to_json()}, expected "
                                f"{ours.to_json()}")
@@ -257,7 +264,7 @@ def _train(job, cap, ctx, config, chunks, scheduler, mesh, forward_backward, fin
     from megatron.core import parallel_state as ps
 
     side, opt, named = job.side, ctx.optimizer, ctx.named_params
-    layouts = {n: from_mcore_param(p, mesh) for n, p in named}
+    layouts = vocabulary_described({n: from_mcore_param(p, mesh) for n, p in named}, job.model)
     layouts.update(moe.expert_layouts(job, named))
     for ddp in chunks:
         inner = ddp.module.module if side.precision == "bf16" else ddp.module

@@ -62,7 +62,7 @@ READ_BACK = (
     "--optimizer", "--lr", "--min-lr", "--lr-warmup-iters", "--lr-decay-iters", "--lr-decay-style",
     "--weight-decay", "--clip-grad", "--adam-beta1", "--adam-beta2", "--adam-eps", "--sgd-momentum",
     "--eval-interval", "--eval-iters", "--normalization", "--position-embedding-type", "--rotary-percent",
-    "--rotary-base", "--num-query-groups",
+    "--rotary-base", "--num-query-groups", "--make-vocab-size-divisible-by",
 )
 READ_BACK_SWITCHES = ("--bf16", "--mock-data", "--untie-embeddings-and-output-weights",
                       "--disable-bias-linear", "--add-qkv-bias", "--swiglu", "--squared-relu",
@@ -116,6 +116,7 @@ def scenario_of(flags: list[str], nproc: int) -> Scenario:
         num_layers=ns.num_layers, hidden_size=ns.hidden_size,
         ffn_hidden_size=ns.ffn_hidden_size or 4 * ns.hidden_size, num_attention_heads=ns.num_attention_heads,
         seq_length=ns.seq_length, vocab_size=ns.vocab_size or 0,
+        make_vocab_size_divisible_by=ns.make_vocab_size_divisible_by,
         untie_embeddings=ns.untie_embeddings_and_output_weights, init_std=ns.init_method_std,
         add_bias_linear=ns.add_bias_linear, add_qkv_bias=ns.add_qkv_bias and not ns.add_bias_linear,
         activation="swiglu" if ns.swiglu else "squared_relu" if ns.squared_relu else "gelu",

@@ -43,7 +43,7 @@ from harness.backends.recording import (
     Materialized, Recording, StepScalars, gathered, record_initial, record_step_end, record_update,
 )
 from harness.capture.api import Capture
-from harness.backends.gpt import captured_modules, mesh_of
+from harness.backends.gpt import captured_modules, mesh_of, vocabulary_described
 from harness.common.layout import from_mcore_param
 from harness.backends.patching import patch
 
@@ -138,7 +138,7 @@ class _Hooks:
 
         chunk = model[0]
         named = [(canonical_name(n), p) for n, p in chunk.named_parameters()]
-        layouts = {n: from_mcore_param(p, self.mesh) for n, p in named}
+        layouts = vocabulary_described({n: from_mcore_param(p, self.mesh) for n, p in named}, self.job.model)
         inner = chunk.module.module if self.side.precision == "bf16" else chunk.module
         self.cap.attach(captured_modules(inner), vocab_parallel=["output_layer"])
         self.cap.info["gtp_params"] = {n: getattr(p, "chain_id", None) for n, p in named

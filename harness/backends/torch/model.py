@@ -25,6 +25,7 @@ from torch import nn
 
 from harness.scenario.arch_rules import qkv_rows
 from harness.scenario.schema import GATED, ModelConfig
+from harness.scenario.vocab_rules import padded_vocab_size
 
 from .moe import MoE
 
@@ -170,7 +171,7 @@ class TransformerLayer(nn.Module):
 class Embedding(nn.Module):
     def __init__(self, m: ModelConfig):
         super().__init__()
-        self.word_embeddings = WordEmbedding(m.vocab_size, m.hidden_size)
+        self.word_embeddings = WordEmbedding(padded_vocab_size(m), m.hidden_size)
         if m.position_embedding_type == "learned_absolute":
             self.position_embeddings = nn.Embedding(m.seq_length, m.hidden_size)
 
@@ -253,7 +254,7 @@ class GPT(nn.Module):
         self.decoder = Decoder(m, tp)
         if m.mtp_num_layers:
             self.mtp = MTPBlock(m, tp)
-        self.output_layer = Linear(m.hidden_size, m.vocab_size, "column")
+        self.output_layer = Linear(m.hidden_size, padded_vocab_size(m), "column")
         if not m.untie_embeddings:  # tied: the output layer computes with the word embedding's parameter
             self.output_layer.weight = self.embedding.word_embeddings.weight
         self.register_buffer(
