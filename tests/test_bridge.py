@@ -86,7 +86,7 @@ def bridge_ci(tmp_path_factory):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp32-mock"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp32-mock", "fp32-qwen"])
 def test_bridge_and_megatron_lm_loops_train_the_same_model(bridge_ci, precision):
     """Bridge's setup, train_step, forward step and loss, Megatron-LM's loop: the same megatron-core
     calls on the same values (the same samples per data rank, loss reduced over the data group,
@@ -100,6 +100,14 @@ def test_bridge_and_megatron_lm_loops_train_the_same_model(bridge_ci, precision)
     assert rest["bitwise_equal"].all()
     assert set(df["kind"]) >= {"input", "activation", "logits", "loss", "main_grad", "param", "exp_avg"}
     _logged_window_holds(s, ref, cand)
+    if precision == "fp32-qwen":  # the switches reached both frontends' megatron-core
+        params = {e.name: tuple(e.layout.logical_shape) for e in cand.entries
+                  if e.kind == "param" and e.step == 1}
+        # GQA: 64 query rows + 2 groups x (key + value) x 16
+        assert params["decoder.layers.0.self_attention.linear_qkv.bias"] == (128,)
+        assert params["decoder.layers.0.mlp.linear_fc1.weight"] == (160, 64)  # [gate; up]
+        assert "decoder.layers.0.input_layernorm.bias" not in params  # RMSNorm: a weight only
+        assert "output_layer.weight" not in params and "embedding.position_embeddings.weight" not in params
 
 
 @pytest.mark.multirank

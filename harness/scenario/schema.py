@@ -77,6 +77,8 @@ def check_scenario_name(name: Any) -> str | None:
 MOE_BACKENDS = frozenset({"megatron", "torch"})
 # The architecture switches: megatron-core's, Megatron-LM's (through its flags), and the golden's.
 ARCH_BACKENDS = frozenset({"megatron", "mlm", "torch"})
+# The switches Megatron-Bridge's GPTModelProvider (a TransformerConfig) takes as well.
+PROVIDER_BACKENDS = ARCH_BACKENDS | {"bridge"}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -121,18 +123,18 @@ class ModelConfig:
         False, "architecture", """a bias on every linear layer (fused QKV, attention projection, fc1, fc2):
         a column-parallel layer's bias is cut with its weight's rows over TP, a row-parallel layer's is
         whole, and under GTP every bias is replicated over the GTP group (never GTP-sharded)""",
-        backends=ARCH_BACKENDS, added_later=True, mcore=("TransformerConfig.add_bias_linear",),
+        backends=PROVIDER_BACKENDS, added_later=True, mcore=("TransformerConfig.add_bias_linear",),
         mlm="--disable-bias-linear (negated)")
     add_qkv_bias: bool = option(
         False, "architecture", """a bias on the fused QKV projection alone (Qwen's); add_bias_linear
         implies it""",
-        backends=ARCH_BACKENDS, added_later=True, mcore=("TransformerConfig.add_qkv_bias",),
+        backends=PROVIDER_BACKENDS, added_later=True, mcore=("TransformerConfig.add_qkv_bias",),
         mlm="--add-qkv-bias")
     activation: Activation = option(
         "gelu", "architecture", """the MLP's activation. ``swiglu`` (silu) and ``geglu`` (gelu) gate it: fc1
         holds [gate; up], 2 x ffn_hidden_size rows, and TP cuts each half (rank r holds [gate_r; up_r],
         megatron-core's partition_stride 2), GTP the TP-local block; ``gelu``, ``relu`` and ``squared_relu``
-        are plain""", backends=ARCH_BACKENDS, added_later=True,
+        are plain""", backends=PROVIDER_BACKENDS, added_later=True,
         mcore=("TransformerConfig.gated_linear_unit (swiglu, geglu)",
                "TransformerConfig.activation_func (derived)"),
         mlm="--swiglu (swiglu; --squared-relu: squared_relu)")
@@ -140,27 +142,27 @@ class ModelConfig:
         "LayerNorm", "architecture", """every norm of the model (the layers' two, the final one, MTP's):
         torch's ``LayerNorm`` (weight and bias) or ``RMSNorm`` (weight only), eps 1e-5; replicated over
         TP and GTP""",
-        backends=ARCH_BACKENDS, added_later=True, mcore=("TransformerConfig.normalization",),
+        backends=PROVIDER_BACKENDS, added_later=True, mcore=("TransformerConfig.normalization",),
         mlm="--normalization (RMSNorm)")
     num_query_groups: int | None = option(
         None, "architecture", """key/value heads, each shared by num_attention_heads / num_query_groups query
         heads (grouped-query attention; 1: multi-query; none: one per head, multi-head attention). The fused
         QKV holds per group its query heads, its key, its value; TP cuts whole groups""", low=1,
-        backends=ARCH_BACKENDS, added_later=True, mcore=("TransformerConfig.num_query_groups",),
+        backends=PROVIDER_BACKENDS, added_later=True, mcore=("TransformerConfig.num_query_groups",),
         mlm="--num-query-groups (with --group-query-attention)")
     position_embedding_type: PositionEmbedding = option(
         "learned_absolute", "architecture", """``learned_absolute``: a position embedding table (replicated
         over TP and GTP) added to the word embedding; ``rope``: rotary embeddings on the queries and keys (no
-        parameters); ``none``: no positions""", backends=ARCH_BACKENDS, added_later=True,
+        parameters); ``none``: no positions""", backends=PROVIDER_BACKENDS, added_later=True,
         mcore=("GPTModel.position_embedding_type",), mlm="--position-embedding-type (rope, none)")
     rotary_percent: float = option(
         1.0, "architecture", """the share of each head's channels RoPE rotates (the first int(head dim x
         rotary_percent), an even count); with ``rope`` only""", low=0.0, high=1.0, high_inclusive=True,
-        backends=ARCH_BACKENDS, added_later=True, mcore=("GPTModel.rotary_percent",),
+        backends=PROVIDER_BACKENDS, added_later=True, mcore=("GPTModel.rotary_percent",),
         mlm="--rotary-percent (with rope)")
     rotary_base: int = option(
         10000, "architecture", "RoPE's base: the inverse frequencies are base^(-2i / rotary dim); with "
-        "``rope`` only", low=1, backends=ARCH_BACKENDS, added_later=True, mcore=("GPTModel.rotary_base",),
+        "``rope`` only", low=1, backends=PROVIDER_BACKENDS, added_later=True, mcore=("GPTModel.rotary_base",),
         mlm="--rotary-base (with rope)")
     parallel_output: bool = option(
         True, "loss", """the logits stay cut over TP into the vocab-parallel cross entropy; false: the output

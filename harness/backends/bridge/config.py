@@ -1,8 +1,9 @@
 """A side as Megatron-Bridge's ``ConfigContainer``: the configuration ``pretrain`` runs.
 
 It follows the Bridge PR's GTP functional test (``test_pretrain_with_generalized_tensor_parallelism``)
-and the seed's scalar comparison: a ``GPTModelProvider`` with the harness's GPT (no linear bias,
-LayerNorm, GeLU, learned absolute positions, untied embeddings, dropout 0, FP32 softmax), the
+and the seed's scalar comparison: a ``GPTModelProvider`` with the harness's GPT (its architecture
+switches as [model] sets them: biases, activation, norm, positions, query groups; dropout 0, FP32
+softmax), the
 optimizer and scheduler of the side, DDP with ``grad_reduce_in_fp32`` and no
 ``average_in_collective``, micro/global batch from the scenario. On CPU: gloo, the local layer
 spec, CPU initialization and the fused kernels off (:data:`CPU_MODEL`), as the mlm backend's
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from harness.backends.megatron.arch import config_kwargs
 from harness.run.job import Job
 from harness.scenario.options import mcore_kwargs
 
@@ -34,10 +36,12 @@ def model_fields(job: Job, on_cpu: bool) -> dict:
         **mcore_kwargs("TransformerConfig", m, side),  # the declared one-to-one fields (a provider is one)
         "seq_length": m.seq_length, "vocab_size": m.vocab_size, "make_vocab_size_divisible_by": 1,
         "share_embeddings_and_output_weights": not m.untie_embeddings,
-            "position_embedding_type": "learned_absolute",
-        "normalization": "LayerNorm", "pipeline_model_parallel_size": 1, "context_parallel_size": 1,
-        "attention_dropout": 0.0, "hidden_dropout": 0.0, "add_bias_linear": False,
-            "attention_softmax_in_fp32": True,
+        # the architecture switches: the one-to-one ones came with mcore_kwargs; the provider builds
+        # the GPTModel, so it takes GPTModel's position arguments too
+        **config_kwargs(m), "position_embedding_type": m.position_embedding_type,
+        "rotary_percent": m.rotary_percent, "rotary_base": m.rotary_base,
+        "pipeline_model_parallel_size": 1, "context_parallel_size": 1,
+        "attention_dropout": 0.0, "hidden_dropout": 0.0, "attention_softmax_in_fp32": True,
         "bf16": side.precision == "bf16", "params_dtype": dtype, "pipeline_dtype": dtype,
         "gradient_accumulation_fusion": False,
     }
