@@ -42,6 +42,8 @@ def _draws(space, seed: int, n: int) -> list[Draw]:
 def test_the_space_is_the_declarations():
     space = load_space(str(SPACE))
     for (section, key), values in space.values.items():
+        if section == "checkpoint":  # the space file's checkpoint pairs, not a declared key
+            continue
         o = declared(CLASSES[section])[key]
         assert o.group not in ("backend", "checkpoint", "self-test") and "megatron" in o.backends
         if o.choices is not None and key != "precision":
@@ -308,3 +310,21 @@ def test_a_bad_node_share_or_merge_is_refused(tmp_path, capsys, args, said):
     except SystemExit as e:  # argparse's own refusal
         code = e.code
     assert code == 2 and said in capsys.readouterr().err
+
+
+def test_a_checkpoint_pair_saves_on_the_reference_and_loads_into_the_candidates_topology(tmp_path):
+    from harness.fuzz.space import CHECKPOINT
+
+    space = load_space(str(SPACE))
+    assert space.values[CHECKPOINT] == (0, 1)  # scenarios/fuzz/space.toml: checkpoint_steps = [1]
+    draw = Draw(settings=(("checkpoint", "save_step", 1),), world_size=2, axis=Axis("gtp", 1, 2))
+    assert "checkpoint.save_step=1" in draw.items()  # coverage and needs name it as a key
+    s = Runner(Settings(seed=1, space=space), tmp_path).scenario(draw, "fuzz-1-00000")
+    assert s.name == "fuzz-1-00000"  # the pair's name: its summary is read back by it
+    assert (s.saver.save_step, s.saver.gtp) == (1, 1)
+    resumed = (s.candidate.load_step, s.candidate.gtp, s.candidate.resume_from)
+    assert resumed == (1, 2, s.saver.key(s.model, s.data))
+    bad = tmp_path / "bad.toml"
+    bad.write_text(SPACE.read_text().replace("checkpoint_steps = [1]", "checkpoint_steps = [0]"))
+    with pytest.raises(BadInput, match="checkpoint_steps"):
+        load_space(str(bad))

@@ -8,6 +8,7 @@ uninterrupted one would). Ctrl-C keeps what is done.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -28,7 +29,9 @@ from harness.fuzz.cluster import (
 )
 from harness.fuzz.shrink import shrink
 from harness.fuzz.space import Coverage, Draw, Space, draw_for
+from harness.scenario import checkpoint as checkpointing
 from harness.scenario import parse_scenario
+from harness.scenario.rules import validate
 from harness.session import run_scenarios, skip_reason
 
 FORMAT = 1
@@ -154,7 +157,12 @@ class Runner:
         return scenario_document(self.settings, draw, name, self.settings.inject)
 
     def scenario(self, draw: Draw, name: str):
-        s = parse_scenario(self.document(draw, name), f"fuzz draw {name}")
+        doc, source = self.document(draw, name), f"fuzz draw {name}"
+        if "checkpoint" in doc:  # one topology loaded into: the scenario keeps the pair's name
+            [s] = checkpointing.expand(doc, source, parse_scenario, validate)
+            s = dataclasses.replace(s, name=name)
+        else:
+            s = parse_scenario(doc, source)
         if (reason := skip_reason(s)) is not None:
             raise BadInput(f"fuzz draw {name}", reason)
         return s

@@ -38,7 +38,11 @@ NEVER_DRAWN = frozenset({"world_size", "dp", "seed", "muon_blocks", "preset"})
 AXIS_KEYS = ("gtp", "tp", "ep", "expert_gtp")
 AXIS_GROUPS = frozenset({"topology", "code paths"})
 SPACE_KEYS = frozenset({"backend", "world_size", "timeout_s", "max_off_default", "candidates", "axes",
-                        "exclude", "values", "fixed", "description"})
+                        "exclude", "values", "fixed", "description", "checkpoint_steps"})
+# A checkpoint pair: drawn as one more key (0: none), the step the reference saves at; the candidate
+# loads it into its own topology (the axis's value) and both train on (harness.scenario.checkpoint).
+CHECKPOINT = ("checkpoint", "save_step")
+RESUMED = "resumed"
 
 
 @dataclass(frozen=True)
@@ -170,6 +174,12 @@ def load_space(path: str | None) -> Space:
         section, _, key = name.partition(".")
         if section not in CLASSES or key not in declared(CLASSES[section]):
             raise BadInput(f"{where}: exclude", f"{name!r} is no section.key of model, data or train")
+    steps = raw.get("checkpoint_steps", [])
+    if not isinstance(steps, list) or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 1
+                                               for k in steps):
+        raise BadInput(f"{where}: checkpoint_steps", f"a list of steps >= 1 to save at, got {shown(steps)}")
+    if steps:
+        values[CHECKPOINT] = (0, *steps)
     axes = _axes(backend, values)
     if "axes" in raw:
         wanted = set(raw["axes"])
@@ -220,6 +230,8 @@ class Draw:
         for table in (doc["reference"], doc["candidate"]):  # None: the tree's own default, not written
             for key in [k for k, v in table.items() if v is None]:
                 del table[key]
+        if "checkpoint" in doc:  # the reference saves; the candidate's table is what it loads into
+            doc["checkpoint"]["load_into"] = [{"label": RESUMED}]
         return doc
 
     def to_json(self) -> dict:
