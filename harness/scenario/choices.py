@@ -22,6 +22,8 @@ Activation = Literal["gelu", "swiglu", "geglu", "relu", "squared_relu"]
 GATED = frozenset({"swiglu", "geglu"})
 Normalization = Literal["LayerNorm", "RMSNorm"]
 PositionEmbedding = Literal["learned_absolute", "rope", "none"]
+# The MoE router's score function (megatron-core's moe_router_score_function; sqrtsoftplus not covered).
+RouterScore = Literal["softmax", "sigmoid"]
 ProcessGroups = Literal["parallel-state", "collection", "collection-permuted"]
 # The mlm and bridge backends' data: the frontend's --mock-data pipeline, or the harness's samples.
 MlmData = Literal["synthetic", "mock"]
