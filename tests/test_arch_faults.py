@@ -55,6 +55,7 @@ def test_each_fault_fits_the_model_with_its_switches():
     (GLU, {"add_bias_linear": False}, {}, "needs a gated activation"),
     (GLU, {"activation": "geglu", "ffn_hidden_size": 72}, {}, "gate/up boundary on a GTP shard boundary"),
     (GLU, {"activation": "swiglu"}, {"world_size": 4, "tp": 2}, "fc1's TP block of 80 rows"),
+    (GLU, {"activation": "swiglu", "num_experts": 4}, {}, "an MoE model ([model].num_experts) has none"),
     (QKV, {}, {}, "needs grouped-query attention"),
     (QKV, {"num_query_groups": 1}, {}, "whole query groups on each GTP shard"),
 ])

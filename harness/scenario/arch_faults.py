@@ -67,6 +67,8 @@ def arch_reach(name: str, side, model) -> str | None:
     if name == BIAS and not model.add_bias_linear:
         return f"{name!r} needs add_bias_linear ([model]): the MLP's fc1 has no bias without it"
     if name == GLU:
+        if model.num_experts:
+            return f"{name!r} is planted on the dense MLP's fc1: an MoE model ([model].num_experts) has none"
         if model.activation not in GATED:
             return (f"{name!r} needs a gated activation ([model].activation swiglu or geglu), not "
                     f"{model.activation!r}")
