@@ -1,8 +1,10 @@
 """The architecture switches' planted faults (harness.scenario.arch_faults): a replicated bias whose
 grad is not reduced over the GTP group, a gated fc1's halves and GQA's query groups moved across GTP
-shards. Each refused, with its reason, on a side without the switch or layout it needs (fast); the
-three planted in one launch on a tiny GTP 2 model with every switch they need, each localized where
-the catalogue says, with what it did measured from the traces."""
+shards, and a routed expert's gated fc1 halves moved across expert GTP shards. Each refused, with its
+reason, on a side without the switch or layout it needs (fast); the three dense ones planted in one
+launch on a tiny GTP 2 model with every switch they need, the expert one on the same model with gated
+routed experts under expert GTP 2, each localized where the catalogue says, with what it did measured
+from the traces."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from harness import scenario
 from harness.capture import trace
 from harness.common.errors import BadInput
 from harness.compare.assemble import assemble_trace
-from harness.scenario.arch_faults import ARCH_FAULTS, BIAS, GLU, QKV
+from harness.scenario.arch_faults import ARCH_FAULTS, BIAS, EXPERT_GLU, GLU, QKV
 from harness.scenario.faults import CATALOG
 from harness.scenario.planting import plant
 from tests.helpers import ROOT, run, step1_partial_grad_bound, summary
@@ -34,6 +36,14 @@ def _base(**model) -> scenario.Scenario:
 # Every switch the three faults need: a bias, a gated fc1 of 160 rows (2 GTP shards of 80, no pad),
 # 2 query groups of 64 rows in a 128-row QKV (one group per GTP shard, no pad).
 SWITCHES = {"add_bias_linear": True, "activation": "swiglu", "num_query_groups": 2}
+PLANTED = (*FAULTS, EXPERT_GLU)
+
+
+def _moe_base() -> scenario.Scenario:
+    """The same model with 4 gated routed experts (each fc1 160 rows: 2 expert GTP shards of 80, no
+    pad), dense GTP 2 and expert GTP 2 against both off, EP 1."""
+    s = dataclasses.replace(_base(add_bias_linear=False, activation="swiglu", num_experts=4), name="arch-moe")
+    return dataclasses.replace(s, candidate=dataclasses.replace(s.candidate, expert_gtp=2))
 
 
 # --- reach: refused, naming what is missing -------------------------------------------------------
@@ -82,6 +92,21 @@ def test_at_g_4_the_halves_are_two_shards_each_and_two_query_groups_too_few():
     assert arch_reach(QKV, side, dataclasses.replace(s.model, num_query_groups=4)) is None
 
 
+@pytest.mark.parametrize(("model", "side", "said"), [
+    ({"activation": "gelu"}, {}, "needs routed experts ([model].num_experts) with a gated activation"),
+    ({}, {"expert_gtp": 1}, "with expert GTP (expert_gtp > 1) at EP 1"),
+    ({}, {"ep": 2, "world_size": 4}, "with expert GTP (expert_gtp > 1) at EP 1"),
+    ({"ffn_hidden_size": 72}, {}, "fc1 of 144 rows with no pad rows"),
+])
+def test_the_expert_glu_fault_needs_its_layout(model, side, said):
+    s = _moe_base()
+    s = dataclasses.replace(s, model=dataclasses.replace(s.model, **model),
+                            candidate=dataclasses.replace(s.candidate, **side))
+    with pytest.raises(BadInput, match=r"\[candidate\]\.inject") as e:
+        plant([s], [EXPERT_GLU])
+    assert said in str(e.value) and EXPERT_GLU in str(e.value)
+
+
 @pytest.mark.parametrize("fault", FAULTS)
 def test_a_side_without_gtp_refuses_each(fault):
     with pytest.raises(BadInput, match=r"\[reference\]\.inject") as e:
@@ -94,7 +119,7 @@ def test_gtp_parity_inject_lists_them(capsys):
 
     assert main(["inject", "--list"]) == 0
     listed = capsys.readouterr().out
-    for name in FAULTS:
+    for name in PLANTED:
         assert f"{name} " in listed and CATALOG[name].bug_class in listed
 
 
@@ -109,6 +134,7 @@ def arch_run(tmp_path_factory):
     base = dataclasses.replace(_base(**SWITCHES), name="arch-clean")
     planted = [base] + [dataclasses.replace(p, name=f"arch-{f}")
                         for f in FAULTS for p in plant([base], [f])]
+    planted += [dataclasses.replace(p, name=f"arch-{EXPERT_GLU}") for p in plant([_moe_base()], [EXPERT_GLU])]
     code, _ = run(planted, out)
     return code, out, base
 
@@ -122,7 +148,7 @@ def test_the_model_with_every_switch_is_at_parity_unplanted(arch_run):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize("fault", PLANTED)
 def test_each_fault_is_localized_where_the_catalogue_says(arch_run, fault):
     _, out, _ = arch_run
     s, expect = summary(out, f"arch-{fault}"), CATALOG[fault].expect
@@ -159,7 +185,7 @@ def test_the_unreduced_bias_grad_is_each_gtp_peers_own_partial(arch_run):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("fault", [GLU, QKV])
+@pytest.mark.parametrize("fault", [GLU, QKV, EXPERT_GLU])
 def test_the_handed_out_weight_is_the_gathered_one_with_its_blocks_moved(arch_run, fault):
     """Step 1's weights are the initial ones on both sides, bitwise: the candidate's hand-out is
     the reference's weight rolled by half its rows ([up; gate]; at G = 2 one shard of query groups),
