@@ -1,9 +1,11 @@
 """The architecture switches' planted faults (harness.scenario.arch_faults): a replicated bias whose
 grad is not reduced over the GTP group, a gated fc1's halves and GQA's query groups moved across GTP
-shards, a padded vocabulary's output layer handed out with GTP's pad rows in front. Each refused, with
-its reason, on a side without the switch or layout it needs (fast); all planted in one launch on a
-tiny GTP 2 model with every switch they need, each localized where the catalogue says, with what it
-did measured from the traces."""
+shards, a padded vocabulary's output layer handed out with GTP's pad rows in front, a tied weight's
+grad from one of its two uses, and a routed expert's gated fc1 halves moved across expert GTP shards.
+Each refused, with its reason, on a side without the switch or layout it needs (fast); all planted in
+one launch set (the GTP ones on a tiny GTP 2 model with every switch they need, the tied one at TP 1
+against TP 2 with GTP off, the expert one with gated routed experts under expert GTP 2), each
+localized where the catalogue says, with what it did measured from the traces."""
 
 from __future__ import annotations
 
@@ -16,13 +18,13 @@ from harness import scenario
 from harness.capture import trace
 from harness.common.errors import BadInput
 from harness.compare.assemble import assemble_trace
-from harness.scenario.arch_faults import ARCH_FAULTS, BIAS, GLU, QKV, TIED, VOCAB
+from harness.scenario.arch_faults import ARCH_FAULTS, BIAS, EXPERT_GLU, GLU, QKV, TIED, VOCAB
 from harness.scenario.faults import CATALOG
 from harness.scenario.planting import plant
 from tests.helpers import ROOT, run, step1_partial_grad_bound, summary
 
-FAULTS = (BIAS, GLU, QKV, VOCAB, TIED)
-GTP_FAULTS = (BIAS, GLU, QKV, VOCAB)
+GTP_FAULTS = (BIAS, GLU, QKV, VOCAB)  # planted on one model with every switch they need
+FAULTS = (*GTP_FAULTS, TIED, EXPERT_GLU)
 
 
 def _base(**model) -> scenario.Scenario:
@@ -47,6 +49,13 @@ SWITCHES = {"add_bias_linear": True, "activation": "swiglu", "num_query_groups":
             "make_vocab_size_divisible_by": 4}
 
 
+def _moe_base() -> scenario.Scenario:
+    """The same model with 4 gated routed experts (each fc1 160 rows: 2 expert GTP shards of 80, no
+    pad), dense GTP 2 and expert GTP 2 against both off, EP 1."""
+    s = dataclasses.replace(_base(add_bias_linear=False, activation="swiglu", num_experts=4), name="arch-moe")
+    return dataclasses.replace(s, candidate=dataclasses.replace(s.candidate, expert_gtp=2))
+
+
 # --- reach: refused, naming what is missing -------------------------------------------------------
 
 
@@ -67,6 +76,7 @@ def test_each_fault_fits_the_model_with_its_switches():
     (GLU, {"add_bias_linear": False}, {}, "needs a gated activation"),
     (GLU, {"activation": "geglu", "ffn_hidden_size": 72}, {}, "gate/up boundary on a GTP shard boundary"),
     (GLU, {"activation": "swiglu"}, {"world_size": 4, "tp": 2}, "fc1's TP block of 80 rows"),
+    (GLU, {"activation": "swiglu", "num_experts": 4}, {}, "an MoE model ([model].num_experts) has none"),
     (QKV, {}, {}, "needs grouped-query attention"),
     (QKV, {"num_query_groups": 1}, {}, "whole query groups on each GTP shard"),
     (TIED, {"untie_embeddings": False}, {}, "at GTP off with tied embeddings"),  # the candidate has GTP
@@ -95,6 +105,21 @@ def test_at_g_4_the_halves_are_two_shards_each_and_two_query_groups_too_few():
     assert "no pad rows" in arch_reach(GLU, side, s.model)
     assert "a multiple of G = 4" in arch_reach(QKV, side, s.model)
     assert arch_reach(QKV, side, dataclasses.replace(s.model, num_query_groups=4)) is None
+
+
+@pytest.mark.parametrize(("model", "side", "said"), [
+    ({"activation": "gelu"}, {}, "needs routed experts ([model].num_experts) with a gated activation"),
+    ({}, {"expert_gtp": 1}, "with expert GTP (expert_gtp > 1) at EP 1"),
+    ({}, {"ep": 2, "world_size": 4}, "with expert GTP (expert_gtp > 1) at EP 1"),
+    ({"ffn_hidden_size": 72}, {}, "fc1 of 144 rows with no pad rows"),
+])
+def test_the_expert_glu_fault_needs_its_layout(model, side, said):
+    s = _moe_base()
+    s = dataclasses.replace(s, model=dataclasses.replace(s.model, **model),
+                            candidate=dataclasses.replace(s.candidate, **side))
+    with pytest.raises(BadInput, match=r"\[candidate\]\.inject") as e:
+        plant([s], [EXPERT_GLU])
+    assert said in str(e.value) and EXPERT_GLU in str(e.value)
 
 
 @pytest.mark.parametrize("fault", GTP_FAULTS)
@@ -126,6 +151,7 @@ def arch_run(tmp_path_factory):
                         for f in GTP_FAULTS for p in plant([base], [f])]
     tied = _tied()
     planted += [tied, dataclasses.replace(plant([tied], [TIED])[0], name=f"arch-{TIED}")]
+    planted += [dataclasses.replace(p, name=f"arch-{EXPERT_GLU}") for p in plant([_moe_base()], [EXPERT_GLU])]
     code, _ = run(planted, out)
     return code, out, base
 
@@ -182,7 +208,7 @@ def test_the_unreduced_bias_grad_is_each_gtp_peers_own_partial(arch_run):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("fault", [GLU, QKV])
+@pytest.mark.parametrize("fault", [GLU, QKV, EXPERT_GLU])
 def test_the_handed_out_weight_is_the_gathered_one_with_its_blocks_moved(arch_run, fault):
     """Step 1's weights are the initial ones on both sides, bitwise: the candidate's hand-out is
     the reference's weight rolled by half its rows ([up; gate]; at G = 2 one shard of query groups),

@@ -22,8 +22,6 @@ CASES = [
      "[model].activation", "Megatron-LM's flags reach gelu, swiglu, squared_relu only"),
     ("swiglu-with-muon", edit("model", 'activation = "swiglu"', text=edit("train", 'optimizer = "muon"')),
      "[reference].optimizer", "Muon with a gated MLP"),
-    ("swiglu-with-experts", edit("model", 'activation = "swiglu"\nnum_experts = 4'), "[model].activation",
-     "routed experts with a gated MLP"),
     ("activation-unknown", edit("model", 'activation = "tanh"'), "[model].activation", "unknown activation"),
     ("squared-relu-flag-in-mlm-args", edit("candidate", 'backend = "mlm"\nargs = ["--squared-relu"]'),
      "[candidate].args", "[model].activation = \"squared_relu\""),

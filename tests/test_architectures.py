@@ -10,6 +10,7 @@ from __future__ import annotations
 
 
 import pytest
+import torch
 
 from harness import scenario
 from harness.capture import trace
@@ -51,8 +52,8 @@ def _expected_linear(m, tp: int) -> dict[str, tuple[tuple[int, ...], dict]]:
     p = "decoder.layers.0."
     out = {p + "self_attention.linear_qkv.weight": ((qkv // tp, h), col),
            p + "self_attention.linear_proj.weight": ((h, h // tp), row),
-           p + "mlp.linear_fc1.weight": ((k * f // tp, h), fc1),
-           p + "mlp.linear_fc2.weight": ((h, f // tp), row)}
+           **(_expected_moe(m) if m.num_experts else {p + "mlp.linear_fc1.weight": ((k * f // tp, h), fc1),
+                                                      p + "mlp.linear_fc2.weight": ((h, f // tp), row)})}
     if m.add_bias_linear or m.add_qkv_bias:
         out[p + "self_attention.linear_qkv.bias"] = ((qkv // tp,), col)
     if m.add_bias_linear:
@@ -63,6 +64,23 @@ def _expected_linear(m, tp: int) -> dict[str, tuple[tuple[int, ...], dict]]:
         out[p + norm + ".weight"] = ((h,), {})
         if m.normalization == "LayerNorm":
             out[p + norm + ".bias"] = ((h,), {})
+    return out
+
+
+def _expected_moe(m) -> dict[str, tuple[tuple[int, ...], dict]]:
+    """Layer 0's MoE layer at TP 1, GTP off, one process, as megatron-core's local spec builds it:
+    the router [E, h], each routed expert's MLP (fc1 [gate; up] when gated), the shared experts'
+    MLP of moe_shared_expert_intermediate_size where set."""
+    h, f, shared = m.hidden_size, m.ffn_hidden_size, m.moe_shared_expert_intermediate_size
+    p = "decoder.layers.0.mlp."
+    k = 2 if m.activation in ("swiglu", "geglu") else 1
+    out = {p + "router.weight": ((m.num_experts, h), {})}
+    for e in range(m.num_experts):
+        out[f"{p}experts.local_experts.{e}.linear_fc1.weight"] = ((k * f, h), {})
+        out[f"{p}experts.local_experts.{e}.linear_fc2.weight"] = ((h, f), {})
+    if shared:
+        out[p + "shared_experts.linear_fc1.weight"] = ((k * shared, h), {})
+        out[p + "shared_experts.linear_fc2.weight"] = ((h, shared), {})
     return out
 
 
@@ -78,8 +96,9 @@ def _placed(doc: dict) -> dict:
     return {**doc["placements"], **({"strides": doc["strides"]} if "strides" in doc else {})}
 
 
-BUILT = [s.name for s in MATRIX if s.candidate.tp > 1 or s.model.normalization != "LayerNorm"
-         or s.model.position_embedding_type != "learned_absolute" or s.model.num_query_groups]
+BUILT = [s.name for s in MATRIX if not s.model.num_experts and (
+    s.candidate.tp > 1 or s.model.normalization != "LayerNorm"
+    or s.model.position_embedding_type != "learned_absolute" or s.model.num_query_groups)]
 GATED_TP = [s.name for s in MATRIX if s.model.activation in ("swiglu", "geglu") and s.candidate.tp > 1]
 
 
@@ -205,3 +224,81 @@ def test_the_padded_row_takes_part_in_the_softmax_and_no_token_reaches_it(arch_r
         assert bool(embedding[:71].ne(0).any()) and bool(embedding[71].eq(0).all()), role
         assert bool(output[71].ne(0).all()), role
     assert by_name[name]["verdict"] == "pass"
+MOE = [s.name for s in MATRIX if s.model.num_experts]
+GROUPED = [s.name for s in MATRIX + GOLDEN if s.model.moe_router_group_topk]
+
+
+def _egtp_cut(rows: int, h_or_f: int) -> tuple[tuple[int, int], list[int], dict, dict]:
+    """A weight of ``rows`` rows cut in two on dim 0, padded to a multiple of 16 x 2 (the default
+    alignment x G): (rank 0's shard shape, logical shape, placements, pads)."""
+    padded = -(-rows // 32) * 32
+    return (padded // 2, h_or_f), [rows, h_or_f], {"gtp": "S(0)"}, {"gtp": padded - rows}
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_the_moe_layer_megatron_core_built_under_ep_and_expert_gtp(arch_run, name):
+    """Rank 0 of the candidate (dense GTP 2, expert GTP 2): the router whole; the routed experts of its
+    EP coordinate only (EP 2: experts 0 and 1 of 4), each weight padded and cut in two by expert GTP on
+    the expert grid: a gated fc1 [gate; up] of FFN 72 is 144 rows padded to 160, rank 0's 80 rows the 72
+    gate rows and 8 up rows; the shared experts' MLP padded and cut by the dense GTP group (40 x 2 rows
+    padded to 96). Read off megatron-core's own attributes (``is_gtp_weight_remat``, ``pad_length``)."""
+    _, by_name, _ = arch_run
+    s = BY_NAME[name]
+    m, p = s.model, "decoder.layers.0.mlp."
+    h, f, k = m.hidden_size, m.ffn_hidden_size, 2 if m.activation in ("swiglu", "geglu") else 1
+    t = trace.read(by_name[name]["traces"]["candidate"])
+    got = {e.name: (tuple(e.local_shape), *(e.layout.to_json().get(key) for key in
+                                           ("logical_shape", "placements", "pads", "fixed")))
+           for e in t.entries if e.kind == "param" and e.step == 0 and e.rank == 0 and e.name.startswith(p)}
+    want = {p + "router.weight": ((m.num_experts, h), [m.num_experts, h], {}, {}, None)}
+    for e in range(m.num_experts // s.candidate.ep):
+        want[f"{p}experts.local_experts.{e}.linear_fc1.weight"] = (*_egtp_cut(k * f, h), {"ep": 0})
+        want[f"{p}experts.local_experts.{e}.linear_fc2.weight"] = (*_egtp_cut(h, f), {"ep": 0})
+    if shared := m.moe_shared_expert_intermediate_size:
+        want[p + "shared_experts.linear_fc1.weight"] = (*_egtp_cut(k * shared, h), None)
+        want[p + "shared_experts.linear_fc2.weight"] = (*_egtp_cut(h, shared), None)
+    assert got == want
+
+
+@pytest.mark.parametrize("name", GROUPED)
+def test_group_limited_routing_reached_megatron_core(arch_run, name):
+    """Every token megatron-core routed went to experts of exactly moe_router_group_topk groups (of
+    consecutive expert indices), where the plain top-k of the same logits crosses more groups for some
+    token: the group limit took effect."""
+    _, by_name, _ = arch_run
+    m = BY_NAME[name].model
+    t = trace.read(by_name[name]["traces"]["reference"])
+    size = m.num_experts // m.moe_router_num_groups
+    by_kind = {what: [t.tensor(e) for e in t.entries if e.kind == "activation"
+                      and e.name.endswith(f"mlp.router.{what}")] for what in ("routing_map", "logits")}
+    assert by_kind["routing_map"] and len(by_kind["routing_map"]) == len(by_kind["logits"])
+    crossed = 0
+    for chosen, logits in zip(by_kind["routing_map"], by_kind["logits"]):
+        chosen, logits = chosen.reshape(-1, m.num_experts), logits.reshape(-1, m.num_experts)
+        assert (chosen.sum(-1) == m.moe_topk).all()
+        groups = chosen.reshape(-1, m.moe_router_num_groups, size).amax(-1).sum(-1)
+        assert (groups == m.moe_router_group_topk).all()
+        plain = torch.zeros_like(logits, dtype=torch.bool).scatter(1, logits.topk(m.moe_topk, dim=1)[1], True)
+        crossed += int((plain.reshape(-1, m.moe_router_num_groups, size).any(-1).sum(-1)
+                        > m.moe_router_group_topk).sum())
+    assert crossed > 0
+
+
+@pytest.mark.parametrize("name", [s.name for s in GOLDEN if s.model.num_experts])
+def test_megatron_core_moe_is_as_close_to_the_fp64_golden_as_the_golden_model(arch_run, name):
+    """The verdict bounds the golden model's fp32 error by megatron-core's (k x plus the floor); a
+    golden MoE layer of other math than megatron-core's would pass it, close to its own fp64 run. So
+    the converse too, with the same k and floor: megatron-core's error against the fp64 golden is at
+    most k times the fp32 golden model's plus the floor (rows bitwise equal to the golden's excepted),
+    and routing is exact (every token to the same experts)."""
+    _, _, out = arch_run
+    policy, df = BY_NAME[name].compare, results(out, name)
+    rows = df[(df["policy"] == "noise-floor") & (df["step"] > 0) & df["ref_err_golden"].notna()
+              & ~df["bitwise_equal"].astype(bool)]
+    assert len(rows)
+    k = rows["step"].map(policy.k_at)
+    floor = rows["bound"] - k * rows["ref_err_golden"]  # floor x eps(fp32) x max|golden|, as judged
+    far = rows[rows["ref_err_golden"] > k * rows["cand_err_golden"] + floor]
+    assert far.empty, far[["step", "kind", "tensor", "ref_err_golden", "cand_err_golden"]]
+    routing = df[df["tensor"].str.endswith((".routing_map", ".tokens_per_expert"))]
+    assert len(routing) and (routing["ref_err_golden"] == 0).all()

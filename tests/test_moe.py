@@ -3,6 +3,8 @@ routing determinism, the expert grid's rank order, the MoE rules, and the plante
 
 import fnmatch
 import math
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -150,9 +152,42 @@ def _bad(tmp_path, **edits) -> str:
     ({"[candidate]\n": "[candidate]\ntp = 2\nworld_size = 4\n"}, "tp"),
     ({"[golden]\n": "[golden]\nep = 2\n"}, "ep"),
     ({"[candidate]\n": "[candidate]\nbackend = \"torch\"\n"}, "backend"),
+    # Shared experts, the router's score function and group-limited top-k (megatron-core's own rules
+    # from TransformerConfig.__post_init__, or the harness's, said as such).
+    ({"num_experts = 4": "num_experts = 0\nmoe_shared_expert_intermediate_size = 8", "expert_gtp = 2\n": ""},
+     "moe_shared_expert_intermediate_size"),
+    ({"moe_topk = 2": "moe_topk = 2\nmoe_router_score_function = \"sqrtsoftplus\""},
+     "moe_router_score_function"),
+    ({"moe_topk = 2": "moe_topk = 1"}, "moe_topk"),  # softmax over one logit: pre-softmax not covered
+    ({"moe_topk = 2": "moe_topk = 2\nmoe_router_num_groups = 2"}, "moe_router_num_groups"),
+    ({"moe_topk = 2": "moe_topk = 2\nmoe_router_group_topk = 1"}, "moe_router_group_topk"),
+    ({"moe_topk = 2": "moe_topk = 2\nmoe_router_num_groups = 3\nmoe_router_group_topk = 1"},
+     "moe_router_num_groups"),
+    ({"moe_topk = 2": "moe_topk = 2\nmoe_router_num_groups = 2\nmoe_router_group_topk = 3"},
+     "moe_router_group_topk"),
+    ({"moe_topk = 2": "moe_topk = 1\nmoe_router_score_function = \"sigmoid\"\nmoe_router_num_groups = 2\n"
+      "moe_router_group_topk = 2"}, "moe_topk"),  # k // group_topk = 0: no expert scores a group
+    ({"moe_topk = 2": "moe_topk = 4\nmoe_router_num_groups = 4\nmoe_router_group_topk = 2"}, "moe_topk"),
+    ({"moe_topk = 2": "moe_topk = 2\nmoe_shared_expert_intermediate_size = 9",
+      "[candidate]\n": "[candidate]\ngtp_pad_alignment = 0\nexpert_gtp = 1\n"}, "gtp"),
 ])
 def test_moe_rules(tmp_path, edit, key):
     assert f".{key}" in _bad(tmp_path, **edit)
+
+
+def test_the_moe_options_reach_megatron_core():
+    """TransformerConfig's MoE arguments of a scenario with the options set (None / the default: the
+    tree's own behaviour, no shared experts, no group limit)."""
+    from harness.backends.megatron import moe
+
+    (sc,) = scenario.load(FAST)[:1]
+    m = replace(sc.model, activation="swiglu", moe_shared_expert_intermediate_size=24,
+                moe_router_score_function="sigmoid", moe_router_num_groups=2, moe_router_group_topk=1)
+    got = moe.config_kwargs(SimpleNamespace(model=m, side=sc.candidate))
+    assert {k: got[k] for k in ("moe_shared_expert_intermediate_size", "moe_router_score_function",
+                                "moe_router_num_groups", "moe_router_group_topk")} == {
+        "moe_shared_expert_intermediate_size": 24, "moe_router_score_function": "sigmoid",
+        "moe_router_num_groups": 2, "moe_router_group_topk": 1}
 
 
 def test_moe_fault_on_a_dense_model_is_refused(tmp_path):

@@ -108,7 +108,7 @@ def test_every_megatron_lm_flag_the_declarations_and_the_args_rules_name_exists(
     ("--bf16", "[side].precision"),
     ("--num-layers", "[model].num_layers"),
     ("--moe-router-topk", "[model].moe_topk"),
-    ("--moe-shared-expert-intermediate-size", "shapes the model's parameters"),
+    ("--moe-shared-expert-intermediate-size", "[model].moe_shared_expert_intermediate_size"),
     ("--context-parallel-size", "parallel layout"),
     ("--make-vocab-size-divisible-by", "[model].make_vocab_size_divisible_by"),
     ("--swiglu", "[model].activation sets"),

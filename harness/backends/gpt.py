@@ -110,11 +110,12 @@ def _mtp_specs(m: ModelConfig) -> list[ParamSpec]:
 
 
 def _mlp_specs(m: ModelConfig, p: str) -> list[ParamSpec]:
-    """The dense MLP, or megatron-core's MoE layer: the router (replicated, never GTP-sharded)
-    then each routed expert's MLP, named by its global index."""
+    """The dense MLP, or megatron-core's MoE layer: the router (replicated, never GTP-sharded),
+    each routed expert's MLP, named by its global index, then the shared experts' MLP (a dense
+    one: TP and the dense GTP group cut it). Gated, every fc1 is [gate; up]."""
     h, f = m.hidden_size, m.ffn_hidden_size
+    k = 2 if m.activation in GATED else 1  # a gated fc1: [gate; up], each half cut over TP
     if not m.num_experts:
-        k = 2 if m.activation in GATED else 1  # a gated fc1: [gate; up], each half cut over TP
         return [ParamSpec(p + "mlp.linear_fc1.weight", (k * f, h), 0, True, "normal", tp_stride=k),
                 *_bias_specs(p + "mlp.linear_fc1", k * f, 0, m.add_bias_linear, k),
                 ParamSpec(p + "mlp.linear_fc2.weight", (h, f), 1, True, "scaled_normal"),
@@ -122,8 +123,12 @@ def _mlp_specs(m: ModelConfig, p: str) -> list[ParamSpec]:
     specs = [ParamSpec(p + "mlp.router.weight", (m.num_experts, h), None, False, "normal")]
     for e in range(m.num_experts):
         q = f"{p}mlp.experts.local_experts.{e}."
-        specs += [ParamSpec(q + "linear_fc1.weight", (f, h), 0, True, "normal", e),
+        specs += [ParamSpec(q + "linear_fc1.weight", (k * f, h), 0, True, "normal", e, tp_stride=k),
                   ParamSpec(q + "linear_fc2.weight", (h, f), 1, True, "scaled_normal", e)]
+    if s := m.moe_shared_expert_intermediate_size:
+        q = p + "mlp.shared_experts."
+        specs += [ParamSpec(q + "linear_fc1.weight", (k * s, h), 0, True, "normal", tp_stride=k),
+                  ParamSpec(q + "linear_fc2.weight", (h, s), 1, True, "scaled_normal")]
     return specs
 
 

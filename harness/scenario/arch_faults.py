@@ -16,6 +16,7 @@ from harness.scenario.fault import Fault
 BIAS, GLU, QKV = "gtp-bias-grad-unreduced", "gtp-glu-halves-crossed", "gtp-qkv-groups-reordered"
 TIED = "tied-grad-one-use"
 VOCAB = "gtp-vocab-pad-rows-in-loss"
+EXPERT_GLU = "gtp-expert-glu-halves-crossed"
 
 ARCH_FAULTS: dict[str, Fault] = {
     f.name: f
@@ -70,6 +71,17 @@ ARCH_FAULTS: dict[str, Fault] = {
              "signature": "pad-rows-as-data"},
             target="output_layer.weight",
         ),
+        Fault(
+            EXPERT_GLU, "a fused layout's blocks mis-ordered",
+            "the forward all-gather of decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight, "
+            "a routed expert's gated fc1 ([gate; up]) cut by expert GTP, assembles its two halves in the "
+            "other order ([up; gate]): with the gate/up boundary on an EGTP shard boundary, the expert GTP "
+            "shards put together across it",
+            {"step": 1, "phase": "weights", "kind": "materialized",
+             "tensor": "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight",
+             "signature": "permuted-blocks"},
+            target="decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight",
+        ),
     ]
 }
 
@@ -90,11 +102,15 @@ def arch_reach(name: str, side, model) -> str | None:
             return (f"{name!r} is planted on a megatron side at GTP off with tied embeddings "
                     "([model].untie_embeddings = false)")
         return None
+    if name == EXPERT_GLU:
+        return _expert_glu_reach(side, model)
     if side.backend != "megatron" or side.gtp == 1:
         return f"{name!r} is planted on a megatron side with GTP (gtp > 1)"
     if name == BIAS and not model.add_bias_linear:
         return f"{name!r} needs add_bias_linear ([model]): the MLP's fc1 has no bias without it"
     if name == GLU:
+        if model.num_experts:
+            return f"{name!r} is planted on the dense MLP's fc1: an MoE model ([model].num_experts) has none"
         if model.activation not in GATED:
             return (f"{name!r} needs a gated activation ([model].activation swiglu or geglu), not "
                     f"{model.activation!r}")
@@ -126,4 +142,20 @@ def _vocab_reach(name: str, side, model) -> str | None:
     if not 0 < pad < rows:
         return (f"{name!r} needs GTP pad rows behind the output layer's TP block of {rows} rows, fewer "
                 f"than its rows (gtp_pad_alignment x G = {align})")
+    return None
+
+
+def _expert_glu_reach(side, model) -> str | None:
+    name = EXPERT_GLU
+    if side.backend != "megatron" or side.expert_gtp == 1 or side.ep != 1:
+        return (f"{name!r} is planted on a megatron side with expert GTP (expert_gtp > 1) at EP 1 (expert 0 "
+                "on every rank)")
+    if not model.num_experts or model.activation not in GATED:
+        return f"{name!r} needs routed experts ([model].num_experts) with a gated activation (swiglu, geglu)"
+    rows, g = 2 * model.ffn_hidden_size, side.expert_gtp
+    if not ((rows % (side.gtp_pad_alignment * g) == 0 if side.gtp_pad_alignment else rows % g == 0)
+            and g % 2 == 0):
+        return (f"{name!r} needs the gate/up boundary on an expert GTP shard boundary: the expert's fc1 of "
+                f"{rows} rows with no pad rows (a multiple of gtp_pad_alignment x EG) and an even EG, here "
+                f"EG = {g}")
     return None

@@ -28,9 +28,6 @@ def validate_arch_model(s: Scenario) -> None:
         raise BadInput(f"{src}: [model].num_query_groups",
                        f"must divide num_attention_heads = {m.num_attention_heads} (each group's query heads "
                        "share its key and value)")
-    if m.num_experts and m.activation in GATED:
-        raise BadInput(f"{src}: [model].activation",
-                       f"routed experts with a gated MLP ({m.activation}) are not covered yet")
 
 
 def _validate_positions(s: Scenario) -> None:

@@ -24,6 +24,8 @@ Normalization = Literal["LayerNorm", "RMSNorm"]
 PositionEmbedding = Literal["learned_absolute", "rope", "none"]
 # A model family's switches at tiny sizes (harness.scenario.presets).
 Preset = Literal["gpt", "llama", "qwen", "mixtral", "deepseek"]
+# The MoE router's score function (megatron-core's moe_router_score_function; sqrtsoftplus not covered).
+RouterScore = Literal["softmax", "sigmoid"]
 ProcessGroups = Literal["parallel-state", "collection", "collection-permuted"]
 # The mlm and bridge backends' data: the frontend's --mock-data pipeline, or the harness's samples.
 MlmData = Literal["synthetic", "mock"]

@@ -7,17 +7,63 @@ from __future__ import annotations
 
 from harness.common.errors import BadInput
 from harness.scenario.faults import MOE_FAULTS
-from harness.scenario.schema import ModelConfig, Scenario, Side
+from harness.scenario.schema import GATED, ModelConfig, Scenario, Side
+
+
+# The MoE keys that take effect only with routed experts, by their defaults.
+_WITH_EXPERTS = {"moe_shared_expert_intermediate_size": None, "moe_router_score_function": "softmax",
+                 "moe_router_num_groups": None, "moe_router_group_topk": None}
 
 
 def validate_moe_model(s: Scenario) -> None:
     m, src = s.model, s.source
     if not m.num_experts:
+        for key, default in _WITH_EXPERTS.items():
+            if getattr(m, key) != default:
+                raise BadInput(f"{src}: [model].{key}", "takes effect only with [model].num_experts > 0")
         return
     if not 1 <= m.moe_topk <= m.num_experts:
         # TopKRouter: torch.topk(k) over num_moe_experts scores
         raise BadInput(f"{src}: [model].moe_topk",
                        f"must be in 1..num_experts = {m.num_experts}, got {m.moe_topk}")
+    if m.moe_topk == 1 and m.moe_router_score_function == "softmax":
+        # TransformerConfig.__post_init__ (softmax over one logit has no gradient); pre-softmax is not a key
+        raise BadInput(f"{src}: [model].moe_topk",
+                       "megatron-core: \"Please use --moe-router-pre-softmax when topk is 1\" (the softmax "
+                       "over one top logit has a zero gradient); the pre-softmax router is not covered yet")
+    _validate_group_topk(s)
+
+
+def _validate_group_topk(s: Scenario) -> None:
+    """Group-limited routing (megatron-core's ``group_limited_topk``): E experts in G groups, each
+    token's groups chosen by the sum of their top (k / group_topk) scores, its k experts from those."""
+    m, src = s.model, s.source
+    groups, chosen = m.moe_router_num_groups, m.moe_router_group_topk
+    if chosen is None:
+        if groups is not None:
+            raise BadInput(f"{src}: [model].moe_router_num_groups",
+                           "takes effect only with moe_router_group_topk (group-limited routing)")
+        return
+    if groups is None:  # TransformerConfig.__post_init__
+        raise BadInput(f"{src}: [model].moe_router_group_topk",
+                       "megatron-core: when using group limited routing, moe_router_num_groups must be "
+                       "specified")
+    if m.num_experts % groups:  # TransformerConfig.__post_init__'s assertion
+        raise BadInput(f"{src}: [model].moe_router_num_groups",
+                       f"must divide num_experts = {m.num_experts}, got {groups}")
+    if chosen > groups:  # TransformerConfig.__post_init__'s assertion
+        raise BadInput(f"{src}: [model].moe_router_group_topk",
+                       f"must be <= moe_router_num_groups = {groups}, got {chosen}")
+    per_group = m.num_experts // groups
+    if not 1 <= m.moe_topk // chosen <= per_group:
+        # group_limited_topk: topk(k // group_topk) within each group of E / G experts
+        raise BadInput(f"{src}: [model].moe_topk",
+                       f"moe_topk // moe_router_group_topk = {m.moe_topk} // {chosen} must be in "
+                       f"1..{per_group} (the experts of a group its score sums)")
+    if m.moe_topk > chosen * per_group:
+        raise BadInput(f"{src}: [model].moe_topk",
+                       f"must be <= the experts of the chosen groups ({chosen} x {per_group}), "
+                       f"got {m.moe_topk}")
 
 
 def validate_moe_side(s: Scenario, name: str, side: Side, where: str) -> None:
@@ -29,11 +75,14 @@ def validate_moe_side(s: Scenario, name: str, side: Side, where: str) -> None:
         return
     if not m.num_experts:
         raise BadInput(f"{where}.ep", "expert parallelism and expert GTP need [model].num_experts > 0")
-    if side.backend == "mlm" or (side.backend == "torch" and name != "golden"):
-        raise BadInput(f"{where}.backend",
-                       "MoE runs on the megatron backend, and on the torch backend as the golden only")
-    if name == "golden" and side.ep * side.expert_gtp != 1:
-        raise BadInput(f"{where}.ep", "the golden side runs in a single process: ep = expert_gtp = 1")
+    # The torch backend's golden model (one process, fp32 or fp64, no recipe) holds MoE layers; its
+    # sharded model does not: a compared torch side is that golden model (megatron-core against it).
+    golden_model = side.world_size == 1 and side.recipe == "none" and side.precision in ("fp32", "fp64")
+    if side.backend == "mlm" or (side.backend == "torch" and name != "golden" and not golden_model):
+        raise BadInput(f"{where}.backend", "MoE runs on the megatron backend, and on the torch backend as "
+                       "the golden model only (world_size 1, fp32 or fp64, no recipe)")
+    if (name == "golden" or side.backend == "torch") and side.ep * side.expert_gtp != 1:
+        raise BadInput(f"{where}.ep", "the golden model runs in a single process: ep = expert_gtp = 1")
     if side.tp != 1:
         raise BadInput(f"{where}.tp",
                        "MoE scenarios run at TP 1: expert tensor parallelism is not covered yet")
@@ -46,12 +95,17 @@ def validate_moe_side(s: Scenario, name: str, side: Side, where: str) -> None:
         raise BadInput(f"{where}.world_size",
                        f"world_size {side.world_size} must be a multiple of expert TP x EP x EGTP = "
                        f"{expert_grid}")
+    k = 2 if m.activation in GATED else 1  # a gated fc1 holds [gate; up]
     if side.expert_gtp > 1 and side.gtp_pad_alignment == 0:
-        for key, dim0 in {"linear_fc1": m.ffn_hidden_size, "linear_fc2": m.hidden_size}.items():
+        for key, dim0 in {"linear_fc1": k * m.ffn_hidden_size, "linear_fc2": m.hidden_size}.items():
             if dim0 % side.expert_gtp:  # _gtp_slice_one_param's no-pad assertion
                 raise BadInput(f"{where}.expert_gtp",
                                f"EGTP {side.expert_gtp} must divide dim 0 of the experts' {key} ({dim0}) "
                                f"when gtp_pad_alignment = 0")
+    shared = m.moe_shared_expert_intermediate_size
+    if shared and side.gtp > 1 and side.gtp_pad_alignment == 0 and (k * shared) % side.gtp:
+        raise BadInput(f"{where}.gtp", f"G {side.gtp} must divide dim 0 of the shared experts' linear_fc1 "
+                       f"({k * shared}) when gtp_pad_alignment = 0")
     if side.expert_gtp > 1 and not m.untie_embeddings:
         raise BadInput(f"{s.source}: [model].untie_embeddings",
                        "tied embedding/output weights are not supported with GTP")
@@ -61,8 +115,9 @@ def validate_moe_side(s: Scenario, name: str, side: Side, where: str) -> None:
 
 
 def moe_parameter_count(m: ModelConfig) -> int:
-    """Parameters an MoE layer adds over the dense MLP it replaces (router and E experts)."""
+    """Parameters an MoE layer adds over the dense MLP it replaces (router, E experts, shared experts)."""
     if not m.num_experts:
         return 0
-    h, f = m.hidden_size, m.ffn_hidden_size
-    return m.num_layers * (m.num_experts * h + (m.num_experts - 1) * 2 * h * f)
+    h, f, s = m.hidden_size, m.ffn_hidden_size, m.moe_shared_expert_intermediate_size or 0
+    k = 2 if m.activation in GATED else 1  # arch_parameter_count counts the dense MLP's gate
+    return m.num_layers * (m.num_experts * h + ((m.num_experts - 1) * f + s) * (k + 1) * h)

@@ -41,10 +41,12 @@ PRESETS: dict[str, dict] = {
                 "position_embedding_type": "rope", "rotary_base": 1000000, "num_query_groups": 2,
                 "untie_embeddings": True, "num_experts": 4, "moe_topk": 2},
     # DeepSeek-V3's MoE without multi-latent attention (not covered): RMSNorm, SwiGLU experts, RoPE,
-    # untied; its shared expert and sigmoid, group-limited router where the harness covers them.
+    # untied, a shared expert, the sigmoid router's top-k within the best groups (256 experts in 8
+    # groups, top-8 of the best 4 there; 8 in 4, top-4 of the best 2 here).
     "deepseek": {**_TINY, "ffn_hidden_size": 48, "activation": "swiglu", "normalization": "RMSNorm",
-                 "position_embedding_type": "rope", "untie_embeddings": True, "num_experts": 4,
-                 "moe_topk": 2},
+                 "position_embedding_type": "rope", "untie_embeddings": True, "num_experts": 8,
+                 "moe_topk": 4, "moe_router_score_function": "sigmoid", "moe_router_num_groups": 4,
+                 "moe_router_group_topk": 2, "moe_shared_expert_intermediate_size": 48},
 }
 
 

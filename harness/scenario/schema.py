@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 from harness.common.errors import shown
 from harness.scenario.choices import (  # noqa: F401
     BACKENDS, GATED, PRECISIONS, RECIPE_NAMES, Activation, Backend, LossMask, MlmData, Normalization,
-    PositionEmbedding, Precision, Preset, Recipe,
+    PositionEmbedding, Precision, Preset, Recipe, RouterScore,
 )
 from harness.scenario.options import option
 # The policies are part of the schema: parsing resolves their fields' types in this namespace.
@@ -189,6 +189,28 @@ class ModelConfig:
         low=0.0, backends=MOE_BACKENDS, added_later=True,
         mcore=("TransformerConfig.moe_aux_loss_coeff (with experts)",),
         mlm="--moe-aux-loss-coeff")
+    moe_shared_expert_intermediate_size: int | None = option(
+        None, "MoE", """FFN size of the shared experts every token also passes (none: no shared experts):
+        megatron-core's ``SharedExpertMLP`` (no gate, no overlap), a dense MLP (gated as ``activation``)
+        cut by TP and dense GTP as the dense MLP is; its output is added to the routed experts'""",
+        low=1, backends=MOE_BACKENDS, added_later=True,
+        mcore=("TransformerConfig.moe_shared_expert_intermediate_size (with experts)",),
+        mlm="--moe-shared-expert-intermediate-size")
+    moe_router_score_function: RouterScore = option(
+        "softmax", "MoE", """the router's score: ``softmax`` over the top-k logits, or ``sigmoid`` of the
+        logits, the top-k normalized to sum 1 (k > 1); the load-balancing loss's scores likewise (softmax, or
+        the sigmoids normalized over all experts)""", backends=MOE_BACKENDS, added_later=True,
+        mcore=("TransformerConfig.moe_router_score_function (with experts)",),
+        mlm="--moe-router-score-function")
+    moe_router_num_groups: int | None = option(
+        None, "MoE", """expert groups of group-limited routing (with moe_router_group_topk): experts are cut
+        into this many equal groups, in index order""", low=1, backends=MOE_BACKENDS, added_later=True,
+        mcore=("TransformerConfig.moe_router_num_groups (with experts)",), mlm="--moe-router-num-groups")
+    moe_router_group_topk: int | None = option(
+        None, "MoE", """groups each token may route to (group-limited top-k): the groups with the largest
+        sums of their top (moe_topk / this) scores; the top-k experts are then taken from those groups""",
+        low=1, backends=MOE_BACKENDS, added_later=True,
+        mcore=("TransformerConfig.moe_router_group_topk (with experts)",), mlm="--moe-router-group-topk")
     mtp_num_layers: int = option(
         0, "MTP", """multi-token prediction depths D (0: none): depth d predicts the token d + 1 places
         ahead with the shared embedding and output layer""", low=0, backends=MOE_BACKENDS, added_later=True,

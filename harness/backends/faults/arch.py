@@ -6,7 +6,8 @@ run-time patches of megatron-core's finalize and GTP gather, undone with the sid
   parameter tagged ``is_gtp_weight_remat`` (GTP-sharded weights mean over the group in their
   reduce-scatter). The fault tags the target bias for the duration of that call, as a GTP module
   wrapper that tagged its bias with its weight would: the bias keeps the local partial.
-- ``gtp-glu-halves-crossed``, ``gtp-qkv-groups-reordered``: the forward hand-out of the target's
+- ``gtp-glu-halves-crossed``, ``gtp-qkv-groups-reordered``, ``gtp-expert-glu-halves-crossed`` (a
+  routed expert's gated fc1 under expert GTP): the forward hand-out of the target's
   gathered (unpadded) TP block is rolled along dim 0, half the block (the gate and up halves
   swapped) or one GTP shard (each shard's query groups in the next shard's place). The faults'
   reach admits them only where that is a permutation of GTP's shard blocks, an order GTP's own
@@ -25,7 +26,7 @@ import importlib
 import torch
 
 from harness.backends.patching import patch
-from harness.scenario.arch_faults import ARCH_FAULTS, BIAS, GLU, QKV, TIED, VOCAB
+from harness.scenario.arch_faults import ARCH_FAULTS, BIAS, EXPERT_GLU, GLU, QKV, TIED, VOCAB
 
 
 def _target(ctx, name: str):
@@ -110,5 +111,10 @@ def _vocab_pad_rows_in_loss(ctx) -> None:
     _changed_gather(ctx, VOCAB, _pad_in_front)
 
 
+def _expert_glu_halves_crossed(ctx) -> None:
+    _rolled_gather(ctx, EXPERT_GLU, lambda rows: rows // 2)  # a routed expert's [gate; up] -> [up; gate]
+
+
 ARCH_INSTALLERS = {BIAS: _bias_grad_unreduced, GLU: _glu_halves_crossed, QKV: _qkv_groups_reordered,
-                   TIED: _tied_grad_one_use, VOCAB: _vocab_pad_rows_in_loss}
+                   TIED: _tied_grad_one_use, VOCAB: _vocab_pad_rows_in_loss,
+                   EXPERT_GLU: _expert_glu_halves_crossed}

@@ -3,8 +3,11 @@
 The local layer spec with ``num_experts`` (``get_gpt_layer_local_spec(num_experts=E,
 moe_grouped_gemm=False)``): ``TopKRouter`` (softmax over the top-k logits, ``aux_loss`` load
 balancing), the ``alltoall`` token dispatcher over the EP group and ``SequentialMLP`` experts,
-each a local-spec MLP whose weights megatron-core GTP-shards over the *expert* GTP group
-(``expert_tensor_parallel_num_weight_shards``, ``initialize_model_parallel(expert_gtp_remat_size=)``).
+each a local-spec MLP (gated as the dense one is: fc1 ``[gate; up]``) whose weights megatron-core
+GTP-shards over the *expert* GTP group (``expert_tensor_parallel_num_weight_shards``,
+``initialize_model_parallel(expert_gtp_remat_size=)``); with ``moe_shared_expert_intermediate_size``
+``SharedExpertMLP`` (``mlp.shared_experts``: not an expert's module, cut by TP and the dense GTP
+group), and the router's score function and group-limited top-k as ``[model]`` says.
 
 This module supplies the configuration, names each expert by its global index (rank ep's
 local expert i is expert ``ep * E / EP + i``), reads each expert weight's layout off
@@ -50,6 +53,10 @@ def config_kwargs(job) -> dict:
         "moe_grouped_gemm": False,
         "expert_model_parallel_size": side.ep,
         "expert_tensor_parallel_num_weight_shards": side.tp * side.expert_gtp,
+        "moe_shared_expert_intermediate_size": m.moe_shared_expert_intermediate_size,
+        "moe_router_score_function": m.moe_router_score_function,
+        "moe_router_num_groups": m.moe_router_num_groups,
+        "moe_router_group_topk": m.moe_router_group_topk,
     }
 
 
