@@ -22,6 +22,8 @@ Activation = Literal["gelu", "swiglu", "geglu", "relu", "squared_relu"]
 GATED = frozenset({"swiglu", "geglu"})
 Normalization = Literal["LayerNorm", "RMSNorm"]
 PositionEmbedding = Literal["learned_absolute", "rope", "none"]
+# megatron-core's TransformerConfig.softmax_type: the attention softmax, with an extra logit or not.
+SoftmaxType = Literal["vanilla", "off-by-one", "learnable"]
 ProcessGroups = Literal["parallel-state", "collection", "collection-permuted"]
 # The mlm and bridge backends' data: the frontend's --mock-data pipeline, or the harness's samples.
 MlmData = Literal["synthetic", "mock"]

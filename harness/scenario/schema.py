@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 from harness.common.errors import shown
 from harness.scenario.choices import (  # noqa: F401
     BACKENDS, GATED, PRECISIONS, RECIPE_NAMES, Activation, Backend, LossMask, MlmData, Normalization,
-    PositionEmbedding, Precision, Recipe,
+    PositionEmbedding, Precision, Recipe, SoftmaxType,
 )
 from harness.scenario.options import option
 # The policies are part of the schema: parsing resolves their fields' types in this namespace.
@@ -149,6 +149,18 @@ class ModelConfig:
         10000, "architecture", "RoPE's base: the inverse frequencies are base^(-2i / rotary dim); with "
         "``rope`` only", low=1, backends=ARCH_BACKENDS, added_later=True, mcore=("GPTModel.rotary_base",),
         mlm="--rotary-base (with rope)")
+    qk_layernorm: bool = option(
+        False, "architecture", """a norm (of ``normalization``'s type, eps 1e-5) over each query head and
+        each key head (the head dim) after the QKV split, before RoPE: ``self_attention.q_layernorm`` and
+        ``k_layernorm``, replicated over TP and GTP; their grads are summed over TP (each TP rank's heads
+        give a part); the local layer spec's q_layernorm / k_layernorm with it""",
+        backends=ARCH_BACKENDS, added_later=True, mcore=("TransformerConfig.qk_layernorm",),
+        mlm="--qk-layernorm")
+    softmax_type: SoftmaxType = option(
+        "vanilla", "architecture", """the attention softmax: ``off-by-one`` adds a zero logit to each
+        row's denominator, ``learnable`` a logit per head, ``self_attention.core_attention.softmax_offset``
+        (cut over TP with the heads, replicated over GTP)""", backends=ARCH_BACKENDS, added_later=True,
+        mcore=("TransformerConfig.softmax_type",), mlm="--softmax-type (off-by-one, learnable)")
     init_std: float = option(
         0.02, "architecture", "std of the normal initialization; output projections use std / sqrt(2 x "
         "num_layers)", mcore=("TransformerConfig.init_method_std",), mlm="--init-method-std")

@@ -155,6 +155,7 @@ def _load_canonical(model, job: Job, mesh: dict, coord: dict, vp: int | None = N
             raise RuntimeError(f"megatron-core built a parameter the harness does not know: {name}")
         ours = layout_of(spec, job.side, job.model.num_experts)
         theirs = moe.mcore_layout(p, ours) if spec.expert is not None else from_mcore_param(p, mesh)
+        theirs = arch.softmax_offset_layout(name, p, theirs)
         if ours.to_json() != theirs.to_json():
             raise RuntimeError(f"{name}: megatron-core lays it out as {theirs.to_json()}, expected "
                                f"{ours.to_json()}")
@@ -257,7 +258,7 @@ def _train(job, cap, ctx, config, chunks, scheduler, mesh, forward_backward, fin
     from megatron.core import parallel_state as ps
 
     side, opt, named = job.side, ctx.optimizer, ctx.named_params
-    layouts = {n: from_mcore_param(p, mesh) for n, p in named}
+    layouts = {n: arch.softmax_offset_layout(n, p, from_mcore_param(p, mesh)) for n, p in named}
     layouts.update(moe.expert_layouts(job, named))
     for ddp in chunks:
         inner = ddp.module.module if side.precision == "bf16" else ddp.module
