@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from torch.distributed.tensor import Shard
 
-from harness.common.layout import Layout
+from harness.common.layout import Layout, from_mcore_param
 from harness.scenario.schema import GATED, ModelConfig
 
 SOFTMAX_OFFSET = "core_attention.softmax_offset"
@@ -38,3 +38,9 @@ def softmax_offset_layout(name: str, param, theirs: Layout) -> Layout:
     if not name.endswith(SOFTMAX_OFFSET) or tp == 1 or getattr(param, "tensor_model_parallel", False):
         return theirs
     return Layout((param.shape[0] * tp,), dict(theirs.mesh), {"tp": Shard(0)}, {})
+
+
+def param_layout(name: str, param, mesh) -> Layout:
+    """A parameter's layout as megatron-core's attributes say (the learnable softmax's offsets: as
+    their shape says)."""
+    return softmax_offset_layout(name, param, from_mcore_param(param, mesh))

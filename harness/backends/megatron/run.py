@@ -258,7 +258,7 @@ def _train(job, cap, ctx, config, chunks, scheduler, mesh, forward_backward, fin
     from megatron.core import parallel_state as ps
 
     side, opt, named = job.side, ctx.optimizer, ctx.named_params
-    layouts = {n: arch.softmax_offset_layout(n, p, from_mcore_param(p, mesh)) for n, p in named}
+    layouts = {n: arch.param_layout(n, p, mesh) for n, p in named}
     layouts.update(moe.expert_layouts(job, named))
     for ddp in chunks:
         inner = ddp.module.module if side.precision == "bf16" else ddp.module
