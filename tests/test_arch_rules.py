@@ -47,6 +47,16 @@ CASES = [
      "what the key [model].num_query_groups sets"),
     ("qkv-bias-flag-in-mlm-args", edit("candidate", 'backend = "mlm"\nargs = ["--add-qkv-bias"]'),
      "[candidate].args", "what the key [model].add_qkv_bias sets"),
+    ("softmax-type-unknown", edit("model", 'softmax_type = "sparsemax"'), "[model].softmax_type",
+     "unknown softmax_type"),
+    ("qk-layernorm-on-bridge",
+     edit("model", "qk_layernorm = true", text=edit("candidate", 'backend = "bridge"')),
+     "[candidate].backend", "only the megatron, mlm, torch backends take [model].qk_layernorm"),
+    ("qk-layernorm-flag-in-mlm-args", edit("candidate", 'backend = "mlm"\nargs = ["--qk-layernorm"]'),
+     "[candidate].args", "what the key [model].qk_layernorm sets"),
+    ("softmax-type-flag-in-mlm-args",
+     edit("candidate", 'backend = "mlm"\nargs = ["--softmax-type=learnable"]'), "[candidate].args",
+     "what the key [model].softmax_type sets"),
 ]
 
 

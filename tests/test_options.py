@@ -103,7 +103,8 @@ def test_every_megatron_lm_flag_the_declarations_and_the_args_rules_name_exists(
 
 
 @pytest.mark.parametrize("arg, says", [
-    ("--softmax-type", "shapes the model's parameters"),
+    ("--kv-channels", "shapes the model's parameters"),
+    ("--softmax-type", "[model].softmax_type sets: set softmax_type instead"),
     ("--eval-iters=3", "[side].eval_iters sets: set eval_iters instead"),
     ("--bf16", "[side].precision"),
     ("--num-layers", "[model].num_layers"),
@@ -124,13 +125,13 @@ def test_args_flags_that_change_nothing_compared_pass():
         assert flag_problem(arg) is None
 
 
-def test_validate_refuses_a_learnable_softmax_in_args_before_anything_launches(tmp_path, capsys):
+def test_validate_refuses_a_learnable_softmax_in_args_naming_its_key(tmp_path, capsys):
     text = (ROOT / "tests" / "assets" / "mlm_tiny.toml").read_text()
     path = tmp_path / "s.toml"
     path.write_text(text.replace("[candidate]\n", '[candidate]\nargs = ["--softmax-type", "learnable"]\n', 1))
     assert cli.main(["validate", str(path)]) == 2
     err = capsys.readouterr().err
-    assert "[candidate].args" in err and "--softmax-type shapes the model's parameters" in err
+    assert "[candidate].args" in err and "--softmax-type is what the key [model].softmax_type sets" in err
 
 
 def test_a_side_key_only_some_backends_honour_is_refused_elsewhere_by_its_declaration(tmp_path, capsys):
@@ -143,15 +144,17 @@ def test_a_side_key_only_some_backends_honour_is_refused_elsewhere_by_its_declar
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bias, qkv, activation, norm, positions", [
-    (False, False, "gelu", "LayerNorm", "learned_absolute"), (True, False, "swiglu", "RMSNorm", "rope"),
-    (False, True, "squared_relu", "LayerNorm", "none"),
+@pytest.mark.parametrize("bias, qkv, activation, norm, positions, qk_norm, softmax", [
+    (False, False, "gelu", "LayerNorm", "learned_absolute", False, "vanilla"),
+    (True, False, "swiglu", "RMSNorm", "rope", True, "learnable"),
+    (False, True, "squared_relu", "LayerNorm", "none", False, "off-by-one"),
 ])  # the third also with 2 query groups
-def test_the_architecture_switches_reach_megatron_lm_and_read_back(bias, qkv, activation, norm, positions):
+def test_the_architecture_switches_reach_megatron_lm_and_read_back(bias, qkv, activation, norm, positions,
+                                                                   qk_norm, softmax):
     """The mlm side's command line carries the keys (``--disable-bias-linear`` where biases are
     off, ``--add-qkv-bias``, ``--swiglu`` / ``--squared-relu``, ``--normalization``, the positions'
-    flags), Megatron-LM's parser reads those values, and ``gtp-parity mlm`` reads them back into the
-    same model."""
+    flags, ``--qk-layernorm``, ``--softmax-type``), Megatron-LM's parser reads those values, and
+    ``gtp-parity mlm`` reads them back into the same model."""
     from harness.backends.mlm.args import check_flags, side_argv
     from harness.backends.mlm.command import scenario_of
     from harness.scenario.schema import DataConfig, ModelConfig, Side
@@ -161,7 +164,7 @@ def test_the_architecture_switches_reach_megatron_lm_and_read_back(bias, qkv, ac
                         normalization=norm, position_embedding_type=positions,
                         **({"rotary_percent": 0.5, "rotary_base": 500} if positions == "rope" else {}),
                         num_query_groups=2 if positions == "none" else None,
-                        )
+                        qk_layernorm=qk_norm, softmax_type=softmax)
     side = Side(backend="mlm", world_size=1, steps=2, lr_warmup_steps=0)
     argv = side_argv(model, DataConfig(global_batch_size=1), side)
     ns = check_flags(argv + ["--train-iters", "2", "--tensor-model-parallel-size", "1"], "test")
@@ -171,6 +174,7 @@ def test_the_architecture_switches_reach_megatron_lm_and_read_back(bias, qkv, ac
     assert (ns.rotary_percent, ns.rotary_base) == ((0.5, 500) if positions == "rope" else (1.0, 10000))
     groups = (True, 2) if positions == "none" else (False, 1)
     assert (ns.group_query_attention, ns.num_query_groups) == groups
+    assert (ns.qk_layernorm, ns.softmax_type) == (qk_norm, softmax)
     back = scenario_of(argv + ["--train-iters", "2", "--tensor-model-parallel-size", "1"], 1).model
     read = (back.add_bias_linear, back.add_qkv_bias, back.activation, back.normalization)
     assert read == (bias, qkv, activation, norm) and back == model

@@ -312,3 +312,27 @@ def test_megatron_lm_eval_loss_on_main_averages_the_whole_batch(tmp_path):
     for rank in _eval_sides(ranks):
         for side in rank.values():
             assert _within_fp32_sum(side["reported"], side["batch"], side["micro_batch_terms"]), side
+
+
+def test_the_learnable_softmax_offsets_count_in_the_grad_norm_on_tp_rank_0_only(tmp_path):
+    """FINDINGS.md U: at TP 2 each rank holds its heads' offsets, untagged; megatron-core's duplicate
+    filter keeps TP rank 0's alone, so its grad norm lacks exactly TP rank 1's offsets."""
+    out = tmp_path / "softmax_offset.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "repro" / "softmax_offset_tp_grad_norm.py"), "--json",
+                           str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = json.loads(out.read_text())
+    assert [r["softmax_offset_shape"] for r in ranks] == [[2], [2]]
+    assert [r["tensor_model_parallel"] for r in ranks] == ["absent", "absent"]
+    assert [r["counted_in_grad_norm"] for r in ranks] == [True, False]
+    r = ranks[0]
+    assert r["tp_rank1_offset_grad_sq"] > 0
+    # fp64 sums of the same squares, in another grouping: each rounds by at most terms x eps64 of the sum.
+    eps64 = sys.float_info.epsilon
+    gap = r["logical_grad_norm_sq"] - r["filtered_grad_norm_sq"]
+    assert abs(gap - r["tp_rank1_offset_grad_sq"]) <= 2 * r["terms"] * eps64 * r["logical_grad_norm_sq"]
+    # megatron-core's optimizer computes that filtered norm (in fp32: one rounding per term and sum).
+    eps32 = 2.0 ** -23
+    assert abs(r["megatron_grad_norm_sq"] - r["filtered_grad_norm_sq"]) <= (
+        2 * r["terms"] * eps32 * r["filtered_grad_norm_sq"])

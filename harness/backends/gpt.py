@@ -60,9 +60,10 @@ def param_specs(m: ModelConfig) -> list[ParamSpec]:
     return specs
 
 
-def _norm_specs(name: str, m: ModelConfig) -> list[ParamSpec]:
-    """A norm's parameters: LayerNorm's weight and bias, RMSNorm's weight alone."""
-    h = m.hidden_size
+def _norm_specs(name: str, m: ModelConfig, size: int | None = None) -> list[ParamSpec]:
+    """A norm's parameters (over ``size`` channels, the hidden size unless given): LayerNorm's weight
+    and bias, RMSNorm's weight alone."""
+    h = size or m.hidden_size
     weight = ParamSpec(name + ".weight", (h,), None, False, "ones")
     if m.normalization == "RMSNorm":
         return [weight]
@@ -74,13 +75,33 @@ def _layer_specs(m: ModelConfig, p: str) -> list[ParamSpec]:
     h, qkv = m.hidden_size, qkv_rows(m)
     return [
         *_norm_specs(p + "input_layernorm", m),
+        *_attention_specs(m, p + "self_attention."),
         ParamSpec(p + "self_attention.linear_proj.weight", (h, h), 1, True, "scaled_normal"),
         *_bias_specs(p + "self_attention.linear_proj", h, 1, m.add_bias_linear),
         ParamSpec(p + "self_attention.linear_qkv.weight", (qkv, h), 0, True, "normal"),
         *_bias_specs(p + "self_attention.linear_qkv", qkv, 0, m.add_bias_linear or m.add_qkv_bias),
+        *_qk_norm_specs(m, p + "self_attention."),
         *_norm_specs(p + "pre_mlp_layernorm", m),
         *_mlp_specs(m, p),
     ]
+
+
+def _attention_specs(m: ModelConfig, p: str) -> list[ParamSpec]:
+    """The learnable softmax's offset logit per head (``DotProductAttention``, registered first in
+    the attention): cut over TP with the heads, replicated over GTP, from the normal stream as
+    megatron-core's ``init_method`` draws it."""
+    if m.softmax_type != "learnable":
+        return []
+    return [ParamSpec(p + "core_attention.softmax_offset", (m.num_attention_heads,), 0, False, "normal")]
+
+
+def _qk_norm_specs(m: ModelConfig, p: str) -> list[ParamSpec]:
+    """``qk_layernorm``'s two norms over the head dim (registered after linear_qkv), replicated over
+    TP and GTP."""
+    if not m.qk_layernorm:
+        return []
+    head = m.hidden_size // m.num_attention_heads
+    return [*_norm_specs(p + "q_layernorm", m, head), *_norm_specs(p + "k_layernorm", m, head)]
 
 
 def _bias_specs(layer: str, rows: int, weight_tp_dim: int, present: bool, stride: int = 1) -> list[ParamSpec]:

@@ -335,16 +335,16 @@ class Capture:
         return lambda module, args, output: self.output(kind, name, output, sequence_parallel)
 
     def output(self, kind: str, name: str, output, sequence_parallel: bool = False) -> None:
-        """Record a module's output ``[s, b, ...]`` (or a tuple's first) as ``name``, as the
-        hooks of :meth:`attach` do: for a hook of its own that names each call (MTP's depths)."""
-        out = output[0] if isinstance(output, tuple) else output
+        """Record a module's output ``[s, b, ...]`` (a tuple's first, plus the bias megatron-core's attention
+        and MLP return beside it) as ``name``, as :meth:`attach`'s hooks do, or a hook naming each call."""
         if self.step is None or self._mb is None or not self.wants(kind, name):
             return
+        bias = output[1] if isinstance(output, tuple) and len(output) == 2 else None  # (output, bias)
+        out = (output[0] if isinstance(output, tuple) else output) + (bias if torch.is_tensor(bias) else 0)
         if torch._C._current_graph_task_id() != -1:
             return  # activation recompute re-runs the forward inside backward: recorded once, at the forward
         value = out.detach().transpose(0, 1)
-        shape = list(value.shape)
-        placements = {}
+        shape, placements = list(value.shape), {}
         if kind == "logits" and self.mesh.get("tp", 1) > 1:
             placements["tp"] = Shard(value.dim() - 1)
             shape[-1] *= self.mesh["tp"]

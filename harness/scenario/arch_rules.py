@@ -85,4 +85,6 @@ def arch_parameter_count(m: ModelConfig) -> int:
     positions = 0 if m.position_embedding_type == "learned_absolute" else -m.seq_length * h
     qkv = qkv_rows(m)
     bias = (qkv if m.add_bias_linear or m.add_qkv_bias else 0) + (h + k * f + h if m.add_bias_linear else 0)
-    return m.num_layers * (bias + (k - 1) * f * h + (qkv - 3 * h) * h) + positions
+    norms = m.qk_layernorm * 2 * (1 if m.normalization == "RMSNorm" else 2) * (h // m.num_attention_heads)
+    attention = norms + (m.num_attention_heads if m.softmax_type == "learnable" else 0)
+    return m.num_layers * (bias + attention + (k - 1) * f * h + (qkv - 3 * h) * h) + positions

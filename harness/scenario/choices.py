@@ -26,6 +26,8 @@ PositionEmbedding = Literal["learned_absolute", "rope", "none"]
 Preset = Literal["gpt", "llama", "qwen", "mixtral", "deepseek"]
 # The MoE router's score function (megatron-core's moe_router_score_function; sqrtsoftplus not covered).
 RouterScore = Literal["softmax", "sigmoid"]
+# megatron-core's TransformerConfig.softmax_type: the attention softmax, with an extra logit or not.
+SoftmaxType = Literal["vanilla", "off-by-one", "learnable"]
 ProcessGroups = Literal["parallel-state", "collection", "collection-permuted"]
 # The mlm and bridge backends' data: the frontend's --mock-data pipeline, or the harness's samples.
 MlmData = Literal["synthetic", "mock"]

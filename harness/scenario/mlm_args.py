@@ -33,8 +33,7 @@ _PRECISION = "changes the side's precision: the precision and recipe keys say it
 # Megatron-LM's flags (megatron/training/arguments.py) a side's args may not set, by what they change.
 REFUSED = {
     **dict.fromkeys((
-        "--kv-channels", "--softmax-type",
-        "--qk-layernorm", "--qk-l2-norm", "--apply-layernorm-1p",
+        "--kv-channels", "--qk-l2-norm", "--apply-layernorm-1p",
         "--use-rotary-position-embeddings", "--no-position-embedding",
         "--max-position-embeddings", "--multi-latent-attention", "--attention-output-gate",
         "--experimental-attention-variant", "--encoder-num-layers", "--decoder-num-layers",

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 from harness.common.errors import shown
 from harness.scenario.choices import (  # noqa: F401
     BACKENDS, GATED, PRECISIONS, RECIPE_NAMES, Activation, Backend, LossMask, MlmData, Normalization,
-    PositionEmbedding, Precision, Preset, Recipe, RouterScore,
+    PositionEmbedding, Precision, Preset, Recipe, RouterScore, SoftmaxType,
 )
 from harness.scenario.options import option
 # The policies are part of the schema: parsing resolves their fields' types in this namespace.
@@ -174,6 +174,18 @@ class ModelConfig:
         0.0, "loss", """the cross entropy's label smoothing: refused, as no switch of megatron-core or
         Megatron-LM reaches vocab_parallel_cross_entropy's""", low=0.0, high=1.0,
         backends=frozenset(), added_later=True)
+    qk_layernorm: bool = option(
+        False, "architecture", """a norm (of ``normalization``'s type, eps 1e-5) over each query head and
+        each key head (the head dim) after the QKV split, before RoPE: ``self_attention.q_layernorm`` and
+        ``k_layernorm``, replicated over TP and GTP; their grads are summed over TP (each TP rank's heads
+        give a part); the local layer spec's q_layernorm / k_layernorm with it""",
+        backends=ARCH_BACKENDS, added_later=True, mcore=("TransformerConfig.qk_layernorm",),
+        mlm="--qk-layernorm")
+    softmax_type: SoftmaxType = option(
+        "vanilla", "architecture", """the attention softmax: ``off-by-one`` adds a zero logit to each
+        row's denominator, ``learnable`` a logit per head, ``self_attention.core_attention.softmax_offset``
+        (cut over TP with the heads, replicated over GTP)""", backends=ARCH_BACKENDS, added_later=True,
+        mcore=("TransformerConfig.softmax_type",), mlm="--softmax-type (off-by-one, learnable)")
     init_std: float = option(
         0.02, "architecture", "std of the normal initialization; output projections use std / sqrt(2 x "
         "num_layers)", mcore=("TransformerConfig.init_method_std",), mlm="--init-method-std")

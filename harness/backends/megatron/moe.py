@@ -63,9 +63,10 @@ def config_kwargs(job) -> dict:
 def layer_spec(job):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    qk = {"qk_layernorm": True} if job.model.qk_layernorm else {}  # q_layernorm / k_layernorm
     if not is_moe(job):
-        return get_gpt_layer_local_spec()
-    return get_gpt_layer_local_spec(num_experts=job.model.num_experts, moe_grouped_gemm=False)
+        return get_gpt_layer_local_spec(**qk)
+    return get_gpt_layer_local_spec(num_experts=job.model.num_experts, moe_grouped_gemm=False, **qk)
 
 
 def uses_gtp(side) -> bool:

@@ -162,6 +162,7 @@ def _load_canonical(model, job: Job, mesh: dict, coord: dict, vp: int | None = N
         ours = layout_of(spec, job.side, job.model.num_experts)
         theirs = moe.mcore_layout(p, ours) if spec.expert is not None else from_mcore_param(p, mesh)
         theirs = dataclasses.replace(theirs, vocab_padding=spec.vocab_padding)  # not an attribute of theirs
+        theirs = arch.softmax_offset_layout(name, p, theirs)
         if ours.to_json() != theirs.to_json():
             raise RuntimeError(f"{name}: megatron-core lays it out as {theirs.to_json()}, expected "
                                f"{ours.to_json()}")
@@ -264,7 +265,7 @@ def _train(job, cap, ctx, config, chunks, scheduler, mesh, forward_backward, fin
     from megatron.core import parallel_state as ps
 
     side, opt, named = job.side, ctx.optimizer, ctx.named_params
-    layouts = vocabulary_described({n: from_mcore_param(p, mesh) for n, p in named}, job.model)
+    layouts = vocabulary_described({n: arch.param_layout(n, p, mesh) for n, p in named}, job.model)
     layouts.update(moe.expert_layouts(job, named))
     for ddp in chunks:
         inner = ddp.module.module if side.precision == "bf16" else ddp.module

@@ -68,6 +68,8 @@ def model_flags(model: ModelConfig) -> list[str]:
         flags += ["--position-embedding-type", model.position_embedding_type]
     if model.position_embedding_type == "rope":
         flags += ["--rotary-percent", repr(model.rotary_percent), "--rotary-base", str(model.rotary_base)]
+    if model.softmax_type != "vanilla":
+        flags += ["--softmax-type", model.softmax_type]
     return flags
 
 

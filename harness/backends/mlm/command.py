@@ -62,11 +62,11 @@ READ_BACK = (
     "--optimizer", "--lr", "--min-lr", "--lr-warmup-iters", "--lr-decay-iters", "--lr-decay-style",
     "--weight-decay", "--clip-grad", "--adam-beta1", "--adam-beta2", "--adam-eps", "--sgd-momentum",
     "--eval-interval", "--eval-iters", "--normalization", "--position-embedding-type", "--rotary-percent",
-    "--rotary-base", "--num-query-groups", "--make-vocab-size-divisible-by",
+    "--rotary-base", "--num-query-groups", "--make-vocab-size-divisible-by", "--softmax-type",
 )
 READ_BACK_SWITCHES = ("--bf16", "--mock-data", "--untie-embeddings-and-output-weights",
                       "--disable-bias-linear", "--add-qkv-bias", "--swiglu", "--squared-relu",
-                      "--group-query-attention")
+                      "--group-query-attention", "--qk-layernorm")
 
 
 def fixed_values() -> dict[str, str | None]:
@@ -123,6 +123,7 @@ def scenario_of(flags: list[str], nproc: int) -> Scenario:
         normalization=ns.normalization, position_embedding_type=ns.position_embedding_type,
         rotary_percent=ns.rotary_percent, rotary_base=ns.rotary_base,
         num_query_groups=ns.num_query_groups if ns.group_query_attention else None,
+        qk_layernorm=ns.qk_layernorm, softmax_type=ns.softmax_type,
     )
     data_ranks = nproc // side.tp
     data = DataConfig(seed=ns.seed, micro_batch_size=ns.micro_batch_size,

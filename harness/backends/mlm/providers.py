@@ -97,7 +97,7 @@ def model_provider(after_build: Callable[[torch.nn.Module], None]):
             raise ValueError("the harness's model provider builds the local layers: --transformer-impl local")
         config = config or core_transformer_config_from_args(args)
         model = GPTModel(
-            config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+            config=config, transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm),
             vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
             pre_process=pre_process, post_process=post_process, parallel_output=True,
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,

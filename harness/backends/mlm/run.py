@@ -32,7 +32,7 @@ from harness.backends import data as data_mod
 from harness.backends import faults
 from harness.run.job import Job
 from harness.backends.evaluation import EvalRecorder
-from harness.backends.megatron import compat
+from harness.backends.megatron import arch, compat
 from harness.backends.megatron.gathers import record_gathers
 from harness.backends.megatron.optimizer_ranges import optimizer_state
 from harness.backends.megatron.run import _GTP_SHARDABLE, _load_canonical, canonical_name
@@ -44,7 +44,6 @@ from harness.backends.recording import (
 )
 from harness.capture.api import Capture
 from harness.backends.gpt import captured_modules, mesh_of, vocabulary_described
-from harness.common.layout import from_mcore_param
 from harness.backends.patching import patch
 
 
@@ -138,7 +137,8 @@ class _Hooks:
 
         chunk = model[0]
         named = [(canonical_name(n), p) for n, p in chunk.named_parameters()]
-        layouts = vocabulary_described({n: from_mcore_param(p, self.mesh) for n, p in named}, self.job.model)
+        layouts = vocabulary_described({n: arch.param_layout(n, p, self.mesh) for n, p in named},
+                                       self.job.model)
         inner = chunk.module.module if self.side.precision == "bf16" else chunk.module
         self.cap.attach(captured_modules(inner), vocab_parallel=["output_layer"])
         self.cap.info["gtp_params"] = {n: getattr(p, "chain_id", None) for n, p in named

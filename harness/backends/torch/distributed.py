@@ -192,12 +192,18 @@ def _masters(named) -> dict[str, torch.Tensor]:
 
 
 def _finalize(named, groups: comm.Groups) -> None:
-    """DDP over the replicate-DP group, then the GTP average of replicated params."""
+    """DDP over the replicate-DP group, the TP sum of the query and key norms (each TP rank's
+    heads give a part, as ``_allreduce_non_tensor_model_parallel_grads`` sums them), then the
+    GTP average of replicated params."""
     dp = comm.size(groups.dp)
     if dp > 1:
         for _, p in named:
             p.main_grad.mul_(1.0 / dp)
             comm.all_reduce(p.main_grad, groups.dp)
+    if comm.size(groups.tp) > 1:
+        for name, p in named:
+            if "q_layernorm" in name or "k_layernorm" in name:
+                comm.all_reduce(p.main_grad, groups.tp)
     if comm.size(groups.gtp) > 1:
         for _, p in named:
             if not getattr(p, "is_gtp_weight_remat", False):

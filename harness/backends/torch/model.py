@@ -2,8 +2,9 @@
 
 Same math as ``GPTModel`` with ``get_gpt_layer_local_spec()``: positions learned, rotary or none,
 pre-norm blocks (LayerNorm or RMSNorm), fused QKV with rows ordered per query group (q, k, v per
-head here), softmax((q k^T) / sqrt(d_head)) with the causal mask filled with -10000 in fp32, the
-MLP's activation (gated or plain) as ``[model].activation`` says, linear biases where
+head here), per-head query and key norms where ``qk_layernorm`` says, softmax((q k^T) / sqrt(d_head))
+with the causal mask filled with -10000 in fp32 (and a sink logit per head where ``softmax_type``
+says), the MLP's activation (gated or plain) as ``[model].activation`` says, linear biases where
 ``add_bias_linear`` / ``add_qkv_bias`` say, the output layer untied or tied to the word embedding
 (``untie_embeddings``), hidden states laid out [s, b, h];
 and megatron-core's multi-token prediction block (:class:`MTPBlock`) where the model has one.
@@ -32,10 +33,32 @@ from .moe import MoE
 LAYERNORM_EPS = 1e-5
 
 
-def norm(m: ModelConfig) -> nn.Module:
-    """One of the model's norms, as megatron-core's ``WrappedTorchNorm`` builds it: torch's own."""
+def norm(m: ModelConfig, size: int | None = None) -> nn.Module:
+    """One of the model's norms over ``size`` channels (the hidden size unless given), as
+    megatron-core's ``WrappedTorchNorm`` builds it: torch's own."""
     cls = nn.RMSNorm if m.normalization == "RMSNorm" else nn.LayerNorm
-    return cls(m.hidden_size, eps=LAYERNORM_EPS)
+    return cls(size or m.hidden_size, eps=LAYERNORM_EPS)
+
+
+class CoreAttention(nn.Module):
+    """The softmax of megatron-core's ``DotProductAttention`` (``softmax_type``): plain, or
+    ``SoftmaxOne``'s: a sink logit per head appended to each row of the masked fp32 scores, the
+    softmax over sk + 1, the sink's column dropped. ``off-by-one``: the sink is 0; ``learnable``:
+    ``softmax_offset``, one per head of this TP rank."""
+
+    def __init__(self, m: ModelConfig, heads: int):
+        super().__init__()
+        self.softmax_type, self.heads = m.softmax_type, heads
+        if m.softmax_type == "learnable":
+            self.softmax_offset = nn.Parameter(torch.empty(heads))
+
+    def softmax(self, scores: torch.Tensor) -> torch.Tensor:
+        if self.softmax_type == "vanilla":
+            return torch.softmax(scores, dim=-1)
+        offset = self.softmax_offset if self.softmax_type == "learnable" else torch.zeros(self.heads)
+        b, _, sq, _ = scores.shape
+        sink = offset.to(scores.dtype).reshape(1, -1, 1, 1).expand(b, -1, sq, -1)  # [b, np, sq, 1]
+        return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
 
 
 class Linear(nn.Module):
@@ -103,9 +126,12 @@ class SelfAttention(nn.Module):
         self.groups = (m.num_query_groups or m.num_attention_heads) // tp  # query groups of this TP rank
         self.head_dim = m.hidden_size // m.num_attention_heads
         self.rope = rope_freqs(m)  # a constant table, not a buffer: it stays fp32 as megatron-core's
+        self.core_attention = CoreAttention(m, self.heads)
         self.linear_proj = Linear(m.hidden_size, m.hidden_size, "row", m.add_bias_linear)
         qkv_bias = m.add_bias_linear or m.add_qkv_bias
         self.linear_qkv = Linear(m.hidden_size, qkv_rows(m), "column", qkv_bias)
+        if m.qk_layernorm:  # over the head dim, each head alike (megatron-core's q_layernorm, k_layernorm)
+            self.q_layernorm, self.k_layernorm = norm(m, self.head_dim), norm(m, self.head_dim)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         s, b, _ = x.shape
@@ -113,6 +139,8 @@ class SelfAttention(nn.Module):
         qkv = self.linear_qkv(x).view(s, b, self.groups, (per + 2) * hn)
         q, k, v = qkv.split([per * hn, hn, hn], dim=-1)
         q = q.reshape(s, b, self.heads, hn)  # [s, b, np, hn]; k, v: [s, b, ng, hn]
+        if hasattr(self, "q_layernorm"):  # after the split, before RoPE (get_query_key_value_tensors)
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if self.rope is not None:
             q, k = apply_rope(q, self.rope[:s]), apply_rope(k, self.rope[:s])
         if per > 1:
@@ -120,7 +148,7 @@ class SelfAttention(nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, np, s, hn]
         scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.head_dim)
         scores = scores.float().masked_fill(mask, -10000.0)
-        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        probs = self.core_attention.softmax(scores).to(v.dtype)
         ctx = torch.matmul(probs, v)  # [b, np, s, hn]
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, -1)
         return self.linear_proj(ctx)
