@@ -108,7 +108,9 @@ BUILT = [s.name for s in MATRIX if not s.model.num_experts and (
     s.candidate.tp > 1 or s.model.normalization != "LayerNorm"
     or s.model.position_embedding_type != "learned_absolute" or s.model.num_query_groups
     or s.model.qk_layernorm or s.model.softmax_type != "vanilla")]
-GATED_TP = [s.name for s in MATRIX if s.model.activation in ("swiglu", "geglu") and s.candidate.tp > 1]
+# (at parity: a recorded divergence elsewhere in the model reaches fc1 by step 2)
+GATED_TP = [s.name for s in MATRIX if s.model.activation in ("swiglu", "geglu") and s.candidate.tp > 1
+            and s.expect is None]
 
 
 @pytest.mark.parametrize("name", BUILT + [s.name for s in GOLDEN])
@@ -131,7 +133,9 @@ def test_megatron_core_built_what_the_switch_implies(arch_run, name):
     assert ("output_layer.weight" in got) == s.model.untie_embeddings
 
 
-@pytest.mark.parametrize("name", [s.name for s in MATRIX if s.model.add_bias_linear or s.model.add_qkv_bias])
+# (not where the candidate raises, recorded with [expect] raises: a tied output layer under GTP)
+@pytest.mark.parametrize("name", [s.name for s in MATRIX if (s.model.add_bias_linear or s.model.add_qkv_bias)
+                                  and not (s.expect and s.expect.raises)])
 def test_biases_are_replicated_over_the_gtp_group(arch_run, name):
     """Beside a GTP-sharded weight its bias stays whole over the GTP peers: megatron-core's
     attributes say no GTP placement, and the peers hold the same bias after every step."""
