@@ -144,7 +144,7 @@ def test_mlm_command_reads_its_keys_and_refuses_what_the_harness_cannot_assemble
         "--log-timers-to-tensorboard",)
     for extra, said in ((["--num-workers", "2"], "--num-workers 0"),
                         (["--max-position-embeddings=128"], "--max-position-embeddings 64"),
-                        (["--softmax-type", "learnable"], "shapes the model's parameters")):
+                        (["--multi-latent-attention"], "shapes the model's parameters")):
         with pytest.raises(BadInput, match=re.escape(said)):
             scenario_of([*SEED_FLAGS, *extra], 2)
 
