@@ -288,3 +288,24 @@ def test_comparing_two_models_is_a_bad_input(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1
     assert "not the same model" in err and "0.bias" in err and "[5]" in err and "[3]" in err
+
+
+def test_a_modules_output_and_bias_pair_is_recorded_as_the_sum_the_layer_adds(tmp_path):
+    """megatron-core's attention and MLP return (output, bias) and leave the bias to the residual
+    add: recorded as output + bias, the value the golden's module returns. A layer's
+    (output, context) pair, or a bias of another width, is not a bias: the output alone."""
+    cap = Capture(tmp_path / "t", rank=0, world_size=1, coord={"tp": 0, "gtp": 0, "dp": 0}, mesh={},
+                  policy=CapturePolicy())
+    out, bias, context = torch.randn(3, 1, 4), torch.randn(4), torch.randn(3, 1, 4)
+    cap.begin_step(1)
+    cap.micro_batch(0, [0])
+    cap.output("activation", "attn", (out, bias))
+    cap.output("activation", "layer", (out, context))
+    cap.output("activation", "narrow", (out, torch.randn(2)))
+    cap.end_step()
+    cap.close()
+    Capture.finalize(tmp_path / "t", world_size=1, coords={0: {"tp": 0, "gtp": 0, "dp": 0}}, mesh={})
+    samples = assemble_trace(trace.read(tmp_path / "t")).samples
+    assert torch.equal(samples[(1, "activation", "attn")][0], (out + bias)[:, 0])
+    for name in ("layer", "narrow"):
+        assert torch.equal(samples[(1, "activation", name)][0], out[:, 0])

@@ -339,10 +339,13 @@ class Capture:
         and MLP return beside it) as ``name``, as :meth:`attach`'s hooks do, or a hook naming each call."""
         if self.step is None or self._mb is None or not self.wants(kind, name):
             return
-        bias = output[1] if isinstance(output, tuple) and len(output) == 2 else None  # (output, bias)
-        out = (output[0] if isinstance(output, tuple) else output) + (bias if torch.is_tensor(bias) else 0)
         if torch._C._current_graph_task_id() != -1:
             return  # activation recompute re-runs the forward inside backward: recorded once, at the forward
+        out = output[0] if isinstance(output, tuple) else output
+        # (output, bias): the bias vector megatron-core adds later (a layer's (output, context) is no bias)
+        bias = output[1] if isinstance(output, tuple) and len(output) == 2 else None
+        if torch.is_tensor(bias) and bias.dim() == 1 and bias.shape[0] == out.shape[-1]:
+            out = out + bias
         value = out.detach().transpose(0, 1)
         shape, placements = list(value.shape), {}
         if kind == "logits" and self.mesh.get("tp", 1) > 1:
