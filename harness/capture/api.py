@@ -337,15 +337,12 @@ class Capture:
     def output(self, kind: str, name: str, output, sequence_parallel: bool = False) -> None:
         """Record a module's output ``[s, b, ...]`` (a tuple's first, plus the bias megatron-core's attention
         and MLP return beside it) as ``name``, as :meth:`attach`'s hooks do, or a hook naming each call."""
-        if self.step is None or self._mb is None or not self.wants(kind, name):
+        if (self.step is None or self._mb is None or not self.wants(kind, name)
+                or torch._C._current_graph_task_id() != -1):  # a recompute in backward: recorded at forward
             return
-        if torch._C._current_graph_task_id() != -1:
-            return  # activation recompute re-runs the forward inside backward: recorded once, at the forward
-        out = output[0] if isinstance(output, tuple) else output
-        # (output, bias): the bias vector megatron-core adds later (a layer's (output, context) is no bias)
-        bias = output[1] if isinstance(output, tuple) and len(output) == 2 else None
-        if torch.is_tensor(bias) and bias.dim() == 1 and bias.shape[0] == out.shape[-1]:
-            out = out + bias
+        out, rest = (output[0], output[1:]) if isinstance(output, tuple) else (output, ())
+        if len(rest) == 1 and torch.is_tensor(rest[0]) and rest[0].shape == out.shape[-1:]:
+            out = out + rest[0]  # the bias added later: not a layer's (output, context)
         value = out.detach().transpose(0, 1)
         shape, placements = list(value.shape), {}
         if kind == "logits" and self.mesh.get("tp", 1) > 1:
