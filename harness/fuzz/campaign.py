@@ -112,16 +112,22 @@ def throughput(state: State) -> dict:
             "shrink_runs": [s.get("runs") for s in shrinks]}
 
 
+def read_state(path: Path, hint: str = "") -> dict:
+    """A campaign's (or a node's) ``fuzz.json``; anything else is refused, naming the file."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc["identity"] = dict(doc["identity"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise BadInput(str(path), f"not a campaign's state ({type(e).__name__}: {e}){hint}") from None
+    return doc
+
+
 def _load_state(out: Path, settings: Settings) -> tuple[State, Coverage]:
     path, coverage = out / "fuzz.json", Coverage()
     if not path.exists():
         return State(identity=settings.identity()), coverage
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-        identity = doc["identity"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise BadInput(str(path),
-                       f"not a campaign's state ({type(e).__name__}: {e}); choose another --out") from None
+    doc = read_state(path, "; choose another --out")
+    identity = doc["identity"]
     if identity != settings.identity():
         differs = sorted(k for k in identity.keys() | settings.identity().keys()
                          if identity.get(k) != settings.identity().get(k))

@@ -5,7 +5,6 @@ throughput of the nodes together (pairs over the longest node's judging time).""
 
 from __future__ import annotations
 
-import json
 import tomllib
 from collections import Counter
 from pathlib import Path
@@ -13,18 +12,15 @@ from pathlib import Path
 import tomli_w
 
 from harness.common.errors import BadInput
-from harness.fuzz.campaign import Settings, State, _write
+from harness.fuzz.campaign import Settings, State, _write, read_state
 from harness.fuzz.cluster import Cluster
 from harness.fuzz.space import Coverage, Draw
 
 
 def _node_doc(folder: Path, settings: Settings) -> dict:
     path = folder / "fuzz.json"
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-        identity = dict(doc["identity"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise BadInput(str(path), f"not a campaign node's state ({type(e).__name__}: {e})") from None
+    doc = read_state(path)
+    identity = dict(doc["identity"])
     node = identity.pop("node", None)
     if identity != {k: v for k, v in settings.identity().items() if k != "node"}:
         raise BadInput(str(path), "holds a campaign of another seed, space, tree or faults than this "

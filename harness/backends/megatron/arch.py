@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from torch.distributed.tensor import Shard
 
+from harness.backends.gpt import vocabulary_described
 from harness.common.layout import Layout, from_mcore_param
 from harness.scenario.schema import GATED, ModelConfig
 
@@ -40,7 +41,8 @@ def softmax_offset_layout(name: str, param, theirs: Layout) -> Layout:
     return Layout((param.shape[0] * tp,), dict(theirs.mesh), {"tp": Shard(0)}, {})
 
 
-def param_layout(name: str, param, mesh) -> Layout:
-    """A parameter's layout as megatron-core's attributes say (the learnable softmax's offsets: as
-    their shape says)."""
-    return softmax_offset_layout(name, param, from_mcore_param(param, mesh))
+def param_layouts(named, mesh, m: ModelConfig) -> dict[str, Layout]:
+    """Each parameter's layout as megatron-core's attributes say it, with what they do not say: the
+    learnable softmax's offsets cut as their shape says, the padded vocabulary's rows described."""
+    read = {n: softmax_offset_layout(n, p, from_mcore_param(p, mesh)) for n, p in named}
+    return vocabulary_described(read, m)

@@ -30,7 +30,7 @@ from harness.capture.api import Capture
 from harness.common import muon
 from harness.common.dtypes import DTYPES
 from harness.backends.gpt import (
-    canonical_state, captured_modules, layout_of, mesh_of, param_specs, vocabulary_described,
+    canonical_state, captured_modules, layout_of, mesh_of, param_specs,
 )
 from harness.common.layout import from_mcore_param, holds, shard
 from harness.scenario.options import mcore_kwargs
@@ -265,7 +265,7 @@ def _train(job, cap, ctx, config, chunks, scheduler, mesh, forward_backward, fin
     from megatron.core import parallel_state as ps
 
     side, opt, named = job.side, ctx.optimizer, ctx.named_params
-    layouts = vocabulary_described({n: arch.param_layout(n, p, mesh) for n, p in named}, job.model)
+    layouts = arch.param_layouts(named, mesh, job.model)
     layouts.update(moe.expert_layouts(job, named))
     for ddp in chunks:
         inner = ddp.module.module if side.precision == "bf16" else ddp.module

@@ -43,7 +43,7 @@ from harness.backends.recording import (
     Materialized, Recording, StepScalars, gathered, record_initial, record_step_end, record_update,
 )
 from harness.capture.api import Capture
-from harness.backends.gpt import captured_modules, mesh_of, vocabulary_described
+from harness.backends.gpt import captured_modules, mesh_of
 from harness.backends.patching import patch
 
 
@@ -137,8 +137,7 @@ class _Hooks:
 
         chunk = model[0]
         named = [(canonical_name(n), p) for n, p in chunk.named_parameters()]
-        layouts = vocabulary_described({n: arch.param_layout(n, p, self.mesh) for n, p in named},
-                                       self.job.model)
+        layouts = arch.param_layouts(named, self.mesh, self.job.model)
         inner = chunk.module.module if self.side.precision == "bf16" else chunk.module
         self.cap.attach(captured_modules(inner), vocab_parallel=["output_layer"])
         self.cap.info["gtp_params"] = {n: getattr(p, "chain_id", None) for n, p in named
