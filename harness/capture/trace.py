@@ -141,7 +141,7 @@ class Trace:
         return {int(r): c for r, c in self.manifest["coords"].items()}
 
     def tensor(self, entry: Entry) -> torch.Tensor:
-        path = self.path / f"rank{entry.rank}" / f"step{entry.step}.safetensors"
+        path = f"{self.path}/rank{entry.rank}/step{entry.step}.safetensors"
         # Files are memory-mapped and each tensor read when asked for. An open handle keeps
         # every page read through it resident, after the tensors are gone: the handles are
         # dropped once READ_BUDGET bytes have been read through them, so a streaming compare
@@ -149,28 +149,31 @@ class Trace:
         if self._read > READ_BUDGET:
             self._files.clear()
             self._read = 0
-        if path not in self._files:
+        if (opened := self._files.get(path)) is None:
             try:
-                self._files[path] = safe_open(str(path), framework="pt")
+                handle = safe_open(path, framework="pt")
             except FileNotFoundError:
-                raise BadInput(str(path), "missing tensor file listed in the rank index") from None
+                raise BadInput(path, "missing tensor file listed in the rank index") from None
             except (SafetensorError, OSError, ValueError) as e:
-                raise BadInput(str(path), f"corrupt or truncated safetensors file ({e})") from None
-        if entry.key not in self._files[path].keys():
-            raise BadInput(str(path), f"tensor {entry.key!r} listed in the index is missing")
+                raise BadInput(path, f"corrupt or truncated safetensors file ({e})") from None
+            # the handle and its keys (``keys()`` builds a fresh list on every call)
+            opened = self._files[path] = (handle, frozenset(handle.keys()))
+        handle, keys = opened
+        if entry.key not in keys:
+            raise BadInput(path, f"tensor {entry.key!r} listed in the index is missing")
         try:
-            t = self._files[path].get_tensor(entry.key)
+            t = handle.get_tensor(entry.key)
         except (SafetensorError, OSError, ValueError) as e:
-            raise BadInput(str(path), f"corrupt or truncated safetensors file ({e})") from None
+            raise BadInput(path, f"corrupt or truncated safetensors file ({e})") from None
         self._read += t.numel() * t.element_size()
         if tuple(t.shape) != tuple(entry.local_shape):
             raise BadInput(
-                str(path), f"tensor {entry.key!r} has shape {tuple(t.shape)}, index says {entry.local_shape}"
+                path, f"tensor {entry.key!r} has shape {tuple(t.shape)}, index says {entry.local_shape}"
             )
         if self.verify and entry.digest and (path, entry.key) not in self._verified:
             if content_hash(t, entry.digest_alg) != entry.digest:
-                raise BadInput(str(path), f"tensor {entry.key!r} does not match the content hash recorded "
-                                          "when it was written (altered, or swapped with another tensor)")
+                raise BadInput(path, f"tensor {entry.key!r} does not match the content hash recorded "
+                                   "when it was written (altered, or swapped with another tensor)")
             self._verified.add((path, entry.key))
         return t
 
