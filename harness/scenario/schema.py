@@ -179,7 +179,7 @@ class ModelConfig:
         each key head (the head dim) after the QKV split, before RoPE: ``self_attention.q_layernorm`` and
         ``k_layernorm``, replicated over TP and GTP; their grads are summed over TP (each TP rank's heads
         give a part); the local layer spec's q_layernorm / k_layernorm with it""",
-        backends=ARCH_BACKENDS, added_later=True, mcore=("TransformerConfig.qk_layernorm",),
+        backends=PROVIDER_BACKENDS, added_later=True, mcore=("TransformerConfig.qk_layernorm",),
         mlm="--qk-layernorm")
     softmax_type: SoftmaxType = option(
         "vanilla", "architecture", """the attention softmax: ``off-by-one`` adds a zero logit to each
