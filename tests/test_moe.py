@@ -181,7 +181,8 @@ _MASKED = {"moe_aux_loss_coeff = 0.01": "moe_aux_loss_coeff = 0.01\nmoe_router_p
 
 
 @pytest.mark.parametrize("edit, says", [
-    ({**_MASKED, "num_experts = 4": "num_experts = 0", "expert_gtp = 2\n": ""}, "only with [model].num_experts"),
+    ({**_MASKED, "num_experts = 4": "num_experts = 0", "expert_gtp = 2\n": ""},
+     "only with [model].num_experts"),
     ({**_MASKED, "global_batch_size = 4\n": "global_batch_size = 4\n#"}, "masks none"),
     ({**_MASKED, "moe_aux_loss_coeff = 0.01": "moe_aux_loss_coeff = 0.0\nmoe_router_padding_mask = true"},
      "changes nothing"),
