@@ -1,7 +1,8 @@
-"""The architecture switches' planted faults (harness.scenario.arch_faults): a replicated bias whose
-grad is not reduced over the GTP group, a gated fc1's halves and GQA's query groups moved across GTP
-shards, a padded vocabulary's output layer handed out with GTP's pad rows in front, a tied weight's
-grad from one of its two uses, and a routed expert's gated fc1 halves moved across expert GTP shards.
+"""The architecture switches' planted faults (harness.scenario.arch_faults): a replicated bias and a
+replicated query norm whose grads are not reduced over the GTP group, a gated fc1's halves and GQA's
+query groups moved across GTP shards, a padded vocabulary's output layer handed out with GTP's pad
+rows in front, a tied weight's grad from one of its two uses, and a routed expert's gated fc1 halves
+moved across expert GTP shards.
 Each refused, with its reason, on a side without the switch or layout it needs (fast); all planted in
 one launch set (the GTP ones on a tiny GTP 2 model with every switch they need, the tied one at TP 1
 against TP 2 with GTP off, the expert one with gated routed experts under expert GTP 2), each
@@ -18,12 +19,12 @@ from harness import scenario
 from harness.capture import trace
 from harness.common.errors import BadInput
 from harness.compare.assemble import assemble_trace
-from harness.scenario.arch_faults import ARCH_FAULTS, BIAS, EXPERT_GLU, GLU, QKV, TIED, VOCAB
+from harness.scenario.arch_faults import ARCH_FAULTS, BIAS, EXPERT_GLU, GLU, QK_NORM, QKV, TIED, VOCAB
 from harness.scenario.faults import CATALOG
 from harness.scenario.planting import plant
 from tests.helpers import ROOT, run, step1_partial_grad_bound, summary
 
-GTP_FAULTS = (BIAS, GLU, QKV, VOCAB)  # planted on one model with every switch they need
+GTP_FAULTS = (BIAS, GLU, QKV, VOCAB, QK_NORM)  # planted on one model with every switch they need
 FAULTS = (*GTP_FAULTS, TIED, EXPERT_GLU)
 
 
@@ -44,9 +45,9 @@ def _tied() -> scenario.Scenario:
 
 # Every switch the faults need: a bias, a gated fc1 of 160 rows (2 GTP shards of 80, no pad),
 # 2 query groups of 64 rows in a 128-row QKV (one group per GTP shard, no pad), 71 tokens padded
-# to 72 rows (GTP pads the output layer's 72 to 96: 24 pad rows).
+# to 72 rows (GTP pads the output layer's 72 to 96: 24 pad rows), the query and key norms.
 SWITCHES = {"add_bias_linear": True, "activation": "swiglu", "num_query_groups": 2, "vocab_size": 71,
-            "make_vocab_size_divisible_by": 4}
+            "make_vocab_size_divisible_by": 4, "qk_layernorm": True}
 
 
 def _moe_base() -> scenario.Scenario:
@@ -78,6 +79,7 @@ def test_each_fault_fits_the_model_with_its_switches():
     (GLU, {"activation": "swiglu"}, {"world_size": 4, "tp": 2}, "fc1's TP block of 80 rows"),
     (GLU, {"activation": "swiglu", "num_experts": 4}, {}, "an MoE model ([model].num_experts) has none"),
     (QKV, {}, {}, "needs grouped-query attention"),
+    (QK_NORM, {}, {}, "needs qk_layernorm"),
     (QKV, {"num_query_groups": 1}, {}, "whole query groups on each GTP shard"),
     (TIED, {"untie_embeddings": False}, {}, "at GTP off with tied embeddings"),  # the candidate has GTP
     (TIED, {}, {"gtp": 1}, "at GTP off with tied embeddings"),  # untied
@@ -138,7 +140,7 @@ def test_gtp_parity_inject_lists_them(capsys):
         assert f"{name} " in listed and CATALOG[name].bug_class in listed
 
 
-# --- the five planted, in one launch set -----------------------------------------------------------
+# --- the seven planted, in one launch set -----------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -190,12 +192,13 @@ def _traces(out, name):
 
 
 @pytest.mark.multirank
-def test_the_unreduced_bias_grad_is_each_gtp_peers_own_partial(arch_run):
-    """Each GTP rank keeps the partial of its own samples: the two differ by far more than any
-    order of summing allows, and their mean is the reference's reduced grad within the
-    reordering bound of the step's partials (tests.helpers.step1_partial_grad_bound)."""
+@pytest.mark.parametrize("fault", [BIAS, QK_NORM])
+def test_the_unreduced_replicated_grad_is_each_gtp_peers_own_partial(arch_run, fault):
+    """Each GTP rank keeps the partial of its own samples (the fc1 bias's, the query norm's): the two
+    differ by far more than any order of summing allows, and their mean is the reference's reduced
+    grad within the reordering bound of the step's partials (tests.helpers.step1_partial_grad_bound)."""
     _, out, base = arch_run
-    traces, name = _traces(out, f"arch-{BIAS}"), CATALOG[BIAS].target
+    traces, name = _traces(out, f"arch-{fault}"), CATALOG[fault].target
     ref = assemble_trace(traces["reference"]).tensors[(1, "main_grad", name)].double()
     per_rank = {e.rank: traces["candidate"].tensor(e).double() for e in traces["candidate"].entries
                 if (e.step, e.kind, e.name) == (1, "main_grad", name)}

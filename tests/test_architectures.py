@@ -348,3 +348,45 @@ def test_megatron_core_routes_every_token_as_the_golden_model(arch_run, name):
     df = results(out, name)
     routing = df[df["tensor"].str.endswith((".routing_map", ".tokens_per_expert"))]
     assert len(routing) and (routing["ref_err_golden"] == 0).all()
+
+
+def _aux_loss(m, logits: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """megatron-core's load-balancing loss of one micro-batch, written out (in fp64) from its own recorded
+    logits [t, E] over the tokens ``kept`` [t] (moe_utils.compute_routing_scores_for_aux_loss and
+    switch_load_balancing_loss_func: the softmax scores and their plain top-k, both zeroed off ``kept``,
+    T the kept tokens)."""
+    scores = torch.softmax(logits.double(), dim=-1)
+    chosen = torch.zeros_like(scores).scatter(1, scores.topk(m.moe_topk, dim=1)[1], 1.0)
+    scores, chosen, t = scores[kept], chosen[kept], kept.sum().double()
+    return (scores.sum(0) * chosen.sum(0)).sum() * m.num_experts * m.moe_aux_loss_coeff / (m.moe_topk * t * t)
+
+
+def test_the_router_padding_mask_reached_megatron_core(arch_run):
+    """megatron-core's recorded load-balancing loss of each micro-batch (one sample) is the written-out
+    formula over the tokens the loss mask keeps with moe_router_padding_mask, over all tokens without it;
+    the two differ where the mask drops tokens. Bound: fp32 sums of the t <= 16 scores and E products and the
+    softmax's rounding, (t + 2 E + 8) eps_fp32 of the value (the fp64 recomputation adds nothing seen)."""
+    from harness.backends import data as data_mod
+
+    _, by_name, _ = arch_run
+    eps, dropped = torch.finfo(torch.float32).eps, 0
+    for name, padding in (("golden-moe-padding-mask", True), ("golden-moe-variable-mask", False)):
+        s = BY_NAME[name]
+        m, t = s.model, trace.read(by_name[name]["traces"]["reference"])
+        entries = [e for e in t.entries
+                   if e.kind == "activation" and e.step == 1 and ".mlp.router." in e.name]
+        logits = {(e.name.split(".mlp.")[0], e.sample_ids): t.tensor(e)
+                  for e in entries if e.name.endswith("logits")}
+        aux = [e for e in entries if e.name.endswith("aux_loss")]
+        assert aux and len(aux) == len(logits)
+        for e in aux:
+            mask = data_mod.loss_mask(s.data, list(e.sample_ids), m.seq_length).reshape(-1).bool()
+            lg = logits[(e.name.split(".mlp.")[0], e.sample_ids)].reshape(-1, m.num_experts)
+            kept, every = _aux_loss(m, lg, mask), _aux_loss(m, lg, torch.ones_like(mask))
+            got = t.tensor(e).double().reshape(-1)[0]
+            bound = (m.seq_length + 2 * m.num_experts + 8) * eps * got.abs()
+            assert (got - (kept if padding else every)).abs() <= bound, (name, e.name, e.sample_ids)
+            if padding and not mask.all():
+                dropped += 1
+                assert (got - every).abs() > bound, (name, e.name, e.sample_ids)
+    assert dropped > 0

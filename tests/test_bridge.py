@@ -107,6 +107,9 @@ def test_bridge_and_megatron_lm_loops_train_the_same_model(bridge_ci, precision)
         assert params["decoder.layers.0.self_attention.linear_qkv.bias"] == (128,)
         assert params["decoder.layers.0.mlp.linear_fc1.weight"] == (160, 64)  # [gate; up]
         assert "decoder.layers.0.input_layernorm.bias" not in params  # RMSNorm: a weight only
+        for norm in ("q_layernorm", "k_layernorm"):  # qk_layernorm: an RMSNorm over the head dim (16)
+            assert params[f"decoder.layers.0.self_attention.{norm}.weight"] == (16,)
+            assert f"decoder.layers.0.self_attention.{norm}.bias" not in params
         assert "output_layer.weight" not in params and "embedding.position_embeddings.weight" not in params
 
 

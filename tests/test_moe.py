@@ -175,6 +175,37 @@ def test_moe_rules(tmp_path, edit, key):
     assert f".{key}" in _bad(tmp_path, **edit)
 
 
+_MASKED = {"moe_aux_loss_coeff = 0.01": "moe_aux_loss_coeff = 0.01\nmoe_router_padding_mask = true",
+           "global_batch_size = 4": "global_batch_size = 4\nloss_mask = \"variable\"",
+           "clip_grad = 0.0": "clip_grad = 0.0\nper_token_loss = \"both\""}
+
+
+@pytest.mark.parametrize("edit, says", [
+    ({**_MASKED, "num_experts = 4": "num_experts = 0", "expert_gtp = 2\n": ""},
+     "only with [model].num_experts"),
+    ({**_MASKED, "global_batch_size = 4\n": "global_batch_size = 4\n#"}, "masks none"),
+    ({**_MASKED, "moe_aux_loss_coeff = 0.01": "moe_aux_loss_coeff = 0.0\nmoe_router_padding_mask = true"},
+     "changes nothing"),
+    ({**_MASKED, "moe_topk = 2": "moe_topk = 2\nmtp_num_layers = 1"}, "with MTP is not covered yet"),
+])
+def test_the_router_padding_mask_rules(tmp_path, edit, says):
+    """The padding mask is the tokens a variable loss mask drops, read by the load-balancing loss only."""
+    text = _bad(tmp_path, **edit)
+    assert "[model].moe_router_padding_mask" in text and says in text, text
+
+
+def test_the_router_padding_mask_is_the_dropped_tokens(tmp_path):
+    """GPTModel.forward's padding_mask is True where the loss mask drops the token (megatron-core's
+    True = padding), [b, s] as input_ids; nothing is passed without the option."""
+    from harness.backends.megatron import moe
+
+    (sc,) = scenario.load(FAST)[:1]
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    got = moe.forward_kwargs(replace(sc.model, moe_router_padding_mask=True), mask)
+    assert torch.equal(got["padding_mask"], torch.tensor([[False, False, True], [False, True, True]]))
+    assert moe.forward_kwargs(sc.model, mask) == {}
+
+
 def test_the_moe_options_reach_megatron_core():
     """TransformerConfig's MoE arguments of a scenario with the options set (None / the default: the
     tree's own behaviour, no shared experts, no group limit)."""

@@ -1,5 +1,5 @@
 """The planted faults of the architecture switches ([model]'s biases, gated MLP, grouped-query
-attention, tied embeddings, padded vocabulary): one per layout they add to what GTP shards or
+attention, query/key norms, tied embeddings, padded vocabulary): one per layout they add to what GTP shards or
 replicates or a weight shares. Part of the catalogue (:mod:`harness.scenario.faults` merges them
 into ``CATALOG``); :mod:`harness.backends.faults.arch` plants them; torch-free.
 
@@ -17,6 +17,7 @@ BIAS, GLU, QKV = "gtp-bias-grad-unreduced", "gtp-glu-halves-crossed", "gtp-qkv-g
 TIED = "tied-grad-one-use"
 VOCAB = "gtp-vocab-pad-rows-in-loss"
 EXPERT_GLU = "gtp-expert-glu-halves-crossed"
+QK_NORM = "gtp-qk-norm-grad-unreduced"
 
 ARCH_FAULTS: dict[str, Fault] = {
     f.name: f
@@ -31,6 +32,17 @@ ARCH_FAULTS: dict[str, Fault] = {
             {"step": 1, "phase": "backward", "kind": "main_grad",
              "tensor": "decoder.layers.0.mlp.linear_fc1.bias", "signature": "replica-drift"},
             target="decoder.layers.0.mlp.linear_fc1.bias",
+        ),
+        Fault(
+            QK_NORM, "missing reduction of a partial gradient",
+            "decoder.layers.0.self_attention.q_layernorm.weight, the query norm (qk_layernorm) replicated "
+            "over the GTP group beside the GTP-sharded fused QKV it follows, is taken for a GTP-sharded "
+            "parameter by finalize_model_grads' filter (tagged is_gtp_weight_remat, as a GTP wrapper of the "
+            "attention module tagging all its parameters would) and left out of the AVG all-reduce over the "
+            "GTP group: each GTP rank keeps the partial gradient of its own samples",
+            {"step": 1, "phase": "backward", "kind": "main_grad",
+             "tensor": "decoder.layers.0.self_attention.q_layernorm.weight", "signature": "replica-drift"},
+            target="decoder.layers.0.self_attention.q_layernorm.weight",
         ),
         Fault(
             GLU, "a fused layout's blocks mis-ordered",
@@ -108,6 +120,8 @@ def arch_reach(name: str, side, model) -> str | None:
         return f"{name!r} is planted on a megatron side with GTP (gtp > 1)"
     if name == BIAS and not model.add_bias_linear:
         return f"{name!r} needs add_bias_linear ([model]): the MLP's fc1 has no bias without it"
+    if name == QK_NORM and not model.qk_layernorm:
+        return f"{name!r} needs qk_layernorm ([model]): the attention has no query norm without it"
     if name == GLU:
         if model.num_experts:
             return f"{name!r} is planted on the dense MLP's fc1: an MoE model ([model].num_experts) has none"

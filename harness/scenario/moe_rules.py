@@ -12,7 +12,8 @@ from harness.scenario.schema import GATED, ModelConfig, Scenario, Side
 
 # The MoE keys that take effect only with routed experts, by their defaults.
 _WITH_EXPERTS = {"moe_shared_expert_intermediate_size": None, "moe_router_score_function": "softmax",
-                 "moe_router_num_groups": None, "moe_router_group_topk": None}
+                 "moe_router_num_groups": None, "moe_router_group_topk": None,
+                 "moe_router_padding_mask": False}
 
 
 def validate_moe_model(s: Scenario) -> None:
@@ -32,6 +33,25 @@ def validate_moe_model(s: Scenario) -> None:
                        "megatron-core: \"Please use --moe-router-pre-softmax when topk is 1\" (the softmax "
                        "over one top logit has a zero gradient); the pre-softmax router is not covered yet")
     _validate_group_topk(s)
+    _validate_padding_mask(s)
+
+
+def _validate_padding_mask(s: Scenario) -> None:
+    """The router's padding mask is the tokens the loss mask drops; megatron-core reads it in the
+    load-balancing loss and the z-loss only (router.py routing, moe_utils.py): else it changes nothing."""
+    m, src = s.model, s.source
+    if not m.moe_router_padding_mask:
+        return
+    if s.data.loss_mask == "none":
+        raise BadInput(f"{src}: [model].moe_router_padding_mask",
+                       "the padding mask is the tokens [data].loss_mask drops: with loss_mask = \"none\" it "
+                       "masks none (set loss_mask = \"variable\")")
+    if m.moe_aux_loss_coeff == 0:
+        raise BadInput(f"{src}: [model].moe_router_padding_mask",
+                       "megatron-core's router reads the padding mask in the load-balancing loss (and the "
+                       "z-loss, not a key) only: with moe_aux_loss_coeff = 0 it changes nothing")
+    if m.mtp_num_layers:
+        raise BadInput(f"{src}: [model].moe_router_padding_mask", "with MTP is not covered yet")
 
 
 def _validate_group_topk(s: Scenario) -> None:

@@ -179,7 +179,7 @@ class ModelConfig:
         each key head (the head dim) after the QKV split, before RoPE: ``self_attention.q_layernorm`` and
         ``k_layernorm``, replicated over TP and GTP; their grads are summed over TP (each TP rank's heads
         give a part); the local layer spec's q_layernorm / k_layernorm with it""",
-        backends=ARCH_BACKENDS, added_later=True, mcore=("TransformerConfig.qk_layernorm",),
+        backends=PROVIDER_BACKENDS, added_later=True, mcore=("TransformerConfig.qk_layernorm",),
         mlm="--qk-layernorm")
     softmax_type: SoftmaxType = option(
         "vanilla", "architecture", """the attention softmax: ``off-by-one`` adds a zero logit to each
@@ -223,6 +223,15 @@ class ModelConfig:
         sums of their top (moe_topk / this) scores; the top-k experts are then taken from those groups""",
         low=1, backends=MOE_BACKENDS, added_later=True,
         mcore=("TransformerConfig.moe_router_group_topk (with experts)",), mlm="--moe-router-group-topk")
+    moe_router_padding_mask: bool = option(
+        False, "MoE", """hand megatron-core's GPTModel.forward the tokens the variable loss mask drops as
+        its ``padding_mask`` (True = padding): the router leaves them out of the load-balancing loss (its
+        scores, token counts and token total) and, under per-token loss, out of the token count its value
+        is weighted by; the routing itself is unchanged. With experts, ``[data].loss_mask = "variable"``
+        and a non-zero moe_aux_loss_coeff only (else it changes nothing). Not on mlm: Megatron-LM's
+        pretrain_gpt hands the model no padding_mask (its packed-sequence batches alone build one)""",
+        backends=MOE_BACKENDS, added_later=True,
+        mcore=("GPTModel.forward(padding_mask) (the loss mask's dropped tokens)",))
     mtp_num_layers: int = option(
         0, "MTP", """multi-token prediction depths D (0: none): depth d predicts the token d + 1 places
         ahead with the shared embedding and output layer""", low=0, backends=MOE_BACKENDS, added_later=True,

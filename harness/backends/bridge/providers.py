@@ -36,7 +36,10 @@ def model_provider(fields: dict, after_build: Callable[[torch.nn.Module], None])
             after_build(model)
             return model
 
-    return HarnessGPTProvider(transformer_layer_spec=lambda config: get_gpt_layer_local_spec(), **fields)
+    def spec(config):  # with qk_layernorm its q_layernorm / k_layernorm, as the megatron backend's
+        return get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm)
+
+    return HarnessGPTProvider(transformer_layer_spec=spec, **fields)
 
 
 def synthetic_dataset(seed: int, model, on_cpu: bool):

@@ -1,11 +1,12 @@
 """Planted faults of the architecture switches (:data:`harness.scenario.arch_faults.ARCH_FAULTS`):
 run-time patches of megatron-core's finalize and GTP gather, undone with the side's other patches.
 
-- ``gtp-bias-grad-unreduced``: megatron-core completes a replicated bias's grad over the GTP group
+- ``gtp-bias-grad-unreduced``, ``gtp-qk-norm-grad-unreduced``: megatron-core completes a replicated
+  parameter's grad (a bias, the query norm) over the GTP group
   in ``finalize_model_grads._allreduce_replicated_grads_over_gtp_remat_group``, which skips every
   parameter tagged ``is_gtp_weight_remat`` (GTP-sharded weights mean over the group in their
-  reduce-scatter). The fault tags the target bias for the duration of that call, as a GTP module
-  wrapper that tagged its bias with its weight would: the bias keeps the local partial.
+  reduce-scatter). The fault tags the target for the duration of that call, as a GTP module
+  wrapper that tagged it with its weight would: it keeps the local partial.
 - ``gtp-glu-halves-crossed``, ``gtp-qkv-groups-reordered``, ``gtp-expert-glu-halves-crossed`` (a
   routed expert's gated fc1 under expert GTP): the forward hand-out of the target's
   gathered (unpadded) TP block is rolled along dim 0, half the block (the gate and up halves
@@ -26,7 +27,7 @@ import importlib
 import torch
 
 from harness.backends.patching import patch
-from harness.scenario.arch_faults import ARCH_FAULTS, BIAS, EXPERT_GLU, GLU, QKV, TIED, VOCAB
+from harness.scenario.arch_faults import ARCH_FAULTS, BIAS, EXPERT_GLU, GLU, QK_NORM, QKV, TIED, VOCAB
 
 
 def _target(ctx, name: str):
@@ -37,23 +38,23 @@ def _target(ctx, name: str):
     raise RuntimeError(f"planted fault {name}: the model has no {target}")
 
 
-def _bias_grad_unreduced(ctx) -> None:
+def _grad_unreduced(ctx, name: str) -> None:
     # The package re-exports the function under the module's name: import the module itself.
     fmg = importlib.import_module("megatron.core.distributed.finalize_model_grads")
-    bias = _target(ctx, BIAS)
+    param = _target(ctx, name)
     original = fmg._allreduce_replicated_grads_over_gtp_remat_group
 
     def allreduce_replicated(*args, **kwargs):
-        had = "is_gtp_weight_remat" in vars(bias)
-        old = getattr(bias, "is_gtp_weight_remat", None)
-        bias.is_gtp_weight_remat = True
+        had = "is_gtp_weight_remat" in vars(param)
+        old = getattr(param, "is_gtp_weight_remat", None)
+        param.is_gtp_weight_remat = True
         try:
             return original(*args, **kwargs)
         finally:
             if had:
-                bias.is_gtp_weight_remat = old
+                param.is_gtp_weight_remat = old
             else:
-                del bias.is_gtp_weight_remat
+                del param.is_gtp_weight_remat
 
     patch(fmg, "_allreduce_replicated_grads_over_gtp_remat_group", allreduce_replicated)
 
@@ -115,6 +116,8 @@ def _expert_glu_halves_crossed(ctx) -> None:
     _rolled_gather(ctx, EXPERT_GLU, lambda rows: rows // 2)  # a routed expert's [gate; up] -> [up; gate]
 
 
-ARCH_INSTALLERS = {BIAS: _bias_grad_unreduced, GLU: _glu_halves_crossed, QKV: _qkv_groups_reordered,
+ARCH_INSTALLERS = {BIAS: lambda ctx: _grad_unreduced(ctx, BIAS),
+                   QK_NORM: lambda ctx: _grad_unreduced(ctx, QK_NORM),
+                   GLU: _glu_halves_crossed, QKV: _qkv_groups_reordered,
                    TIED: _tied_grad_one_use, VOCAB: _vocab_pad_rows_in_loss,
                    EXPERT_GLU: _expert_glu_halves_crossed}

@@ -36,7 +36,9 @@ def _default(cls, arg: str):
         if field.default_factory is not dataclasses.MISSING:
             return _plain(field.default_factory())
         return "(required)"
-    param = inspect.signature(cls.__init__).parameters.get(arg)
+    method, _, arg = arg.rstrip(")").rpartition("(")  # ``forward(padding_mask)``: a method's argument
+    func = getattr(cls, method or "__init__", None)
+    param = None if func is None else inspect.signature(func).parameters.get(arg)
     if param is None:
         return ABSENT
     return "(required)" if param.default is inspect.Parameter.empty else _plain(param.default)

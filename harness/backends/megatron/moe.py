@@ -69,6 +69,13 @@ def layer_spec(job):
     return get_gpt_layer_local_spec(num_experts=job.model.num_experts, moe_grouped_gemm=False, **qk)
 
 
+def forward_kwargs(m, loss_mask: torch.Tensor) -> dict:
+    """GPTModel.forward's ``padding_mask`` with ``moe_router_padding_mask``: [b, s], True where the loss
+    mask drops the token (megatron-core's convention: True = padding, excluded; ``~padding_mask``
+    counts the kept tokens in router.py and moe_utils.py)."""
+    return {"padding_mask": loss_mask == 0} if m.moe_router_padding_mask else {}
+
+
 def uses_gtp(side) -> bool:
     """Whether any weight is GTP-sharded: dense GTP or expert GTP."""
     return side.gtp > 1 or side.expert_gtp > 1

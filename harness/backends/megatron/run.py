@@ -344,7 +344,7 @@ class _MegatronStep:
             tokens, labels, loss_mask = next(data_iterator)
             self.loss_mask = loss_mask  # what MTP's depths roll (process_mtp_loss)
             out = model(tokens, self.positions.expand(tokens.shape[0], -1), self.mask, labels=labels,
-                        loss_mask=loss_mask)
+                        loss_mask=loss_mask, **moe.forward_kwargs(m, loss_mask))
             return out, partial(_loss_func, self.rec, mb_state, loss_mask)
 
         for chunk in self.chunks:

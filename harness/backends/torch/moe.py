@@ -20,7 +20,9 @@ megatron-core 0.19.2 (``moe_utils.topk_routing_with_score_function``, ``group_li
   them (never group-limited; token counts carry no gradient). megatron-core computes it per
   micro-batch and scales its gradient by 1 / micro-batches, then averages over data ranks: the
   golden adds the mean over the global batch's micro-batches (``micro_batch_size`` samples each)
-  to the loss it differentiates (:attr:`MoE.aux_loss`).
+  to the loss it differentiates (:attr:`MoE.aux_loss`). Under a variable loss mask (per-token loss)
+  the sum of each micro-batch's value times its token count over the global loss-token count; with
+  ``moe_router_padding_mask`` the tokens the mask drops score and count 0 and T is the kept tokens.
 """
 
 from __future__ import annotations
@@ -70,6 +72,9 @@ class MoE(nn.Module):
         self.groups, self.group_topk = m.moe_router_num_groups, m.moe_router_group_topk
         self.micro_batch_size = 1
         """Samples per micro-batch: the load-balancing loss's token set (set by the golden run)."""
+        self.kept: torch.Tensor | None = None
+        """[b, s] the loss mask of a variable-mask step (set by the golden run), else None."""
+        self.padding_mask = m.moe_router_padding_mask
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s, b, h = x.shape
@@ -118,13 +123,26 @@ class MoE(nn.Module):
             scores = torch.softmax(logits, dim=-1)
         top = torch.topk(scores, k=self.topk, dim=-1)[1]  # its own top-k: never group-limited
         routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, top, True)
-        values = []
+        kept = torch.ones(s, b, 1, dtype=torch.bool) if self.kept is None else self.kept.T.bool()[..., None]
+        if self.padding_mask:  # compute_routing_scores_for_aux_loss: dropped tokens score and count 0
+            scores, routing_map = scores * kept, routing_map & kept
+        values, tokens = [], []
         for u in range(0, b, mbs):
             chosen = routing_map[:, u:u + mbs].reshape(-1, self.num_experts)
             sc = scores[:, u:u + mbs].reshape(-1, self.num_experts)
-            t = sc.shape[0]
+            # the token total: the kept tokens' (a tensor, get_tokens_per_expert_and_token_count) or all
+            t = kept[:, u:u + mbs].sum().to(sc.dtype) if self.padding_mask else sc.shape[0]
             counts = chosen.sum(0).to(sc.dtype)
             values.append((sc.sum(0) * counts).sum() * (self.num_experts * self.coeff / (self.topk * t * t)))
+            tokens.append(t)
         stacked = torch.stack(values)
-        self.aux_loss = stacked.mean()
+        self.aux_loss = stacked.mean() if self.kept is None else self._weighted(stacked, tokens)
         self.aux_per_sample = stacked.repeat_interleave(mbs)[:b]
+
+    def _weighted(self, values: torch.Tensor, tokens: list) -> torch.Tensor:
+        """Under per-token loss (a variable mask's) megatron-core attaches each micro-batch's value times
+        its token count t_u (attach_and_log_load_balancing_loss: valid_token_count, the kept tokens with a
+        padding mask, else all) and finalize_model_grads divides every grad by the global loss-token
+        count: sum_u t_u aux_u / sum of the loss mask."""
+        counts = torch.stack([torch.as_tensor(t, dtype=values.dtype) for t in tokens])
+        return (values * counts).sum() / self.kept.sum()

@@ -23,6 +23,13 @@ def set_micro_batch_size(model, micro_batch_size: int) -> None:
         moe.micro_batch_size = micro_batch_size
 
 
+def set_loss_mask(model, mask: torch.Tensor | None) -> None:
+    """The step's [b, s] variable loss mask (None: no mask): it weighs the load-balancing loss as
+    megatron-core's per-token loss does, and with moe_router_padding_mask leaves its dropped tokens out."""
+    for _, moe in _moe_layers(model):
+        moe.kept = mask
+
+
 def routed_aux_loss(model, cap: Capture, m: ModelConfig, sample_ids: tuple[int, ...]) -> torch.Tensor | float:
     """After a forward of the samples ``sample_ids``: record each MoE layer's router logits,
     routing and load-balancing loss, and return the sum of their losses (0 for a dense model)."""

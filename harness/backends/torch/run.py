@@ -22,7 +22,7 @@ from harness.backends.gpt import captured_modules, canonical_state, layout_of, p
 
 from .distributed import run_distributed
 from .model import GPT, token_losses
-from .routed import routed_aux_loss, set_micro_batch_size
+from .routed import routed_aux_loss, set_loss_mask, set_micro_batch_size
 from harness.common.muon import stepped_by
 from .optim import build_optimizer, clip, lr_at
 
@@ -77,12 +77,14 @@ class _GoldenStep:
         self.rec.cap.micro_batch(0, ids)
         tokens, labels = data_mod.batch(d.seed, ids, m)
         self.opt.zero_grad(set_to_none=True)
+        mask = None if d.loss_mask == "none" else data_mod.loss_mask(d, ids, m.seq_length)
+        set_loss_mask(self.model, mask)
         losses = token_losses(self.model(tokens), labels)  # [b, s]
-        if d.loss_mask == "none":
+        if mask is None:
             self.loss = losses.mean()
             per_sample = [row.mean() for row in losses]
         else:  # megatron-core's per-token loss: the token sum over the global token count
-            mask = data_mod.loss_mask(d, ids, m.seq_length).to(losses.dtype)
+            mask = mask.to(losses.dtype)
             self.loss = (losses * mask).sum() / mask.sum()
             per_sample = (losses * mask).sum(1) / mask.sum(1)
         aux = routed_aux_loss(self.model, self.rec.cap, m, tuple(ids))
@@ -109,6 +111,7 @@ class _GoldenStep:
         and the token mean over every iteration's samples, as Megatron-LM reports it."""
         d, m, side = self.job.data, self.job.model, self.job.side
         index, total, tokens = self.evals.begin(), 0.0, 0.0
+        set_loss_mask(self.model, None)  # the training step's mask is not the evaluation batch's
         self.model.eval()
         with torch.no_grad():
             for it in range(side.eval_iters):
