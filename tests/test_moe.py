@@ -208,6 +208,8 @@ def _bad(tmp_path, **edits) -> str:
     ({"num_experts = 4": "num_experts = 0", "expert_gtp = 2\n": "", "[candidate]\n": "[candidate]\ntp = 2\n"
       "world_size = 4\nsequence_parallel = true\nexpert_tp = 1\n"}, "expert_tp"),
     ({"[golden]\n": "[golden]\nexpert_tp = 1\n"}, "expert_tp"),
+    ({"[candidate]\n": "[candidate]\ntp = 2\nworld_size = 4\nsequence_parallel = true\nsave_step = 1\n"},
+     "tp"),  # MoE checkpoints at TP > 1
     # EGTP 2 cuts the expert-TP-local fc1 (42 / ETP 2 = 21 rows: no) when nothing pads it
     ({"ffn_hidden_size = 48": "ffn_hidden_size = 42", "[candidate]\n": "[candidate]\ntp = 2\ngtp = 1\n"
       "world_size = 4\nsequence_parallel = true\ngtp_pad_alignment = 0\n"}, "expert_gtp"),
@@ -249,6 +251,21 @@ def test_the_moe_options_reach_megatron_core():
                                 "moe_router_num_groups", "moe_router_group_topk")} == {
         "moe_shared_expert_intermediate_size": 24, "moe_router_score_function": "sigmoid",
         "moe_router_num_groups": 2, "moe_router_group_topk": 1}
+
+
+def test_expert_tp_reaches_megatron_core():
+    """initialize_model_parallel's and TransformerConfig's expert TP: expert_tp, or TP where it is none
+    (megatron-core's own default), and the expert weight shards expert TP x EGTP."""
+    from harness.backends.megatron import moe
+
+    (sc,) = scenario.load(FAST)[:1]  # expert GTP 2
+    side = replace(sc.candidate, world_size=8, tp=2, sequence_parallel=True)
+    for expert_tp, etp in ((None, 2), (1, 1), (2, 2)):
+        at = replace(side, expert_tp=expert_tp)
+        got = moe.config_kwargs(SimpleNamespace(model=sc.model, side=at))
+        shards = got["expert_tensor_parallel_num_weight_shards"]
+        assert (got["expert_tensor_parallel_size"], shards) == (etp, 2 * etp)
+        assert moe.parallel_kwargs(at)["expert_tensor_parallel_size"] == etp
 
 
 def test_moe_fault_on_a_dense_model_is_refused(tmp_path):

@@ -140,6 +140,8 @@ def _validate_expert_tp(s: Scenario, side: Side, where: str) -> None:
         # output_split_sizes), which gloo's all_gather refuses; expert TP 1 with EP is not run either.
         raise BadInput(f"{where}.ep", f"expert parallelism at TP {side.tp} is not covered yet (the alltoall "
                        "dispatcher's uneven all-gather over the expert TP group does not run on CPU)")
+    if side.tp > 1 and (side.save_step or side.load_step or side.resume_from):
+        raise BadInput(f"{where}.tp", f"MoE checkpoints at TP {side.tp} are not covered yet")
     if etp > 1 and s.model.ffn_hidden_size % etp:  # the experts' fc1 is column-parallel over ETP
         raise BadInput(f"{where}.expert_tp",
                        f"expert TP {etp} must divide [model].ffn_hidden_size = {s.model.ffn_hidden_size}")
