@@ -38,7 +38,7 @@ def test_every_verdict_is_the_recorded_one(arch_run):
         assert by_name[s.name]["verdict"] == want, (s.name, by_name[s.name].get("first_divergence"))
 
 
-def _expected_linear(m, tp: int) -> dict[str, tuple[tuple[int, ...], dict]]:
+def _expected_linear(m, tp: int, etp: int | None = None) -> dict[str, tuple[tuple[int, ...], dict]]:
     """Layer 0's linear parameters the switches imply, as megatron-core's local spec builds them:
     name -> (TP-local shape at GTP off, placements). Written out here, not read from the harness's
     parameter specs, so a wrong spec there fails this test."""
@@ -50,10 +50,11 @@ def _expected_linear(m, tp: int) -> dict[str, tuple[tuple[int, ...], dict]]:
     k = 2 if m.activation in ("swiglu", "geglu") else 1
     fc1 = {**col, **({"strides": {"tp": 2}} if k == 2 and tp > 1 else {})}
     p = "decoder.layers.0."
+    mlp = _expected_moe(m, tp, tp if etp is None else etp) if m.num_experts else None
     out = {p + "self_attention.linear_qkv.weight": ((qkv // tp, h), col),
            p + "self_attention.linear_proj.weight": ((h, h // tp), row),
-           **(_expected_moe(m) if m.num_experts else {p + "mlp.linear_fc1.weight": ((k * f // tp, h), fc1),
-                                                      p + "mlp.linear_fc2.weight": ((h, f // tp), row)})}
+           **(mlp if mlp is not None else {p + "mlp.linear_fc1.weight": ((k * f // tp, h), fc1),
+                                           p + "mlp.linear_fc2.weight": ((h, f // tp), row)})}
     if m.add_bias_linear or m.add_qkv_bias:
         out[p + "self_attention.linear_qkv.bias"] = ((qkv // tp,), col)
     if m.add_bias_linear:
@@ -75,20 +76,25 @@ def _expected_linear(m, tp: int) -> dict[str, tuple[tuple[int, ...], dict]]:
     return out
 
 
-def _expected_moe(m) -> dict[str, tuple[tuple[int, ...], dict]]:
-    """Layer 0's MoE layer at TP 1, GTP off, one process, as megatron-core's local spec builds it:
-    the router [E, h], each routed expert's MLP (fc1 [gate; up] when gated), the shared experts'
-    MLP of moe_shared_expert_intermediate_size where set."""
+def _expected_moe(m, tp: int = 1, etp: int = 1) -> dict[str, tuple[tuple[int, ...], dict]]:
+    """Layer 0's MoE layer at GTP off, EP 1, as megatron-core's local spec builds it: the router [E, h]
+    whole on every rank, each routed expert's MLP (fc1 [gate; up] when gated) cut over the expert TP
+    group as the dense MLP is over TP, the shared experts' MLP of moe_shared_expert_intermediate_size
+    where set (cut over TP)."""
     h, f, shared = m.hidden_size, m.ffn_hidden_size, m.moe_shared_expert_intermediate_size
     p = "decoder.layers.0.mlp."
     k = 2 if m.activation in ("swiglu", "geglu") else 1
+
+    strided = {"tp": "S(0)", **({"strides": {"tp": 2}} if k == 2 else {})}  # column-parallel, by halves
     out = {p + "router.weight": ((m.num_experts, h), {})}
+    col, row = (strided, {"tp": "S(1)"}) if etp > 1 else ({}, {})
     for e in range(m.num_experts):
-        out[f"{p}experts.local_experts.{e}.linear_fc1.weight"] = ((k * f, h), {})
-        out[f"{p}experts.local_experts.{e}.linear_fc2.weight"] = ((h, f), {})
+        out[f"{p}experts.local_experts.{e}.linear_fc1.weight"] = ((k * f // etp, h), col)
+        out[f"{p}experts.local_experts.{e}.linear_fc2.weight"] = ((h, f // etp), row)
+    col, row = (strided, {"tp": "S(1)"}) if tp > 1 else ({}, {})
     if shared:
-        out[p + "shared_experts.linear_fc1.weight"] = ((k * shared, h), {})
-        out[p + "shared_experts.linear_fc2.weight"] = ((h, shared), {})
+        out[p + "shared_experts.linear_fc1.weight"] = ((k * shared // tp, h), col)
+        out[p + "shared_experts.linear_fc2.weight"] = ((h, shared // tp), row)
     return out
 
 
@@ -110,7 +116,7 @@ BUILT = [s.name for s in MATRIX if not s.model.num_experts and (
     or s.model.qk_layernorm or s.model.softmax_type != "vanilla")]
 # (at parity: a recorded divergence elsewhere in the model reaches fc1 by step 2)
 GATED_TP = [s.name for s in MATRIX if s.model.activation in ("swiglu", "geglu") and s.candidate.tp > 1
-            and s.expect is None]
+            and s.expect is None and not s.model.num_experts]  # the dense MLP's fc1 (experts: MOE_TP)
 
 
 @pytest.mark.parametrize("name", BUILT + [s.name for s in GOLDEN])
@@ -118,7 +124,7 @@ def test_megatron_core_built_what_the_switch_implies(arch_run, name):
     _, by_name, _ = arch_run
     s = BY_NAME[name]
     got = _params(by_name[name]["traces"]["reference"])  # megatron-core, GTP off
-    want = _expected_linear(s.model, s.reference.tp)
+    want = _expected_linear(s.model, s.reference.tp, s.reference.etp)
     layer0 = {n: v for n, v in got.items() if n.startswith("decoder.layers.0.")}
     assert layer0 == want
     final = {n for n in got if n.startswith("decoder.final_layernorm.")}
@@ -280,15 +286,22 @@ def test_the_padded_row_takes_part_in_the_softmax_and_no_token_reaches_it(arch_r
         assert bool(embedding[:71].ne(0).any()) and bool(embedding[71].eq(0).all()), role
         assert bool(output[71].ne(0).all()), role
     assert by_name[name]["verdict"] == "pass"
-MOE = [s.name for s in MATRIX if s.model.num_experts]
+MOE = [s.name for s in MATRIX if s.model.num_experts and s.candidate.tp == 1]
+MOE_TP = [s.name for s in MATRIX if s.model.num_experts and s.candidate.tp > 1]
 GROUPED = [s.name for s in MATRIX + GOLDEN if s.model.moe_router_group_topk]
 
 
-def _egtp_cut(rows: int, h_or_f: int) -> tuple[tuple[int, int], list[int], dict, dict]:
-    """A weight of ``rows`` rows cut in two on dim 0, padded to a multiple of 16 x 2 (the default
-    alignment x G): (rank 0's shard shape, logical shape, placements, pads)."""
-    padded = -(-rows // 32) * 32
-    return (padded // 2, h_or_f), [rows, h_or_f], {"gtp": "S(0)"}, {"gtp": padded - rows}
+def _expert_cut(rows: int, cols: int, etp_dim: int, etp: int, eg: int) -> tuple:
+    """A weight of [rows, cols] cut by (expert) TP on ``etp_dim``, then its TP-local block padded on dim 0
+    to a multiple of 16 x EG (the default alignment) and cut EG ways: (rank 0's shard shape, logical
+    shape, placements, pads)."""
+    local, placements, pads = [rows, cols], {"tp": f"S({etp_dim})"} if etp > 1 else {}, {}
+    local[etp_dim] //= etp
+    if eg > 1:
+        unit = 16 * eg
+        padded = -(-local[0] // unit) * unit
+        placements["gtp"], pads["gtp"], local[0] = "S(0)", padded - local[0], padded // eg
+    return tuple(local), [rows, cols], placements, pads
 
 
 @pytest.mark.parametrize("name", MOE)
@@ -308,12 +321,48 @@ def test_the_moe_layer_megatron_core_built_under_ep_and_expert_gtp(arch_run, nam
            for e in t.entries if e.kind == "param" and e.step == 0 and e.rank == 0 and e.name.startswith(p)}
     want = {p + "router.weight": ((m.num_experts, h), [m.num_experts, h], {}, {}, None)}
     for e in range(m.num_experts // s.candidate.ep):
-        want[f"{p}experts.local_experts.{e}.linear_fc1.weight"] = (*_egtp_cut(k * f, h), {"ep": 0})
-        want[f"{p}experts.local_experts.{e}.linear_fc2.weight"] = (*_egtp_cut(h, f), {"ep": 0})
+        want[f"{p}experts.local_experts.{e}.linear_fc1.weight"] = (*_expert_cut(k * f, h, 0, 1, 2), {"ep": 0})
+        want[f"{p}experts.local_experts.{e}.linear_fc2.weight"] = (*_expert_cut(h, f, 1, 1, 2), {"ep": 0})
     if shared := m.moe_shared_expert_intermediate_size:
-        want[p + "shared_experts.linear_fc1.weight"] = (*_egtp_cut(k * shared, h), None)
-        want[p + "shared_experts.linear_fc2.weight"] = (*_egtp_cut(h, shared), None)
+        want[p + "shared_experts.linear_fc1.weight"] = (*_expert_cut(k * shared, h, 0, 1, 2), None)
+        want[p + "shared_experts.linear_fc2.weight"] = (*_expert_cut(h, shared, 1, 1, 2), None)
     assert got == want
+
+
+@pytest.mark.parametrize("name", MOE_TP)
+def test_the_moe_layer_megatron_core_built_at_tp_2(arch_run, name):
+    """Rank 0 of the candidate (TP 2, sequence parallelism): the router whole; each routed expert cut by
+    the expert TP group (expert TP 2: fc1 [gate_0; up_0] of 36 + 36 rows, partition_stride 2, fc2 36
+    columns; expert TP 1: whole) and, under expert GTP 2, that block padded (72 -> 96, 144 -> 160 rows)
+    and halved, on the expert grid. Read off megatron-core's own attributes. At step 0 each logical
+    weight the harness assembles from these shards is bitwise the reference's (TP 1, or GTP off)."""
+    _, by_name, out = arch_run
+    s = BY_NAME[name]
+    m, side, p = s.model, s.candidate, "decoder.layers.0.mlp."
+    h, f, k = m.hidden_size, m.ffn_hidden_size, 2 if m.activation in ("swiglu", "geglu") else 1
+    etp, eg = side.etp, side.expert_gtp
+    t = trace.read(by_name[name]["traces"]["candidate"])
+    got = {e.name: (tuple(e.local_shape), *(e.layout.to_json().get(key) for key in
+                                           ("logical_shape", "placements", "pads", "fixed", "strides")))
+           for e in t.entries if e.kind == "param" and e.step == 0 and e.rank == 0 and e.name.startswith(p)}
+    on_grid = {"ep": 0} if etp != side.tp or eg > 1 else None  # the dense mesh is the expert grid otherwise
+    want = {p + "router.weight": ((m.num_experts, h), [m.num_experts, h], {}, {}, None, None)}
+    for e in range(m.num_experts):
+        stride = {"tp": 2} if etp > 1 and k == 2 else None
+        q = f"{p}experts.local_experts.{e}."
+        want[q + "linear_fc1.weight"] = (*_expert_cut(k * f, h, 0, etp, eg), on_grid, stride)
+        want[q + "linear_fc2.weight"] = (*_expert_cut(h, f, 1, etp, eg), on_grid, None)
+    assert got == want
+    df = results(out, name)
+    mlp = df[df["tensor"].str.contains(r"\.mlp\.(?:router|experts)\.") & (df["step"] == 0)]
+    assert len(mlp) == m.num_layers * (1 + 2 * m.num_experts) and mlp["bitwise_equal"].astype(bool).all()
+    if s.expect is not None:
+        return  # a recorded divergence (its reason says where): the layout above is megatron-core's
+    # The router's logits are each TP rank's sequence chunk, assembled whole: the same experts for every
+    # token (2 layers x 2 quantities x 2 steps).
+    routing = df[df["tensor"].str.endswith((".routing_map", ".tokens_per_expert"))]
+    assert len(routing) == 2 * 2 * 2 and routing["bitwise_equal"].astype(bool).all()
+    assert df["passed"].astype(bool).all() and summary(out, name)["invariants"]["replica"] == []
 
 
 @pytest.mark.parametrize("name", GROUPED)

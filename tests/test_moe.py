@@ -13,7 +13,8 @@ from harness import scenario
 from harness.common.errors import BadInput
 from harness.scenario.faults import MOE_FAULTS
 from harness.backends.gpt import layout_of, param_specs
-from harness.common.layout import holds, shard
+from harness.backends.data import coord as data_coord
+from harness.common.layout import assemble, holds, shard
 from harness.common.mesh import expert_coord, on_grid
 from tests.helpers import ASSETS, ROOT, results, run, summary
 
@@ -101,15 +102,16 @@ def test_topk_tie_breaking_does_not_depend_on_the_batch():
     assert torch.equal(torch.cat(parts), whole[perm])
 
 
-def test_expert_grid_is_megatron_cores_rank_order():
+@pytest.mark.parametrize("etp, ep, eg", [(1, 2, 2), (2, 2, 2), (2, 1, 2), (1, 1, 2)])
+def test_expert_grid_is_megatron_cores_rank_order(etp, ep, eg):
     from megatron.core.parallel_state import RankGenerator
 
-    world, ep, eg = 8, 2, 2
-    gen = RankGenerator(tp=1, ep=ep, dp=world // (ep * eg), pp=1, cp=1, order="tp-cp-ep-gtp_remat-dp-pp",
-                        gtp_remat=eg)
-    for axis, key in (("ep", "ep"), ("gtp_remat", "egtp"), ("dp", "edp")):
+    world = 8
+    gen = RankGenerator(tp=etp, ep=ep, dp=world // (etp * ep * eg), pp=1, cp=1,
+                        order="tp-cp-ep-gtp_remat-dp-pp", gtp_remat=eg)
+    for axis, key in (("tp", "etp"), ("ep", "ep"), ("gtp_remat", "egtp"), ("dp", "edp")):
         for group in gen.get_ranks(axis):
-            coords = [expert_coord(r, world, 1, ep, eg) for r in group]
+            coords = [expert_coord(r, world, etp, ep, eg) for r in group]
             assert [c[key] for c in coords] == list(range(len(group))), (axis, group)
             others = {tuple(v for k, v in c.items() if k != key) for c in coords}
             assert len(others) == 1, (axis, group)
@@ -133,6 +135,52 @@ def test_expert_weights_are_cut_on_the_expert_grid():
     assert torch.equal(held[1], held[5]) and torch.equal(held[3], held[7])  # expert DP replicas
 
 
+def _expert_shards(model, side, name: str) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """An expert weight's logical value (distinct entries) and the shard each rank holds."""
+    spec = next(s for s in param_specs(model) if s.name.endswith(name))
+    layout = layout_of(spec, side, model.num_experts)
+    full = torch.arange(math.prod(spec.shape), dtype=torch.float32).view(spec.shape)
+    held, at = {}, {}
+    for rank in range(side.world_size):
+        c = data_coord(rank, side)
+        if holds(layout, c):
+            placed = on_grid(c, layout.grid)
+            held[rank], at[(placed["tp"], placed["gtp"], placed["dp"])] = shard(full, layout, placed), rank
+    rebuilt = assemble(layout, lambda c: held[at[(c["tp"], c["gtp"], c["dp"])]])
+    assert torch.equal(rebuilt, full)  # the layout assembles what it cut
+    return full, held
+
+
+def test_expert_tensor_parallel_cuts_the_experts_as_the_dense_mlp():
+    """Expert TP 2 (= TP, megatron-core's default) at world 4: each expert's fc1 is column-parallel over
+    expert TP, a gated one by halves (rank r holds [gate_r; up_r], partition_stride 2), fc2 row-parallel;
+    expert TP 1 at TP 2: every rank holds each expert whole; expert TP 2 x EGTP 2: the TP-local block
+    [gate_r; up_r] (48 rows) padded to 64 (alignment 16 x EGTP 2) and cut in two on dim 0."""
+    (sc,) = scenario.load(FAST)[:1]
+    m = replace(sc.model, activation="swiglu")  # f = 48: fc1 [gate; up] of 96 rows
+    f = m.ffn_hidden_size
+    etp2 = scenario.Side(world_size=4, tp=2, sequence_parallel=True)
+    full, held = _expert_shards(m, etp2, "layers.0.mlp.experts.local_experts.1.linear_fc1.weight")
+    gate, up = full[:f], full[f:]
+    for rank in range(4):
+        half = slice(rank % 2 * f // 2, (rank % 2 + 1) * f // 2)  # expert TP = TP: the TP coordinate
+        assert torch.equal(held[rank], torch.cat([gate[half], up[half]]))
+    full, held = _expert_shards(m, etp2, "layers.0.mlp.experts.local_experts.1.linear_fc2.weight")
+    columns = [slice(r * f // 2, (r + 1) * f // 2) for r in range(2)]
+    assert all(torch.equal(held[rank], full[:, columns[rank % 2]]) for rank in range(4))
+    etp1 = scenario.Side(world_size=4, tp=2, sequence_parallel=True, expert_tp=1)
+    full, held = _expert_shards(m, etp1, "layers.0.mlp.experts.local_experts.1.linear_fc1.weight")
+    assert sorted(held) == [0, 1, 2, 3] and all(torch.equal(t, full) for t in held.values())
+    egtp = scenario.Side(world_size=4, tp=2, gtp=2, expert_gtp=2, sequence_parallel=True)
+    full, held = _expert_shards(m, egtp, "layers.0.mlp.experts.local_experts.1.linear_fc1.weight")
+    # Expert grid tp-ep-egtp-edp: rank = etp + 2 * egtp. TP-local [gate_r; up_r] is 48 rows, padded to 64.
+    for rank in range(4):
+        r, g = rank % 2, rank // 2
+        half = slice(r * f // 2, (r + 1) * f // 2)
+        local = torch.cat([gate[half], up[half], torch.zeros(16, m.hidden_size)])
+        assert torch.equal(held[rank], local[g * 32:(g + 1) * 32])
+
+
 def _bad(tmp_path, **edits) -> str:
     text = FAST.read_text().split("[matrix]")[0]
     for old, new in edits.items():
@@ -149,7 +197,22 @@ def _bad(tmp_path, **edits) -> str:
     ({"moe_topk = 2": "moe_topk = 5"}, "moe_topk"),
     ({"num_experts = 4": "num_experts = 3", "[candidate]\n": "[candidate]\nep = 2\nworld_size = 4\n"}, "ep"),
     ({"[candidate]\n": "[candidate]\nep = 2\n"}, "world_size"),  # 2 ranks < EP 2 x EGTP 2
-    ({"[candidate]\n": "[candidate]\ntp = 2\nworld_size = 4\n"}, "tp"),
+    # Expert TP: megatron-core's MoELayer.forward raises at TP > 1 without sequence parallelism; the
+    # harness lays experts out at expert TP 1 or TP only; expert TP x EP x EGTP divides the world.
+    ({"[candidate]\n": "[candidate]\ntp = 2\nworld_size = 4\n"}, "sequence_parallel"),
+    ({"[candidate]\n": "[candidate]\ntp = 4\nworld_size = 8\nsequence_parallel = true\nexpert_tp = 2\n"},
+     "expert_tp"),
+    ({"[candidate]\n": "[candidate]\ntp = 2\ngtp = 1\nworld_size = 8\nsequence_parallel = true\nep = 2\n"},
+     "ep"),  # EP at TP 2: the dispatcher's uneven all-gather over expert TP does not run on gloo
+    # expert TP on a dense model
+    ({"num_experts = 4": "num_experts = 0", "expert_gtp = 2\n": "", "[candidate]\n": "[candidate]\ntp = 2\n"
+      "world_size = 4\nsequence_parallel = true\nexpert_tp = 1\n"}, "expert_tp"),
+    ({"[golden]\n": "[golden]\nexpert_tp = 1\n"}, "expert_tp"),
+    ({"[candidate]\n": "[candidate]\ntp = 2\nworld_size = 4\nsequence_parallel = true\nsave_step = 1\n"},
+     "tp"),  # MoE checkpoints at TP > 1
+    # EGTP 2 cuts the expert-TP-local fc1 (42 / ETP 2 = 21 rows: no) when nothing pads it
+    ({"ffn_hidden_size = 48": "ffn_hidden_size = 42", "[candidate]\n": "[candidate]\ntp = 2\ngtp = 1\n"
+      "world_size = 4\nsequence_parallel = true\ngtp_pad_alignment = 0\n"}, "expert_gtp"),
     ({"[golden]\n": "[golden]\nep = 2\n"}, "ep"),
     ({"[candidate]\n": "[candidate]\nbackend = \"torch\"\n"}, "backend"),
     # Shared experts, the router's score function and group-limited top-k (megatron-core's own rules
@@ -219,6 +282,21 @@ def test_the_moe_options_reach_megatron_core():
                                 "moe_router_num_groups", "moe_router_group_topk")} == {
         "moe_shared_expert_intermediate_size": 24, "moe_router_score_function": "sigmoid",
         "moe_router_num_groups": 2, "moe_router_group_topk": 1}
+
+
+def test_expert_tp_reaches_megatron_core():
+    """initialize_model_parallel's and TransformerConfig's expert TP: expert_tp, or TP where it is none
+    (megatron-core's own default), and the expert weight shards expert TP x EGTP."""
+    from harness.backends.megatron import moe
+
+    (sc,) = scenario.load(FAST)[:1]  # expert GTP 2
+    side = replace(sc.candidate, world_size=8, tp=2, sequence_parallel=True)
+    for expert_tp, etp in ((None, 2), (1, 1), (2, 2)):
+        at = replace(side, expert_tp=expert_tp)
+        got = moe.config_kwargs(SimpleNamespace(model=sc.model, side=at))
+        shards = got["expert_tensor_parallel_num_weight_shards"]
+        assert (got["expert_tensor_parallel_size"], shards) == (etp, 2 * etp)
+        assert moe.parallel_kwargs(at)["expert_tensor_parallel_size"] == etp
 
 
 def test_moe_fault_on_a_dense_model_is_refused(tmp_path):

@@ -46,8 +46,9 @@ def coord(rank: int, side: Side) -> dict[str, int]:
     """Mesh coordinates of ``rank`` (:mod:`harness.common.mesh`), with its data rank as ``data``."""
     mesh = Mesh.of_side(side)
     experts = {}
-    if getattr(side, "ep", 1) * getattr(side, "expert_gtp", 1) > 1:  # the expert grid's axes too
-        experts = expert_coord(rank, side.world_size, side.tp, side.ep, side.expert_gtp)
+    etp = getattr(side, "etp", side.tp)
+    if getattr(side, "ep", 1) * getattr(side, "expert_gtp", 1) > 1 or etp != side.tp:  # the expert grid's too
+        experts = expert_coord(rank, side.world_size, etp, side.ep, side.expert_gtp)
     return {**mesh.coord(rank), "data": mesh.data_rank(rank), **experts}
 
 

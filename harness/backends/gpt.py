@@ -207,21 +207,22 @@ def vocabulary_described(layouts: dict[str, Layout], m: ModelConfig) -> dict[str
 
 def _expert_layout(spec: ParamSpec, side: Side, num_experts: int) -> Layout:
     """A routed expert's weight: on the expert grid (expert TP x EP x EGTP x expert DP) when EP
-    or EGTP is on, held by the ranks of its EP coordinate, cut by EGTP on dim 0 (padded as
-    GTP pads); replicated on the dense mesh otherwise."""
-    ep, eg = side.ep, side.expert_gtp
-    if ep * eg == 1:
-        return Layout(spec.shape, mesh_of(side), {"tp": Shard(spec.tp_dim)} if side.tp > 1 else {})
-    mesh = {"tp": side.tp, "gtp": eg, "dp": side.world_size // (side.tp * ep * eg)}
-    placements, pads = {}, {}
-    if side.tp > 1:
-        placements["tp"] = Shard(spec.tp_dim)
+    or EGTP is on or expert TP is not TP, held by the ranks of its EP coordinate, cut by expert TP
+    as the dense MLP is by TP and by EGTP on dim 0 (padded as GTP pads); on the dense mesh
+    otherwise (the expert grid is the dense one then)."""
+    ep, eg, etp = side.ep, side.expert_gtp, getattr(side, "etp", side.tp)
+    placements = {"tp": Shard(spec.tp_dim)} if etp > 1 else {}
+    strides = {"tp": spec.tp_stride} if etp > 1 and spec.tp_stride > 1 else {}  # a gated fc1: [gate_r; up_r]
+    if ep * eg == 1 and etp == side.tp:
+        return Layout(spec.shape, mesh_of(side), placements, strides=strides)
+    mesh = {"tp": etp, "gtp": eg, "dp": side.world_size // (etp * ep * eg)}
+    pads = {}
     if eg > 1:
-        local0 = spec.shape[0] // (side.tp if spec.tp_dim == 0 else 1)
+        local0 = spec.shape[0] // (etp if spec.tp_dim == 0 else 1)
         placements["gtp"] = Shard(0)
         pads["gtp"] = gtp_pad(local0, eg, side.gtp_pad_alignment)
     owner = spec.expert // (num_experts // ep)
-    return Layout(spec.shape, mesh, placements, pads, grid="expert", fixed={"ep": owner})
+    return Layout(spec.shape, mesh, placements, pads, grid="expert", fixed={"ep": owner}, strides=strides)
 
 
 def captured_modules(model) -> dict[str, torch.nn.Module]:

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from harness.common.errors import BadInput
 from harness.common.layout import MESH_AXES, assemble, holds
@@ -280,7 +280,8 @@ def _check_padding(trace, key, by_rank, layout, coords, out: Logical) -> None:
 
 def _assemble_samples(trace, key, entries, coords) -> dict[int, torch.Tensor]:
     """Per sample id: concatenate the TP shards (vocab-parallel logits, sequence-parallel
-    activations) or take TP rank 0."""
+    activations), sum the TP parts (``Partial("sum")``: a sequence-parallel router's load-balancing
+    loss) or take TP rank 0."""
     per_sample: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)
     for e in entries:
         t = trace.tensor(e)
@@ -290,13 +291,15 @@ def _assemble_samples(trace, key, entries, coords) -> dict[int, torch.Tensor]:
             per_sample[sid].setdefault(tp, t[i])
     layout = entries[0].layout
     placement = layout.placement("tp") if layout is not None else None
-    sharded = isinstance(placement, Shard)
+    sharded, summed = isinstance(placement, Shard), isinstance(placement, Partial)
     tp_size = layout.mesh.get("tp", 1) if layout is not None else 1
     result = {}
     for sid, parts in per_sample.items():
-        if sharded and tp_size > 1:
-            if len(parts) != tp_size:
-                raise BadInput(str(trace.path), f"{key[2]} step {key[0]}: sample {sid} lacks TP shards")
+        if (sharded or summed) and tp_size > 1 and len(parts) != tp_size:
+            raise BadInput(str(trace.path), f"{key[2]} step {key[0]}: sample {sid} lacks TP shards")
+        if summed and tp_size > 1:
+            result[sid] = torch.stack([parts[i] for i in range(tp_size)]).sum(0)
+        elif sharded and tp_size > 1:
             # One sample drops the batch dim: the vocab (logits) or sequence (SP) shards join
             # along the placement's dim less one.
             result[sid] = torch.cat([parts[i] for i in range(tp_size)], dim=placement.dim - 1)

@@ -169,16 +169,17 @@ def expert_optimizer(side: Side, num_experts: int, fixed: bool) -> bool:
     """Whether megatron-core gives ``side``'s routed experts an optimizer of their own (a second
     one in its ChainedOptimizer): it does for parameters tagged ``allreduce = False``, the expert
     topology (optimizer/__init__.py l.348, l.1181-1224 on 0.19.2). ``fixed``: the tree holds
-    :data:`EXPERT_TOPOLOGY_FIX`, where experts take that topology under expert parallelism or an
-    expert GTP other than the dense one (tensor_parallel/layers.py l.1033-1037 on main). On
-    0.19.2 only expert parallelism puts them there (layers.py l.961-964), and
+    :data:`EXPERT_TOPOLOGY_FIX`, where experts take that topology under expert parallelism, an
+    expert TP other than TP or an expert GTP other than the dense one (tensor_parallel/layers.py
+    l.1033-1037 on main). On 0.19.2 only expert parallelism or expert TP != TP puts them there
+    (layers.py l.961-964), and
     ``_gtp_slice_one_param`` (generalized_tensor_parallelism.py l.502-508) drops the tag from
     expert GTP shards: with expert GTP every expert weight is a dense one."""
     if not num_experts:
         return False
     if fixed:
-        return side.ep > 1 or side.expert_gtp != side.gtp
-    return side.ep > 1 and side.expert_gtp == 1
+        return side.ep > 1 or side.etp != side.tp or side.expert_gtp != side.gtp
+    return (side.ep > 1 or side.etp != side.tp) and side.expert_gtp == 1
 
 
 def check_expert_optimizers(s: Scenario, fixed: Callable[[Side], bool]) -> None:

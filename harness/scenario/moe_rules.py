@@ -91,10 +91,12 @@ def validate_moe_side(s: Scenario, name: str, side: Side, where: str) -> None:
     if not m.num_experts and (planted := [f for f in side.inject if f in MOE_FAULTS]):
         raise BadInput(f"{where}.inject",
                        f"{planted[0]!r} never fires on a dense model ([model].num_experts = 0)")
-    if side.ep * side.expert_gtp == 1 and not m.num_experts:
+    if side.ep * side.expert_gtp == 1 and side.expert_tp is None and not m.num_experts:
         return
     if not m.num_experts:
-        raise BadInput(f"{where}.ep", "expert parallelism and expert GTP need [model].num_experts > 0")
+        key = "ep" if side.ep * side.expert_gtp > 1 else "expert_tp"
+        raise BadInput(f"{where}.{key}",
+                       "expert parallelism, expert TP and expert GTP need [model].num_experts > 0")
     # The torch backend's golden model (one process, fp32 or fp64, no recipe) holds MoE layers; its
     # sharded model does not: a compared torch side is that golden model (megatron-core against it).
     golden_model = side.world_size == 1 and side.recipe == "none" and side.precision in ("fp32", "fp64")
@@ -103,35 +105,66 @@ def validate_moe_side(s: Scenario, name: str, side: Side, where: str) -> None:
                        "the golden model only (world_size 1, fp32 or fp64, no recipe)")
     if (name == "golden" or side.backend == "torch") and side.ep * side.expert_gtp != 1:
         raise BadInput(f"{where}.ep", "the golden model runs in a single process: ep = expert_gtp = 1")
-    if side.tp != 1:
-        raise BadInput(f"{where}.tp",
-                       "MoE scenarios run at TP 1: expert tensor parallelism is not covered yet")
+    _validate_expert_tp(s, side, where)
     if m.num_experts % side.ep:
         # MoELayer: num_moe_experts % expert_model_parallel_size == 0 (moe_layer.py, BaseMoELayer)
         raise BadInput(f"{where}.ep", f"EP {side.ep} must divide [model].num_experts = {m.num_experts}")
-    expert_grid = side.tp * side.ep * side.expert_gtp
+    expert_grid = side.etp * side.ep * side.expert_gtp
     if side.world_size % expert_grid:
         # initialize_model_parallel: world % (ETP x EP x PP x EGTP) (parallel_state.py)
         raise BadInput(f"{where}.world_size",
                        f"world_size {side.world_size} must be a multiple of expert TP x EP x EGTP = "
                        f"{expert_grid}")
     k = 2 if m.activation in GATED else 1  # a gated fc1 holds [gate; up]
-    if side.expert_gtp > 1 and side.gtp_pad_alignment == 0:
-        for key, dim0 in {"linear_fc1": k * m.ffn_hidden_size, "linear_fc2": m.hidden_size}.items():
+    if side.expert_gtp > 1 and side.gtp_pad_alignment == 0:  # dim 0 of the expert-TP-local block
+        rows = {"linear_fc1": k * m.ffn_hidden_size // side.etp, "linear_fc2": m.hidden_size}
+        for key, dim0 in rows.items():
             if dim0 % side.expert_gtp:  # _gtp_slice_one_param's no-pad assertion
                 raise BadInput(f"{where}.expert_gtp",
                                f"EGTP {side.expert_gtp} must divide dim 0 of the experts' {key} ({dim0}) "
                                f"when gtp_pad_alignment = 0")
     shared = m.moe_shared_expert_intermediate_size
-    if shared and side.gtp > 1 and side.gtp_pad_alignment == 0 and (k * shared) % side.gtp:
-        raise BadInput(f"{where}.gtp", f"G {side.gtp} must divide dim 0 of the shared experts' linear_fc1 "
-                       f"({k * shared}) when gtp_pad_alignment = 0")
+    if shared and side.tp > 1 and shared % side.tp:  # SharedExpertMLP's fc1 is column-parallel over TP
+        raise BadInput(f"{s.source}: [model].moe_shared_expert_intermediate_size",
+                       f"TP {side.tp} must divide it, got {shared}")
+    if shared and side.gtp > 1 and side.gtp_pad_alignment == 0 and (k * shared // side.tp) % side.gtp:
+        raise BadInput(f"{where}.gtp", f"G {side.gtp} must divide dim 0 of the shared experts' TP-local "
+                       f"linear_fc1 ({k * shared // side.tp}) when gtp_pad_alignment = 0")
     if side.expert_gtp > 1 and not m.untie_embeddings:
         raise BadInput(f"{s.source}: [model].untie_embeddings",
                        "tied embedding/output weights are not supported with GTP")
     if side.ep * side.expert_gtp > 1 and side.distributed_optimizer:
         raise BadInput(f"{where}.distributed_optimizer",
                        "not covered with expert parallelism or expert GTP yet")
+
+
+def _validate_expert_tp(s: Scenario, side: Side, where: str) -> None:
+    """The experts' tensor parallelism: ETP 1 or TP, sequence parallelism at TP > 1."""
+    etp = side.etp
+    if etp not in (1, side.tp):
+        # megatron-core takes any ETP whose expert grid fits the world (initialize_model_parallel);
+        # the harness lays experts out at ETP 1 (whole on every rank of their EP coordinate) or TP.
+        raise BadInput(f"{where}.expert_tp",
+                       f"must be 1 or TP = {side.tp}, got {etp}: other expert TP sizes are not covered yet")
+    if side.tp > 1 and not side.sequence_parallel:
+        # MoELayer.forward raises in training (transformer/moe/moe_layer.py, 0.19.2 l.629-633): "During
+        # training, performance may degrade if MoE and tensor parallelism are enabled without also
+        # enabling sequence parallelism." (a ValueError, not a warning)
+        raise BadInput(f"{where}.sequence_parallel",
+                       f"megatron-core refuses to train MoE at TP {side.tp} without sequence parallelism "
+                       "(MoELayer.forward: \"performance may degrade if MoE and tensor parallelism are "
+                       "enabled without also enabling sequence parallelism\"): set sequence_parallel = true")
+    if side.tp > 1 and side.ep > 1:
+        # At expert TP > 1 the alltoall dispatcher gathers each rank's routed tokens over the expert TP
+        # group in uneven parts (token_dispatcher.py dispatch_postprocess l.739: all_gather of a list of
+        # output_split_sizes), which gloo's all_gather refuses; expert TP 1 with EP is not run either.
+        raise BadInput(f"{where}.ep", f"expert parallelism at TP {side.tp} is not covered yet (the alltoall "
+                       "dispatcher's uneven all-gather over the expert TP group does not run on CPU)")
+    if side.tp > 1 and (side.save_step or side.load_step or side.resume_from):
+        raise BadInput(f"{where}.tp", f"MoE checkpoints at TP {side.tp} are not covered yet")
+    if etp > 1 and s.model.ffn_hidden_size % etp:  # the experts' fc1 is column-parallel over ETP
+        raise BadInput(f"{where}.expert_tp",
+                       f"expert TP {etp} must divide [model].ffn_hidden_size = {s.model.ffn_hidden_size}")
 
 
 def moe_parameter_count(m: ModelConfig) -> int:

@@ -84,6 +84,12 @@ class Side:
         backends=MEGATRON, golden=OWN, golden_value=1, added_later=True,
         mcore=("TransformerConfig.expert_tensor_parallel_num_weight_shards (expert TP x EG)",),
         mlm="--expert-tensor-parallel-num-weight-shards (expert TP x EG)")
+    expert_tp: int | None = option(
+        None, "topology", """the experts' own tensor-parallel size ETP (none: TP, as megatron-core defaults
+        it); 1 or TP""", low=1, backends=MEGATRON, golden=NEVER, added_later=True,
+        mcore=("parallel_state.initialize_model_parallel(expert_tensor_parallel_size) (none: TP)",
+               "TransformerConfig.expert_tensor_parallel_size (none: TP)"),
+        mlm="--expert-tensor-parallel-size")
     pipeline_parallel: int = option(
         1, "topology", """pipeline stages: layers split evenly, megatron-core's 1F1B schedule over the
         micro-batches""", low=1, backends=MEGATRON, golden=NEVER, path=True, added_later=True,
@@ -249,6 +255,11 @@ class Side:
         return self.world_size // (self.tp * self.pipeline_parallel)
 
     @property
+    def etp(self) -> int:
+        """The experts' tensor-parallel size: ``expert_tp``, or TP where it is none."""
+        return self.tp if self.expert_tp is None else self.expert_tp
+
+    @property
     def replicate_dp(self) -> int:
         return self.world_size // (self.tp * self.gtp * self.pipeline_parallel)
 
@@ -270,6 +281,7 @@ class Side:
         gtp = f"gtp{self.gtp}" if self.gtp > 1 else "gtpoff"
         recipe = "" if self.recipe == "none" else f"-{self.recipe}"
         experts = f"-ep{self.ep}-egtp{self.expert_gtp}" if self.ep * self.expert_gtp > 1 else ""
+        experts += f"-etp{self.etp}" if self.etp != self.tp else ""
         pp = "" if self.pipeline_parallel == 1 else f"-pp{self.pipeline_parallel}"
         pp += f"v{self.virtual_pipeline}" if self.virtual_pipeline else ""
         return f"{self.backend}-w{self.world_size}-tp{self.tp}{pp}-{gtp}{experts}-{self.precision}{recipe}"

@@ -35,7 +35,8 @@ def is_moe(job) -> bool:
 
 def parallel_kwargs(side) -> dict:
     """``initialize_model_parallel``'s expert arguments."""
-    return {"expert_model_parallel_size": side.ep, "expert_gtp_remat_size": side.expert_gtp}
+    return {"expert_model_parallel_size": side.ep, "expert_tensor_parallel_size": side.etp,
+            "expert_gtp_remat_size": side.expert_gtp}
 
 
 def config_kwargs(job) -> dict:
@@ -52,7 +53,8 @@ def config_kwargs(job) -> dict:
         "moe_token_dispatcher_type": "alltoall",
         "moe_grouped_gemm": False,
         "expert_model_parallel_size": side.ep,
-        "expert_tensor_parallel_num_weight_shards": side.tp * side.expert_gtp,
+        "expert_tensor_parallel_size": side.etp,
+        "expert_tensor_parallel_num_weight_shards": side.etp * side.expert_gtp,
         "moe_shared_expert_intermediate_size": m.moe_shared_expert_intermediate_size,
         "moe_router_score_function": m.moe_router_score_function,
         "moe_router_num_groups": m.moe_router_num_groups,
@@ -94,25 +96,33 @@ def global_name(name: str, job) -> str:
 
 
 def mcore_layout(p: torch.Tensor, ours: Layout) -> Layout:
-    """An expert weight's layout as megatron-core built it: the EGTP cut and pad read off the
-    parameter (``is_gtp_weight_remat``, ``pad_length``) on the expert grid; the EP coordinate
-    is ``ours``'s (the global name already encodes it)."""
-    shape, placements, pads = list(p.shape), {}, {}
+    """An expert weight's layout as megatron-core built it, on ``ours``'s grid: the EGTP cut and pad
+    read off the parameter (``is_gtp_weight_remat``, ``pad_length``), and the expert TP cut
+    (``tensor_model_parallel``, ``partition_dim``, ``partition_stride``: fc1 column-parallel, a gated
+    one with stride 2, fc2 row-parallel over the expert TP group); the EP coordinate is ``ours``'s
+    (the global name already encodes it)."""
+    shape, placements, pads, strides = list(p.shape), {}, {}, {}
     if getattr(p, "is_gtp_weight_remat", False):
         placements["gtp"], pads["gtp"] = Shard(0), int(getattr(p, "pad_length", 0))
         shape[0] = shape[0] * ours.mesh.get("gtp", 1) - pads["gtp"]
-    return Layout(tuple(shape), dict(ours.mesh), placements, pads, grid=ours.grid, fixed=dict(ours.fixed))
+    if getattr(p, "tensor_model_parallel", False) and (etp := ours.mesh.get("tp", 1)) > 1:
+        placements["tp"], shape[p.partition_dim] = Shard(p.partition_dim), shape[p.partition_dim] * etp
+        if (stride := int(getattr(p, "partition_stride", 1))) != 1:
+            strides["tp"] = stride
+    return Layout(tuple(shape), dict(ours.mesh), placements, pads, grid=ours.grid, fixed=dict(ours.fixed),
+                  strides=strides)
 
 
-def attach_router_capture(model, cap: Capture, seq_length: int) -> None:
-    """Record every MoE layer's router logits, routing and load-balancing loss, per micro-batch."""
+def attach_router_capture(model, cap: Capture, seq_length: int, sequence_parallel: bool = False) -> None:
+    """Record every MoE layer's router logits, routing and load-balancing loss, per micro-batch (under
+    sequence parallelism a TP rank routes its sequence chunk)."""
     for i, layer in enumerate(model.decoder.layers):
         router = getattr(layer.mlp, "router", None)
         if router is not None:
-            _wrap_router(router, i, cap, seq_length)
+            _wrap_router(router, i, cap, seq_length, sequence_parallel)
 
 
-def _wrap_router(router, layer: int, cap: Capture, seq_length: int) -> None:
+def _wrap_router(router, layer: int, cap: Capture, seq_length: int, sp: bool) -> None:
     # Instance attributes: this model's routers only, gone with the model.
     routing, attach = router.routing, router.attach_and_log_load_balancing_loss
 
@@ -120,12 +130,12 @@ def _wrap_router(router, layer: int, cap: Capture, seq_length: int) -> None:
         probs, routing_map = routing(logits, *args, **kwargs)
         if cap.sample_ids is not None:
             flat = logits.reshape(-1, logits.shape[-1])
-            record_routing(cap, layer, flat, routing_map, seq_length, cap.sample_ids)
+            record_routing(cap, layer, flat, routing_map, seq_length, cap.sample_ids, sp)
         return probs, routing_map
 
     def attach_and_record(activation, aux_loss_coeff, aux_loss, *args, **kwargs):
         if cap.sample_ids is not None:
-            record_aux_loss(cap, layer, aux_loss, cap.sample_ids)
+            record_aux_loss(cap, layer, aux_loss, cap.sample_ids, sp)
         return attach(activation, aux_loss_coeff, aux_loss, *args, **kwargs)
 
     router.routing = routing_and_record

@@ -272,7 +272,7 @@ def _train(job, cap, ctx, config, chunks, scheduler, mesh, forward_backward, fin
         modules = captured_modules(inner) if side.pipeline_parallel == 1 else pipeline.stage_modules(inner)
         mtp.attach(inner, cap, job, modules, lambda: fns.loss_mask)
         cap.attach(modules, vocab_parallel=["output_layer"], sequence_parallel=side.sequence_parallel)
-        moe.attach_router_capture(inner, cap, job.model.seq_length)
+        moe.attach_router_capture(inner, cap, job.model.seq_length, side.sequence_parallel)
     cap.info["gtp_params"] = {n: getattr(p, "chain_id", None) for n, p in named
                               if getattr(p, "is_gtp_weight_remat", False)}
     cap.info["data_parallel_rank"] = ps.get_data_parallel_rank()
