@@ -14,6 +14,7 @@ import torch
 
 from harness import scenario
 from harness.capture import trace
+from tests.arch_expect import aux_loss, expected_linear, expert_cut, params_at
 from tests.helpers import ASSETS, ROOT, results, run, summary
 
 MATRIX = scenario.load(ROOT / "scenarios" / "architectures.toml")
@@ -38,78 +39,6 @@ def test_every_verdict_is_the_recorded_one(arch_run):
         assert by_name[s.name]["verdict"] == want, (s.name, by_name[s.name].get("first_divergence"))
 
 
-def _expected_linear(m, tp: int, etp: int | None = None) -> dict[str, tuple[tuple[int, ...], dict]]:
-    """Layer 0's linear parameters the switches imply, as megatron-core's local spec builds them:
-    name -> (TP-local shape at GTP off, placements). Written out here, not read from the harness's
-    parameter specs, so a wrong spec there fails this test."""
-    h, f = m.hidden_size, m.ffn_hidden_size
-    # per query group: its query heads, a key head, a value head
-    qkv = h + 2 * (m.num_query_groups or m.num_attention_heads) * (h // m.num_attention_heads)
-    col, row = ({"tp": "S(0)"}, {"tp": "S(1)"}) if tp > 1 else ({}, {})
-    # A gated fc1 is [gate; up]: twice the rows, each half cut over TP (partition_stride 2).
-    k = 2 if m.activation in ("swiglu", "geglu") else 1
-    fc1 = {**col, **({"strides": {"tp": 2}} if k == 2 and tp > 1 else {})}
-    p = "decoder.layers.0."
-    mlp = _expected_moe(m, tp, tp if etp is None else etp) if m.num_experts else None
-    out = {p + "self_attention.linear_qkv.weight": ((qkv // tp, h), col),
-           p + "self_attention.linear_proj.weight": ((h, h // tp), row),
-           **(mlp if mlp is not None else {p + "mlp.linear_fc1.weight": ((k * f // tp, h), fc1),
-                                           p + "mlp.linear_fc2.weight": ((h, f // tp), row)})}
-    if m.add_bias_linear or m.add_qkv_bias:
-        out[p + "self_attention.linear_qkv.bias"] = ((qkv // tp,), col)
-    if m.add_bias_linear:
-        out[p + "self_attention.linear_proj.bias"] = ((h,), {})
-        out[p + "mlp.linear_fc1.bias"] = ((k * f // tp,), fc1)
-        out[p + "mlp.linear_fc2.bias"] = ((h,), {})
-    for norm in ("input_layernorm", "pre_mlp_layernorm"):  # RMSNorm: a weight, no bias
-        out[p + norm + ".weight"] = ((h,), {})
-        if m.normalization == "LayerNorm":
-            out[p + norm + ".bias"] = ((h,), {})
-    head = h // m.num_attention_heads
-    # qk_layernorm: over the head dim, whole on every rank
-    for norm in ("q_layernorm", "k_layernorm") if m.qk_layernorm else ():
-        out[p + "self_attention." + norm + ".weight"] = ((head,), {})
-        if m.normalization == "LayerNorm":
-            out[p + "self_attention." + norm + ".bias"] = ((head,), {})
-    if m.softmax_type == "learnable":  # one offset logit per head, each TP rank its own heads'
-        out[p + "self_attention.core_attention.softmax_offset"] = ((m.num_attention_heads // tp,), col)
-    return out
-
-
-def _expected_moe(m, tp: int = 1, etp: int = 1) -> dict[str, tuple[tuple[int, ...], dict]]:
-    """Layer 0's MoE layer at GTP off, EP 1, as megatron-core's local spec builds it: the router [E, h]
-    whole on every rank, each routed expert's MLP (fc1 [gate; up] when gated) cut over the expert TP
-    group as the dense MLP is over TP, the shared experts' MLP of moe_shared_expert_intermediate_size
-    where set (cut over TP)."""
-    h, f, shared = m.hidden_size, m.ffn_hidden_size, m.moe_shared_expert_intermediate_size
-    p = "decoder.layers.0.mlp."
-    k = 2 if m.activation in ("swiglu", "geglu") else 1
-
-    strided = {"tp": "S(0)", **({"strides": {"tp": 2}} if k == 2 else {})}  # column-parallel, by halves
-    out = {p + "router.weight": ((m.num_experts, h), {})}
-    col, row = (strided, {"tp": "S(1)"}) if etp > 1 else ({}, {})
-    for e in range(m.num_experts):
-        out[f"{p}experts.local_experts.{e}.linear_fc1.weight"] = ((k * f // etp, h), col)
-        out[f"{p}experts.local_experts.{e}.linear_fc2.weight"] = ((h, f // etp), row)
-    col, row = (strided, {"tp": "S(1)"}) if tp > 1 else ({}, {})
-    if shared:
-        out[p + "shared_experts.linear_fc1.weight"] = ((k * shared // tp, h), col)
-        out[p + "shared_experts.linear_fc2.weight"] = ((h, shared // tp), row)
-    return out
-
-
-def _params(path: str, step: int = 0) -> dict[str, tuple[tuple[int, ...], dict]]:
-    """Rank 0's parameters at ``step`` in a trace: name -> (shard shape, placements, and the
-    layout's strides where it has any)."""
-    t = trace.read(path)
-    return {e.name: (tuple(e.local_shape), _placed(e.layout.to_json())) for e in t.entries
-            if e.kind == "param" and e.step == step and e.rank == 0}
-
-
-def _placed(doc: dict) -> dict:
-    return {**doc["placements"], **({"strides": doc["strides"]} if "strides" in doc else {})}
-
-
 BUILT = [s.name for s in MATRIX if not s.model.num_experts and (
     s.candidate.tp > 1 or s.model.normalization != "LayerNorm"
     or s.model.position_embedding_type != "learned_absolute" or s.model.num_query_groups
@@ -123,8 +52,8 @@ GATED_TP = [s.name for s in MATRIX if s.model.activation in ("swiglu", "geglu") 
 def test_megatron_core_built_what_the_switch_implies(arch_run, name):
     _, by_name, _ = arch_run
     s = BY_NAME[name]
-    got = _params(by_name[name]["traces"]["reference"])  # megatron-core, GTP off
-    want = _expected_linear(s.model, s.reference.tp, s.reference.etp)
+    got = params_at(by_name[name]["traces"]["reference"])  # megatron-core, GTP off
+    want = expected_linear(s.model, s.reference.tp, s.reference.etp)
     layer0 = {n: v for n, v in got.items() if n.startswith("decoder.layers.0.")}
     assert layer0 == want
     final = {n for n in got if n.startswith("decoder.final_layernorm.")}
@@ -146,7 +75,7 @@ def test_biases_are_replicated_over_the_gtp_group(arch_run, name):
     """Beside a GTP-sharded weight its bias stays whole over the GTP peers: megatron-core's
     attributes say no GTP placement, and the peers hold the same bias after every step."""
     _, by_name, out = arch_run
-    got = _params(by_name[name]["traces"]["candidate"])
+    got = params_at(by_name[name]["traces"]["candidate"])
     biases = {n: v for n, v in got.items() if n.endswith(".bias") and "layernorm" not in n}
     assert biases and all("gtp" not in placements for _, placements in biases.values())
     weights = {n: v for n, v in got.items() if n.endswith("linear_qkv.weight")}
@@ -170,7 +99,7 @@ def test_the_attention_parameters_are_whole_or_cut_by_heads_over_tp_and_whole_ov
     the replicas (TP for the norms, GTP for both) agree."""
     _, by_name, out = arch_run
     m = BY_NAME[name].model
-    got = _params(by_name[name]["traces"]["candidate"])
+    got = params_at(by_name[name]["traces"]["candidate"])
     attn = {n: v for n, v in got.items() if ".q_layernorm." in n or ".k_layernorm." in n
             or n.endswith(".softmax_offset")}
     head = m.hidden_size // m.num_attention_heads
@@ -198,7 +127,7 @@ def test_the_golden_matches_megatron_core_to_the_noise_floor(arch_run, name):
     tensors = df[df["kind"] != "scalar"]
     assert tensors["passed"].astype(bool).all()
     names = set(tensors[tensors["kind"] == "main_grad"]["tensor"])
-    assert set(_expected_linear(BY_NAME[name].model, 1)) <= names
+    assert set(expected_linear(BY_NAME[name].model, 1)) <= names
     # Copies, not computations: the same canonical weights and token ids on both sides.
     copies = tensors[(tensors["step"] == 0) | (tensors["kind"] == "input")]
     assert len(copies) and copies["bitwise_equal"].astype(bool).all()
@@ -263,7 +192,7 @@ def test_megatron_core_built_the_padded_vocabulary(arch_run, name):
     roles = [r for r in ("reference", "candidate") if s.sides[r].backend == "megatron"]
     for role in roles:
         side = s.sides[role]
-        got = _params(by_name[name]["traces"][role])
+        got = params_at(by_name[name]["traces"][role])
         t = trace.read(by_name[name]["traces"][role])
         for table in ("embedding.word_embeddings.weight", "output_layer.weight"):
             assert got[table][0] == (PADDED_ROWS[(side.tp, side.gtp)], 64), (role, table)
@@ -291,19 +220,6 @@ MOE_TP = [s.name for s in MATRIX if s.model.num_experts and s.candidate.tp > 1]
 GROUPED = [s.name for s in MATRIX + GOLDEN if s.model.moe_router_group_topk]
 
 
-def _expert_cut(rows: int, cols: int, etp_dim: int, etp: int, eg: int) -> tuple:
-    """A weight of [rows, cols] cut by (expert) TP on ``etp_dim``, then its TP-local block padded on dim 0
-    to a multiple of 16 x EG (the default alignment) and cut EG ways: (rank 0's shard shape, logical
-    shape, placements, pads)."""
-    local, placements, pads = [rows, cols], {"tp": f"S({etp_dim})"} if etp > 1 else {}, {}
-    local[etp_dim] //= etp
-    if eg > 1:
-        unit = 16 * eg
-        padded = -(-local[0] // unit) * unit
-        placements["gtp"], pads["gtp"], local[0] = "S(0)", padded - local[0], padded // eg
-    return tuple(local), [rows, cols], placements, pads
-
-
 @pytest.mark.parametrize("name", MOE)
 def test_the_moe_layer_megatron_core_built_under_ep_and_expert_gtp(arch_run, name):
     """Rank 0 of the candidate (dense GTP 2, expert GTP 2): the router whole; the routed experts of its
@@ -321,11 +237,11 @@ def test_the_moe_layer_megatron_core_built_under_ep_and_expert_gtp(arch_run, nam
            for e in t.entries if e.kind == "param" and e.step == 0 and e.rank == 0 and e.name.startswith(p)}
     want = {p + "router.weight": ((m.num_experts, h), [m.num_experts, h], {}, {}, None)}
     for e in range(m.num_experts // s.candidate.ep):
-        want[f"{p}experts.local_experts.{e}.linear_fc1.weight"] = (*_expert_cut(k * f, h, 0, 1, 2), {"ep": 0})
-        want[f"{p}experts.local_experts.{e}.linear_fc2.weight"] = (*_expert_cut(h, f, 1, 1, 2), {"ep": 0})
+        want[f"{p}experts.local_experts.{e}.linear_fc1.weight"] = (*expert_cut(k * f, h, 0, 1, 2), {"ep": 0})
+        want[f"{p}experts.local_experts.{e}.linear_fc2.weight"] = (*expert_cut(h, f, 1, 1, 2), {"ep": 0})
     if shared := m.moe_shared_expert_intermediate_size:
-        want[p + "shared_experts.linear_fc1.weight"] = (*_expert_cut(k * shared, h, 0, 1, 2), None)
-        want[p + "shared_experts.linear_fc2.weight"] = (*_expert_cut(h, shared, 1, 1, 2), None)
+        want[p + "shared_experts.linear_fc1.weight"] = (*expert_cut(k * shared, h, 0, 1, 2), None)
+        want[p + "shared_experts.linear_fc2.weight"] = (*expert_cut(h, shared, 1, 1, 2), None)
     assert got == want
 
 
@@ -350,8 +266,8 @@ def test_the_moe_layer_megatron_core_built_at_tp_2(arch_run, name):
     for e in range(m.num_experts):
         stride = {"tp": 2} if etp > 1 and k == 2 else None
         q = f"{p}experts.local_experts.{e}."
-        want[q + "linear_fc1.weight"] = (*_expert_cut(k * f, h, 0, etp, eg), on_grid, stride)
-        want[q + "linear_fc2.weight"] = (*_expert_cut(h, f, 1, etp, eg), on_grid, None)
+        want[q + "linear_fc1.weight"] = (*expert_cut(k * f, h, 0, etp, eg), on_grid, stride)
+        want[q + "linear_fc2.weight"] = (*expert_cut(h, f, 1, etp, eg), on_grid, None)
     assert got == want
     df = results(out, name)
     mlp = df[df["tensor"].str.contains(r"\.mlp\.(?:router|experts)\.") & (df["step"] == 0)]
@@ -399,17 +315,6 @@ def test_megatron_core_routes_every_token_as_the_golden_model(arch_run, name):
     assert len(routing) and (routing["ref_err_golden"] == 0).all()
 
 
-def _aux_loss(m, logits: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-    """megatron-core's load-balancing loss of one micro-batch, written out (in fp64) from its own recorded
-    logits [t, E] over the tokens ``kept`` [t] (moe_utils.compute_routing_scores_for_aux_loss and
-    switch_load_balancing_loss_func: the softmax scores and their plain top-k, both zeroed off ``kept``,
-    T the kept tokens)."""
-    scores = torch.softmax(logits.double(), dim=-1)
-    chosen = torch.zeros_like(scores).scatter(1, scores.topk(m.moe_topk, dim=1)[1], 1.0)
-    scores, chosen, t = scores[kept], chosen[kept], kept.sum().double()
-    return (scores.sum(0) * chosen.sum(0)).sum() * m.num_experts * m.moe_aux_loss_coeff / (m.moe_topk * t * t)
-
-
 def test_the_router_padding_mask_reached_megatron_core(arch_run):
     """megatron-core's recorded load-balancing loss of each micro-batch (one sample) is the written-out
     formula over the tokens the loss mask keeps with moe_router_padding_mask, over all tokens without it;
@@ -431,7 +336,7 @@ def test_the_router_padding_mask_reached_megatron_core(arch_run):
         for e in aux:
             mask = data_mod.loss_mask(s.data, list(e.sample_ids), m.seq_length).reshape(-1).bool()
             lg = logits[(e.name.split(".mlp.")[0], e.sample_ids)].reshape(-1, m.num_experts)
-            kept, every = _aux_loss(m, lg, mask), _aux_loss(m, lg, torch.ones_like(mask))
+            kept, every = aux_loss(m, lg, mask), aux_loss(m, lg, torch.ones_like(mask))
             got = t.tensor(e).double().reshape(-1)[0]
             bound = (m.seq_length + 2 * m.num_experts + 8) * eps * got.abs()
             assert (got - (kept if padding else every)).abs() <= bound, (name, e.name, e.sample_ids)
