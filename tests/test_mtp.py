@@ -50,8 +50,9 @@ def test_mtp_parameters_are_megatron_cores_names_and_sizes():
 MTP_CASES = [
     ("mtp-vpp", 'mtp_num_layers = 1', "reference", "pipeline_parallel = 2\nvirtual_pipeline = 2",
      "[reference].virtual_pipeline", "not covered yet"),
-    ("mtp-per-token", 'mtp_num_layers = 1', "train", 'per_token_loss = "both"', "[reference].per_token_loss",
-     "mean loss"),
+    ("mtp-variable-mask-micro-batches", 'mtp_num_layers = 1', "data",
+     'loss_mask = "variable"\nmicro_batch_size = 2',
+     "[data].micro_batch_size", "micro_batch_size = 1"),
     ("mtp-torch-side", 'mtp_num_layers = 1', "candidate", 'backend = "torch"', "[candidate].backend",
      "golden only"),
     ("mtp-mlm-side", 'mtp_num_layers = 1', "candidate", 'backend = "mlm"', "[candidate].backend",
@@ -281,3 +282,49 @@ def test_the_mtp_stage_names_its_first_embedding_call_depth_0():
         for _ in expected:
             state.embedding_hook(None, (), torch.zeros(1))
         assert cap.names == expected
+
+
+def test_the_golden_weighs_each_depth_as_process_mtp_loss_does_under_a_per_token_loss():
+    """megatron-core's own process_mtp_loss, one micro-batch of one sample at a time, its gradient
+    (MTPLossAutoScaler at the per-token loss's scale 1) divided by the global token count as
+    finalize divides it, against the golden's objective in fp64: equal; the mean loss's global
+    token mean is another objective under a variable mask."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, process_mtp_loss
+
+    torch.manual_seed(0)
+    D, s, h, V = 2, 16, 8, 11
+    cfg = SimpleNamespace(mtp_num_layers=D, mtp_detach_heads=False, mtp_loss_scaling_factor=0.1,
+                          calculate_per_token_loss=True)
+    lengths = [16, 5, 9, 12]
+    mask = torch.stack([(torch.arange(s) < n).double() for n in lengths])  # [b, s]
+    labels = torch.randint(0, V, (len(lengths), s))
+    hidden = torch.randn((1 + D) * s, len(lengths), h, dtype=torch.float64)  # [(1 + D) s, b, h]
+    w = torch.randn(V, h, dtype=torch.float64, requires_grad=True)
+
+    def output_layer(x, weight=None, runtime_gather_output=None):
+        return x @ w.t(), None
+
+    def lm_loss(lab, logits):  # [b, s] per-token cross entropy of logits [s, b, V]
+        return F.cross_entropy(logits.transpose(0, 1).reshape(-1, V), lab.reshape(-1),
+                               reduction="none").view(lab.shape)
+
+    MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0, dtype=torch.float64))
+    for i in range(len(lengths)):
+        out = process_mtp_loss(hidden[:, i:i + 1], labels[i:i + 1], mask[i:i + 1], output_layer, None, None,
+                               False, lm_loss, cfg)
+        (out.sum() * 0).backward()
+    theirs = w.grad / mask.sum()
+    ours = {}
+    for variable in (True, False):
+        w.grad = None
+        total = sum(depths.depth_objective(lm_loss(depths.shifted(labels, d), output_layer(chunk)[0]),
+                                           depths.shifted(mask, d), mask, variable)
+                    for d, chunk in enumerate(hidden.chunk(1 + D)[1:]))
+        (total * cfg.mtp_loss_scaling_factor / D).backward()
+        ours[variable] = w.grad.clone()
+    # fp64, the same (1 + D) s b products summed in another order: far within 1e-12 (4500 eps)
+    assert torch.allclose(ours[True], theirs, rtol=1e-12, atol=0)
+    assert not torch.allclose(ours[False], theirs, rtol=1e-3, atol=0)

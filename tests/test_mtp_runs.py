@@ -22,7 +22,7 @@ from tests.helpers import ASSETS, ROOT, results, summary
 
 FEATURES = [s for s in scenario.load(ROOT / "scenarios" / "features.toml") if s.model.mtp_num_layers]
 FAULTS = scenario.load(ASSETS / "mtp_faults.toml")
-CLEAN = ("mtp1-backport", "mtp2-repeated-backport", "mtp1-moe-backport")
+CLEAN = ("mtp1-backport", "mtp2-repeated-backport", "mtp1-moe-backport", "mtp1-per-token-backport")
 RAISING = [s for s in FEATURES if s.expect is not None and s.expect.raises]
 
 pytestmark = pytest.mark.multirank

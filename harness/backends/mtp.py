@@ -110,3 +110,18 @@ def shifted(t: torch.Tensor, depth: int) -> torch.Tensor:
 def per_sample(losses: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Token mean of per-token ``losses`` [b, s] over ``mask`` [b, s], per sample."""
     return (losses * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+
+
+def depth_objective(losses: torch.Tensor, kept: torch.Tensor, mask: torch.Tensor,
+                    variable: bool) -> torch.Tensor:
+    """One depth's term of megatron-core's MTP objective (before ``mtp_loss_scaling_factor / D``),
+    over a global batch of micro-batches of one sample: per-token ``losses`` [b, s], the depth's
+    rolled mask ``kept`` and the unrolled ``mask``. The mean loss (``variable`` False: every
+    micro-batch counts the same tokens) averages the micro-batches' token means, which is the
+    global token mean. Under a per-token loss (the only one a variable mask runs with)
+    ``process_mtp_loss`` scales each micro-batch's token sum by ``original_num_tokens /
+    num_tokens`` and finalize divides by the global token count: each sample's token mean
+    weighted by its share of the unrolled tokens."""
+    if not variable:
+        return (losses * kept).sum() / kept.sum().clamp(min=1)
+    return (per_sample(losses, kept) * mask.sum(-1)).sum() / mask.sum()
