@@ -180,3 +180,14 @@ def test_mtp_under_pipelining_keeps_the_word_embeddings_copies_and_not_the_posit
     word = [e for e in t.entries if e.kind == "param" and e.name == "embedding.word_embeddings.weight"]
     assert {stage[e.rank] for e in word} == {0, 1} and all(e.layout.replica_stages == (0, 1) for e in word)
     assert {stage[e.rank] for e in t.entries if e.kind == names.LOSS_KIND} == {1}
+
+
+def test_unreduced_copies_of_the_word_embedding_drift_on_the_pipeline_axis(mtp_run):
+    """The planted fault skips the word embedding's all-reduce between the stages: its two copies,
+    bitwise equal in mtp1-pp2, now differ at step 1 (a replica violation on ``pp``)."""
+    _, by_name, _ = mtp_run
+    planted = by_name["mtp1-stage-embedding-grads-not-reduced"]["invariants"]["replica"]
+    drift = {(v["axis"], v["tensor"]) for v in planted if v["kind"] == "main_grad" and v["step"] == 1}
+    assert ("pp", "embedding.word_embeddings.weight") in drift
+    assert ("pp", "embedding.word_embeddings.weight") not in {
+        (v["axis"], v["tensor"]) for v in by_name["mtp1-pp2"]["invariants"]["replica"]}
