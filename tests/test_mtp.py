@@ -48,10 +48,11 @@ def test_mtp_parameters_are_megatron_cores_names_and_sizes():
 
 
 MTP_CASES = [
-    ("mtp-pp2", 'mtp_num_layers = 1', "train", "pipeline_parallel = 2", "[reference].pipeline_parallel",
-     "pipeline_parallel = 1"),
-    ("mtp-per-token", 'mtp_num_layers = 1', "train", 'per_token_loss = "both"', "[reference].per_token_loss",
-     "mean loss"),
+    ("mtp-vpp", 'mtp_num_layers = 1', "reference", "pipeline_parallel = 2\nvirtual_pipeline = 2",
+     "[reference].virtual_pipeline", "not covered yet"),
+    ("mtp-variable-mask-micro-batches", 'mtp_num_layers = 1', "data",
+     'loss_mask = "variable"\nmicro_batch_size = 2',
+     "[data].micro_batch_size", "micro_batch_size = 1"),
     ("mtp-torch-side", 'mtp_num_layers = 1', "candidate", 'backend = "torch"', "[candidate].backend",
      "golden only"),
     ("mtp-mlm-side", 'mtp_num_layers = 1', "candidate", 'backend = "mlm"', "[candidate].backend",
@@ -208,3 +209,122 @@ def test_the_cpu_placeholder_wgrad_is_tes_one_reused_buffer():
     finally:
         torch.use_deterministic_algorithms(deterministic)
         compat._DUMMY_WGRADS.clear()
+
+
+def test_mtp_under_pipelining_holds_the_embeddings_on_the_last_stage_too():
+    from types import SimpleNamespace
+
+    from harness.backends.megatron.pipeline import owned, replica_stages, with_replica_stages
+    from harness.common.layout import replicated
+
+    names_ = ["embedding.word_embeddings.weight", "embedding.position_embeddings.weight",
+              "decoder.layers.0.x", "decoder.layers.1.x", "mtp.layers.0.eh_proj.weight",
+              "output_layer.weight"]
+    assert owned(names_, 2, 2, 1) == set(names_[3:])
+    assert owned(names_, 2, 2, 1, mtp=True) == owned(names_, 2, 2, 1) | set(names_[:2])
+    assert owned(names_, 2, 2, 0, mtp=True) == set(names_[:3])
+    job = lambda d, p: SimpleNamespace(model=SimpleNamespace(mtp_num_layers=d),  # noqa: E731
+                                       side=SimpleNamespace(pipeline_parallel=p))
+    assert replica_stages(job(1, 3)) == (0, 2)
+    assert replica_stages(job(1, 1)) == () == replica_stages(job(0, 2))
+    layouts = {n: replicated((2, 3)) for n in names_}
+    marked = with_replica_stages(layouts, job(1, 2))
+    assert {n for n, lay in marked.items() if lay.replica_stages == (0, 1)} == set(names_[:2])
+    assert marked[names_[0]].to_json()["replica_stages"] == [0, 1]
+    assert "replica_stages" not in layouts[names_[0]].to_json()
+    assert with_replica_stages(layouts, job(0, 2)) is layouts
+
+
+def _two_stage_trace(path, drift: float):
+    """Stage 0 (rank 0) and stage 1 (rank 1) each record a copy of one weight, declared replicas."""
+    from harness.capture.api import Capture
+    from harness.common.layout import replicated
+
+    def layout(name, p):
+        return dataclasses.replace(replicated(tuple(p.shape)), replica_stages=(0, 1))
+
+    coords = {r: {"tp": 0, "gtp": 0, "dp": 0, "pp": r} for r in (0, 1)}
+    for rank in (0, 1):
+        cap = Capture(path, rank=rank, world_size=2, coord=coords[rank], mesh={"pp": 2})
+        cap.begin_step(1)
+        w = torch.nn.Parameter(torch.arange(6.0).view(2, 3) + rank * drift)
+        cap.params("param", [("embedding.word_embeddings.weight", w)], layout)
+        cap.end_step()
+        cap.close()
+    Capture.finalize(path, world_size=2, coords=coords, mesh={"pp": 2})
+
+
+@pytest.mark.parametrize("drift", [0.0, 0.5])
+def test_a_copy_on_another_stage_assembles_from_the_first_and_drift_is_a_replica_violation(tmp_path, drift):
+    from harness.capture import trace
+    from harness.compare.assemble import assemble_trace
+
+    _two_stage_trace(tmp_path / "t", drift)
+    logical = assemble_trace(trace.read(tmp_path / "t"))
+    first = logical.tensors[(1, "param", "embedding.word_embeddings.weight")]
+    assert torch.equal(first, torch.arange(6.0).view(2, 3))
+    got = [(v["axis"], v["ranks"], v["max_abs"]) for v in logical.replica_violations]
+    assert got == ([("pp", [0, 1], drift)] if drift else [])
+
+
+def test_the_mtp_stage_names_its_first_embedding_call_depth_0():
+    class Cap:
+        def __init__(self):
+            self.names = []
+
+        def output(self, kind, name, output, sp=False):
+            self.names.append(name)
+
+    depth_calls = ["mtp.layers.0.embedding", "mtp.layers.1.embedding"]
+    for decoder_embeds, expected in ((True, ["embedding", *depth_calls]), (False, depth_calls)):
+        cap = Cap()
+        state = depths.DepthCapture(cap, 2, decoder_embeds=decoder_embeds)
+        for _ in expected:
+            state.embedding_hook(None, (), torch.zeros(1))
+        assert cap.names == expected
+
+
+def test_the_golden_weighs_each_depth_as_process_mtp_loss_does_under_a_per_token_loss():
+    """megatron-core's own process_mtp_loss, one micro-batch of one sample at a time, its gradient
+    (MTPLossAutoScaler at the per-token loss's scale 1) divided by the global token count as
+    finalize divides it, against the golden's objective in fp64: equal; the mean loss's global
+    token mean is another objective under a variable mask."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, process_mtp_loss
+
+    torch.manual_seed(0)
+    D, s, h, V = 2, 16, 8, 11
+    cfg = SimpleNamespace(mtp_num_layers=D, mtp_detach_heads=False, mtp_loss_scaling_factor=0.1,
+                          calculate_per_token_loss=True)
+    lengths = [16, 5, 9, 12]
+    mask = torch.stack([(torch.arange(s) < n).double() for n in lengths])  # [b, s]
+    labels = torch.randint(0, V, (len(lengths), s))
+    hidden = torch.randn((1 + D) * s, len(lengths), h, dtype=torch.float64)  # [(1 + D) s, b, h]
+    w = torch.randn(V, h, dtype=torch.float64, requires_grad=True)
+
+    def output_layer(x, weight=None, runtime_gather_output=None):
+        return x @ w.t(), None
+
+    def lm_loss(lab, logits):  # [b, s] per-token cross entropy of logits [s, b, V]
+        return F.cross_entropy(logits.transpose(0, 1).reshape(-1, V), lab.reshape(-1),
+                               reduction="none").view(lab.shape)
+
+    MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0, dtype=torch.float64))
+    for i in range(len(lengths)):
+        out = process_mtp_loss(hidden[:, i:i + 1], labels[i:i + 1], mask[i:i + 1], output_layer, None, None,
+                               False, lm_loss, cfg)
+        (out.sum() * 0).backward()
+    theirs = w.grad / mask.sum()
+    ours = {}
+    for variable in (True, False):
+        w.grad = None
+        total = sum(depths.depth_objective(lm_loss(depths.shifted(labels, d), output_layer(chunk)[0]),
+                                           depths.shifted(mask, d), mask, variable)
+                    for d, chunk in enumerate(hidden.chunk(1 + D)[1:]))
+        (total * cfg.mtp_loss_scaling_factor / D).backward()
+        ours[variable] = w.grad.clone()
+    # fp64, the same (1 + D) s b products summed in another order: far within 1e-12 (4500 eps)
+    assert torch.allclose(ours[True], theirs, rtol=1e-12, atol=0)
+    assert not torch.allclose(ours[False], theirs, rtol=1e-3, atol=0)

@@ -22,7 +22,8 @@ from tests.helpers import ASSETS, ROOT, results, summary
 
 FEATURES = [s for s in scenario.load(ROOT / "scenarios" / "features.toml") if s.model.mtp_num_layers]
 FAULTS = scenario.load(ASSETS / "mtp_faults.toml")
-CLEAN = ("mtp1-backport", "mtp2-repeated-backport", "mtp1-moe-backport")
+CLEAN = ("mtp1-backport", "mtp2-repeated-backport", "mtp1-moe-backport", "mtp1-per-token-backport")
+RAISING = [s for s in FEATURES if s.expect is not None and s.expect.raises]
 
 pytestmark = pytest.mark.multirank
 
@@ -38,17 +39,18 @@ def mtp_run(tmp_path_factory):
 def test_the_features_matrix_holds_mtp_layouts_and_its_wheel_failure_is_known(mtp_run):
     code, by_name, _ = mtp_run
     assert {s.name for s in FEATURES} == {"mtp1", "mtp2", "mtp2-repeated", "mtp1-moe", "mtp1-tp2-sp",
-                                          "mtp1-tp2-gtp2"}
+                                          "mtp1-tp2-gtp2", "mtp1-pp2", "mtp1-pp2-gtp2"}
     assert code == 1  # the two planted faults fail; every features scenario passes the gate
     got = by_name["mtp1-tp2-sp"]  # GTP off: TP 2 with sequence parallelism holds parity with TP 1
     assert got["verdict"] == "pass", got.get("first_divergence")
-    for s in FEATURES:
-        if s.expect is None:
-            continue
+    for s in RAISING:
         got = by_name[s.name]
         assert got["verdict"] == "known-divergence", (s.name, got.get("expectation"), got.get("error"))
         assert set(got["error"]) == {"candidate"} and "KeyError: None" in got["error"]["candidate"]
-        assert "wgrad_reduce_scatter" in got["expect"]["reason"] and got["expect"]["fixed_in"] == "d262dbed3d"
+        # at PP 1 the embedding's finalize of its chain successor; at PP 2 a backward prefetch never issued
+        pp = s.sides["candidate"].pipeline_parallel > 1
+        assert ("_get_prefetched_weight" if pp else "wgrad_reduce_scatter") in got["expect"]["reason"]
+        assert got["expect"]["fixed_in"] == ("79e6b6a7f5" if pp else "d262dbed3d")
 
 
 def _losses(path: str) -> dict[tuple[int, str, int], float]:
@@ -66,7 +68,7 @@ def test_a_known_failure_to_run_reads_as_such_in_junit_and_the_report(mtp_run, t
     _, _, out = mtp_run
     cases = {c.get("name"): c
              for c in ET.parse(report.write_junit(out, tmp_path / "j.xml")).getroot().iter("testcase")}
-    for s in (s for s in FEATURES if s.expect is not None):
+    for s in RAISING:
         skipped = cases[s.name].find("skipped")
         assert skipped is not None and skipped.get("type") == "known-divergence"
         assert "raised as known" in skipped.get("message") and "KeyError: None" in skipped.get("message")
@@ -148,3 +150,44 @@ def test_unshifted_labels_change_the_depth_loss_only(mtp_run):
     loss = step1[step1["kind"] == names.LOSS_KIND]
     assert not loss["passed"].any()
     assert summary(out, "mtp1-labels-not-shifted")["first_divergence"]["tensor"] == names.loss_name(0)
+
+
+@pytest.mark.parametrize("name", ["mtp1-pp2", "mtp1-pp2-gtp2-backport"])
+def test_mtp_under_pipelining_keeps_the_word_embeddings_copies_and_not_the_position_embeddings(mtp_run, name):
+    """PP 2 (MTP block and a copy of the embeddings on the last stage) against PP 1, GTP off and GTP 2
+    with the backport: the forward of step 1 is bitwise PP 1's, every depth recorded on the last
+    stage; the word embedding's two copies agree bitwise (megatron-core all-reduces their grads);
+    the position embeddings' copies do not (megatron-core reduces nothing between them), the
+    known divergence: at step 1 the only main_grad off PP 1's is theirs."""
+    _, by_name, out = mtp_run
+    got = by_name[name]
+    fd = got["first_divergence"]
+    assert got["verdict"] == "known-divergence", got.get("expectation")
+    assert (fd["step"], fd["kind"], fd["tensor"], fd["signature"]) == (
+        1, "main_grad", "embedding.position_embeddings.weight", "replica-drift")
+    replica = got["invariants"]["replica"]
+    assert {(v["axis"], v["tensor"]) for v in replica} == {("pp", "embedding.position_embeddings.weight")}
+    step1 = results(out, name).query("step == 1")
+    fwd = step1[step1["kind"].isin(["activation", "logits", "loss", names.LOSS_KIND])]
+    assert set(fwd[fwd["kind"] == names.LOSS_KIND]["tensor"]) == {names.loss_name(0)}
+    assert names.logits_name(0) in set(fwd["tensor"]) and fwd["bitwise_equal"].all()
+    grads = step1[step1["kind"] == "main_grad"]
+    assert set(grads[~grads["passed"].astype(bool)]["tensor"]) == {"embedding.position_embeddings.weight"}
+    # The candidate's trace: both stages recorded each embedding, declared replicas of stage 0's;
+    # the depths' losses come from the last stage only.
+    t = trace.read(got["traces"]["candidate"])
+    stage = {r: c["pp"] for r, c in t.coords().items()}
+    word = [e for e in t.entries if e.kind == "param" and e.name == "embedding.word_embeddings.weight"]
+    assert {stage[e.rank] for e in word} == {0, 1} and all(e.layout.replica_stages == (0, 1) for e in word)
+    assert {stage[e.rank] for e in t.entries if e.kind == names.LOSS_KIND} == {1}
+
+
+def test_unreduced_copies_of_the_word_embedding_drift_on_the_pipeline_axis(mtp_run):
+    """The planted fault skips the word embedding's all-reduce between the stages: its two copies,
+    bitwise equal in mtp1-pp2, now differ at step 1 (a replica violation on ``pp``)."""
+    _, by_name, _ = mtp_run
+    planted = by_name["mtp1-stage-embedding-grads-not-reduced"]["invariants"]["replica"]
+    drift = {(v["axis"], v["tensor"]) for v in planted if v["kind"] == "main_grad" and v["step"] == 1}
+    assert ("pp", "embedding.word_embeddings.weight") in drift
+    assert ("pp", "embedding.word_embeddings.weight") not in {
+        (v["axis"], v["tensor"]) for v in by_name["mtp1-pp2"]["invariants"]["replica"]}

@@ -28,10 +28,14 @@ def in_backward() -> bool:
 class DepthCapture:
     """The depth counters of one model's forward and the hooks that read them."""
 
-    def __init__(self, cap: Capture, depths: int, sequence_parallel: bool = False):
+    def __init__(self, cap: Capture, depths: int, sequence_parallel: bool = False,
+                 decoder_embeds: bool = True):
         # Under sequence parallelism the embedding's and the MTP layers' outputs are cut over TP by
         # sequence, as the decoder's are (the output layer gathers the sequence first).
         self.cap, self.depths, self.sp = cap, depths, sequence_parallel
+        # On the MTP stage of a pipeline the embedding (a copy of the first stage's) embeds only
+        # the depths' shifted inputs: its first call is depth 0's.
+        self.first_depth_call = 1 if decoder_embeds else 0
         self.depth = self.output_calls = self.embedding_calls = self.loss_calls = 0
 
     def start(self, *unused) -> None:
@@ -46,8 +50,8 @@ class DepthCapture:
         return hook
 
     def embedding_hook(self, module, args, output) -> None:
-        calls = self.embedding_calls  # the decoder's input, then each depth's shifted input
-        self.cap.output("activation", "embedding" if not calls else names.depth_name(calls - 1, "embedding"),
+        depth = self.embedding_calls - self.first_depth_call  # the decoder's input, then each depth's
+        self.cap.output("activation", "embedding" if depth < 0 else names.depth_name(depth, "embedding"),
                         output, self.sp)
         if not in_backward():
             self.embedding_calls += 1
@@ -73,14 +77,15 @@ class DepthCapture:
                    sample_ids=cap.sample_ids)
 
 
-def attach(cap: Capture, model, depths: int, modules: dict,
-           sequence_parallel: bool = False) -> DepthCapture | None:
+def attach(cap: Capture, model, depths: int, modules: dict, sequence_parallel: bool = False,
+           decoder_embeds: bool = True) -> DepthCapture | None:
     """Hook ``model``'s MTP block, embedding and output layer (``model.mtp.layers``, as
     megatron-core names them); ``modules``, the plain captured modules, loses its ``embedding``
-    and ``output_layer`` entries, which this names per call. None without MTP."""
+    and ``output_layer`` entries, which this names per call. ``decoder_embeds``: the model's
+    embedding also embeds the decoder's input (not on the MTP stage of a pipeline). None without MTP."""
     if not depths:
         return None
-    state = DepthCapture(cap, depths, sequence_parallel)
+    state = DepthCapture(cap, depths, sequence_parallel, decoder_embeds)
     modules.pop("output_layer", None)
     modules.pop("embedding", None)
     # The hooks live as long as the model (one side's).
@@ -105,3 +110,18 @@ def shifted(t: torch.Tensor, depth: int) -> torch.Tensor:
 def per_sample(losses: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Token mean of per-token ``losses`` [b, s] over ``mask`` [b, s], per sample."""
     return (losses * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+
+
+def depth_objective(losses: torch.Tensor, kept: torch.Tensor, mask: torch.Tensor,
+                    variable: bool) -> torch.Tensor:
+    """One depth's term of megatron-core's MTP objective (before ``mtp_loss_scaling_factor / D``),
+    over a global batch of micro-batches of one sample: per-token ``losses`` [b, s], the depth's
+    rolled mask ``kept`` and the unrolled ``mask``. The mean loss (``variable`` False: every
+    micro-batch counts the same tokens) averages the micro-batches' token means, which is the
+    global token mean. Under a per-token loss (the only one a variable mask runs with)
+    ``process_mtp_loss`` scales each micro-batch's token sum by ``original_num_tokens /
+    num_tokens`` and finalize divides by the global token count: each sample's token mean
+    weighted by its share of the unrolled tokens."""
+    if not variable:
+        return (losses * kept).sum() / kept.sum().clamp(min=1)
+    return (per_sample(losses, kept) * mask.sum(-1)).sum() / mask.sum()

@@ -52,6 +52,10 @@ class Layout:
     layer's): logical rows, cut, held, trained and compared as the others (megatron-core's softmax
     counts the output layer's), never a token's; the vocabulary's own are the first
     ``logical_shape[0] - vocab_padding``. GTP's ``pads`` come after them, in the TP-local block."""
+    replica_stages: tuple[int, ...] = ()
+    """Pipeline stages that each hold a whole copy of the tensor (empty: one stage, the ranks that
+    recorded it). MTP's copy of the word embedding on the last stage: the first stage's copy is
+    the logical tensor, the others are its replicas (checked bitwise, axis ``pp``)."""
 
     def placement(self, axis: str) -> Placement:
         return self.placements.get(axis, Replicate())
@@ -65,6 +69,7 @@ class Layout:
             **({"grid": self.grid, "fixed": dict(self.fixed)} if self.grid != "dense" else {}),
             **({"strides": dict(self.strides)} if self.strides else {}),
             **({"vocab_padding": self.vocab_padding} if self.vocab_padding else {}),
+            **({"replica_stages": list(self.replica_stages)} if self.replica_stages else {}),
         }
 
     @staticmethod
@@ -78,6 +83,7 @@ class Layout:
             fixed=dict(doc.get("fixed", {})),
             strides=dict(doc.get("strides", {})),
             vocab_padding=int(doc.get("vocab_padding", 0)),
+            replica_stages=tuple(int(x) for x in doc.get("replica_stages", ())),
         )
 
     def local_shape(self) -> tuple[int, ...]:

@@ -222,20 +222,21 @@ def _owners(entries, coords, rank_of) -> tuple[dict, dict]:
         coords = {r: on_grid(c, layout.grid) for r, c in coords.items() if holds(layout, c)}
         return coords, {(c["tp"], c["gtp"], c["dp"]): r for r, c in coords.items()}
     recorded = {e.rank for e in entries}
-    return coords, {k[:3]: r for k, r in rank_of.items() if r in recorded}
+    first = layout.replica_stages[:1]  # a copy per stage: the first stage's is the tensor
+    return coords, {k[:3]: r for k, r in rank_of.items() if r in recorded and (not first or k[3] == first[0])}
 
 
 def _check_replicas(trace, key, by_rank, layout, coords, out: Logical) -> None:
-    """Ranks that differ only on a Replicate axis must hold identical bytes."""
-    for axis in MESH_AXES:
-        if layout.mesh.get(axis, 1) <= 1 or not isinstance(layout.placement(axis), Replicate):
-            continue
+    """Ranks that differ only on a Replicate axis must hold identical bytes; so must the copies of
+    a tensor held by several pipeline stages (``replica_stages``: axis ``pp``)."""
+    axes = [a for a in MESH_AXES if layout.mesh.get(a, 1) > 1 and isinstance(layout.placement(a), Replicate)]
+    for axis in axes + (["pp"] if layout.replica_stages else []):
         groups = defaultdict(list)
         for rank, e in by_rank.items():
             c = coords[rank]
-            groups[tuple(c.get(a, 0) for a in MESH_AXES if a != axis)].append(rank)
+            groups[tuple(c.get(a, 0) for a in (*MESH_AXES, "pp") if a != axis)].append(rank)
         for ranks in groups.values():
-            ranks = sorted(ranks)
+            ranks = sorted(ranks)  # the first stage's first: pp is the outermost axis of ranks
             first = trace.tensor(by_rank[ranks[0]])
             for r in ranks[1:]:
                 other = trace.tensor(by_rank[r])

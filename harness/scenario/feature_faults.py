@@ -184,6 +184,15 @@ MTP_FAULTS: dict[str, Fault] = {
             {"step": 1, "phase": "loss", "kind": "mtp_loss", "tensor": "mtp.layers.0.loss",
              "signature": "labels-misaligned"},
         ),
+        Fault(
+            "mtp-stage-embedding-grads-not-reduced", "missing reduction of a partial gradient",
+            "under pipelining finalize_model_grads skips the all-reduce of the word embedding's grads "
+            "between the first stage and the MTP stage (_allreduce_word_embedding_grads): each copy keeps "
+            "its own uses' gradient",
+            # The MTP stage's position embeddings drift as well (FINDINGS V): either is first.
+            {"step": 1, "phase": "backward", "kind": "main_grad", "tensor": "embedding.*_embeddings.weight",
+             "signature": "replica-drift"},
+        ),
     ]
 }
 
@@ -193,6 +202,8 @@ def _mtp_reach(name: str, side) -> str | None:
         return f"{name!r} is planted on the megatron backend only"
     if name in ("backport-gtp-mtp", "mtp-output-wgrad-dropped") and side.gtp == 1:
         return f"{name!r} never fires on a side without GTP (gtp = 1)"
+    if name == "mtp-stage-embedding-grads-not-reduced" and side.pipeline_parallel == 1:
+        return f"{name!r} never fires without pipelining (pipeline_parallel = 1: one embedding)"
     if name == "backport-gtp-mtp" and side.megatron_core != "installed":
         return (f"{name!r} is planted on the installed 0.19.2 wheel only (Megatron-LM holds the fixes since "
                 f"d262dbed3d)")

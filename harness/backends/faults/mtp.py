@@ -125,7 +125,16 @@ def _labels_not_shifted(ctx) -> None:
     patch(gpt_model, "process_mtp_loss", process_mtp_loss)
 
 
+def _embedding_grads_not_reduced(ctx) -> None:
+    import importlib
+
+    # The package exports the function finalize_model_grads under the module's name: the module itself.
+    module = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    patch(module, "_allreduce_word_embedding_grads", lambda *args, **kwargs: None)
+
+
 MTP_INSTALLERS = {
+    "mtp-stage-embedding-grads-not-reduced": _embedding_grads_not_reduced,
     "backport-gtp-mtp": _backport,
     "mtp-output-wgrad-dropped": _output_wgrad_dropped,
     "mtp-labels-not-shifted": _labels_not_shifted,

@@ -51,7 +51,10 @@ def reset_tracker() -> None:
 def attach(model, cap: Capture, job, modules: dict, loss_mask: Callable[[], torch.Tensor]) -> None:
     """Record the MTP block's activations, logits and per-depth losses of ``model`` (the
     unwrapped GPTModel). ``loss_mask``: the micro-batch's loss mask [b, s] as the model gets it."""
-    state = depths.attach(cap, model, job.model.mtp_num_layers, modules, job.side.sequence_parallel)
+    if not getattr(model, "mtp_process", False):  # a pipeline stage before the last: no MTP block
+        return
+    state = depths.attach(cap, model, job.model.mtp_num_layers, modules, job.side.sequence_parallel,
+                          decoder_embeds=getattr(model, "pre_process", True))
     if state is None:
         return
     original = model.compute_language_model_loss

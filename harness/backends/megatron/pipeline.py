@@ -22,6 +22,7 @@ What this module adds to the backend, and why:
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 
@@ -83,21 +84,44 @@ def stage_layers(num_layers: int, stages: int, stage: int, chunks: int = 1, chun
 
 
 def owned(names: list[str], num_layers: int, stages: int, stage: int,
-          chunks: int = 1, chunk: int = 0) -> set[str]:
-    """The canonical parameters of ``names`` that model chunk ``chunk`` of stage ``stage`` holds."""
+          chunks: int = 1, chunk: int = 0, mtp: bool = False) -> set[str]:
+    """The canonical parameters of ``names`` that model chunk ``chunk`` of stage ``stage`` holds
+    (``mtp``: the MTP block on the last stage, with its own copy of the embeddings)."""
     layers = stage_layers(num_layers, stages, stage, chunks, chunk)
+    last = stage == stages - 1 and chunk == chunks - 1
     out = set()
     for name in names:
         m = _LAYER.match(name)
         if m:
             keep = int(m[1]) in layers
         elif name.startswith("embedding."):
-            keep = stage == 0 and chunk == 0
-        else:  # final LayerNorm, output layer
-            keep = stage == stages - 1 and chunk == chunks - 1
+            keep = (stage == 0 and chunk == 0) or (mtp and last)
+        else:  # final LayerNorm, output layer, the MTP block
+            keep = last
         if keep:
             out.add(name)
     return out
+
+
+def replica_stages(job) -> tuple[int, ...]:
+    """The stages holding a copy of the embeddings: with MTP under pipelining megatron-core builds
+    the MTP block on the last stage with its own ``LanguageModelEmbedding``
+    (``GPTModel.__init__``: ``pre_process or mtp_process``); the word embedding's copies start
+    from the first stage's (``setup_embeddings_and_output_layer``: zeroed, then all-reduced over
+    the embedding group) and their grads are all-reduced over that group
+    (``finalize_model_grads._allreduce_word_embedding_grads``). Empty: one copy."""
+    p = job.side.pipeline_parallel
+    return (0, p - 1) if job.model.mtp_num_layers and p > 1 else ()
+
+
+def with_replica_stages(layouts: dict, job) -> dict:
+    """``layouts`` with the embeddings' copies on several stages declared (:func:`replica_stages`):
+    the first stage's is the logical tensor, the last stage's its replica, checked bitwise."""
+    stages = replica_stages(job)
+    if not stages:
+        return layouts
+    return {n: dataclasses.replace(lay, replica_stages=stages) if n.startswith("embedding.") else lay
+            for n, lay in layouts.items()}
 
 
 def global_name(name: str, offsets: dict[int, int]) -> str:

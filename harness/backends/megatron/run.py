@@ -152,7 +152,7 @@ def _load_canonical(model, job: Job, mesh: dict, coord: dict, vp: int | None = N
     side = job.side
     # The parameters this stage (this model chunk) holds: megatron-core must build exactly these.
     mine = pipeline.owned(list(specs), job.model.num_layers, side.pipeline_parallel, stage,
-                          side.virtual_pipeline or 1, vp or 0)
+                          side.virtual_pipeline or 1, vp or 0, bool(job.model.mtp_num_layers))
     specs = {n: specs[n] for n in mine}
     seen = set()
     for local, p in model.named_parameters():
@@ -265,7 +265,7 @@ def _train(job, cap, ctx, config, chunks, scheduler, mesh, forward_backward, fin
     from megatron.core import parallel_state as ps
 
     side, opt, named = job.side, ctx.optimizer, ctx.named_params
-    layouts = arch.param_layouts(named, mesh, job.model)
+    layouts = pipeline.with_replica_stages(arch.param_layouts(named, mesh, job.model), job)
     layouts.update(moe.expert_layouts(job, named))
     for ddp in chunks:
         inner = ddp.module.module if side.precision == "bf16" else ddp.module

@@ -95,15 +95,15 @@ class _GoldenStep:
 
     def _mtp_loss(self, labels: torch.Tensor, ids: list[int], dtype: torch.dtype):
         """megatron-core's MTP objective (``process_mtp_loss``): each depth's token mean under its
-        shifted labels and loss mask, their sum times ``mtp_loss_scaling_factor / D``; each
-        depth's per-sample loss recorded. (Every micro-batch counts the same tokens: the mean of
-        megatron-core's per-micro-batch means is the global token mean.)"""
+        shifted labels and loss mask (:func:`mtp.depth_objective`: under a variable loss mask
+        weighted per micro-batch of one sample as megatron-core's per-token loss weights it), their
+        sum times ``mtp_loss_scaling_factor / D``; each depth's per-sample loss recorded."""
         m, total = self.job.model, 0.0
         mask = data_mod.loss_mask(self.job.data, ids, m.seq_length).to(dtype)
         for depth, logits in enumerate(self.model.mtp_logits):
             losses, kept = token_losses(logits, mtp.shifted(labels, depth)), mtp.shifted(mask, depth)
             self.depths.record_loss(depth, mtp.per_sample(losses, kept))
-            total = total + (losses * kept).sum() / kept.sum().clamp(min=1)
+            total = total + mtp.depth_objective(losses, kept, mask, self.job.data.loss_mask != "none")
         return total * (m.mtp_loss_scaling_factor / m.mtp_num_layers) if m.mtp_num_layers else total
 
     def evaluate(self, step: int) -> None:
