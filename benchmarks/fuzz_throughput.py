@@ -1,7 +1,8 @@
 """The fuzzer's throughput with warm workers off and on, measured in one sitting: the same
 campaign (default space, one seed, a few pairs in one batch) run cold (every batch's launches
 started afresh) then warm (:mod:`harness.run.warm`), ``--rounds`` times alternately; prints each
-run's pairs an hour of judging (shrinking excluded), each batch's seconds, and the ratio of the
+run's pairs an hour of judging (shrinking excluded), each batch's seconds, the CPU seconds the
+campaign's processes used (steadier than wall time on a shared machine), and the ratios of the
 medians. A warm campaign's first batch still starts its workers: the ratio grows with the number
 of batches (``--pairs`` / ``--batch``). On a shared machine quote the ratio, not the rates.
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import resource
 import shutil
 import statistics
 import time
@@ -35,6 +37,7 @@ def main() -> None:
     args = ap.parse_args()
     space = load_space(args.space)
     rates: dict[bool, list[float]] = {False: [], True: []}
+    cpu: dict[bool, list[float]] = {False: [], True: []}
     batches: list[float] = []
     judge = Runner.judge
 
@@ -54,17 +57,27 @@ def main() -> None:
             settings = Settings(seed=args.seed, space=space, max_pairs=args.pairs, batch=args.batch,
                                 shrink_s=1.0, warm=warm)
             batches.clear()
+            before = _cpu()
             with contextlib.redirect_stdout(io.StringIO()):
                 doc = run(settings, out, say=lambda *a, **k: None)
+            cpu[warm].append(_cpu() - before)
             tp = doc["throughput"]
             rates[warm].append(tp["pairs_per_hour"])
             verdicts = [j["verdict"] for j in doc["judged"]]
             print(f"round {r} {'warm' if warm else 'cold'}: {tp['pairs']} pairs judged in "
                   f"{doc['pair_s']:.1f} s = {tp['pairs_per_hour']:.0f} pairs an hour; verdicts {verdicts}; "
-                  f"judge calls (s): {[round(b, 1) for b in batches]}", flush=True)
+                  f"judge calls (s): {[round(b, 1) for b in batches]}; CPU {cpu[warm][-1]:.0f} s", flush=True)
     cold, warm = statistics.median(rates[False]), statistics.median(rates[True])
     print(f"warm / cold: {warm / cold:.2f}x ({warm:.0f} vs {cold:.0f} pairs an hour, "
-          f"medians of {args.rounds})")
+          f"medians of {args.rounds}); CPU seconds cold / warm: "
+          f"{statistics.median(cpu[False]) / statistics.median(cpu[True]):.2f}x")
+
+
+def _cpu() -> float:
+    """CPU seconds of this process and of every process it started and reaped (torchrun's ranks
+    too): what a campaign costs the cores, whatever else the machine runs."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 if __name__ == "__main__":

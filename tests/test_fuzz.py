@@ -190,8 +190,8 @@ def test_a_planted_fault_is_found_and_shrunk(tmp_path):
     assert c["needs"] == ["axis:gtp=1->2"]  # the fault needs GTP alone: every drawn setting was removed
     assert c["shrink"]["complete"]
     # the batch and the shrink's runs went to one warm worker of world 2, plan after plan
-    assert [w.name for w in (tmp_path / "campaign" / "warm").glob("w2-*")] == ["w2-001"]
-    assert (tmp_path / "campaign" / "warm" / "w2-001" / "done-0002.json").is_file()
+    (worker,) = (tmp_path / "campaign" / "warm").glob("w2-*")
+    assert (worker / "done-0002.json").is_file()
     minimal = load(tmp_path / "campaign" / c["scenario_file"])[0]  # ships as a scenario that parses
     assert minimal.candidate.inject == (FAULT,) and minimal.expect.signature == expect["signature"]
 

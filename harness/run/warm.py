@@ -26,10 +26,13 @@ from harness.common.errors import RunFailed
 from harness.run.job import Job
 from harness.run.launch import _kill, _watch, describe_failure, worker_env, write_plan
 
-IDLE_S = 600.0
-"""Seconds a worker waits for its next plan before it ends itself (its pool vanished)."""
+IDLE_S = 3600.0
+"""Seconds a worker waits for its next plan before it ends itself: a backstop (a worker also ends
+when its pool's process is gone); a loaded machine's batch and shrink can take many minutes."""
 REUSE_S = IDLE_S / 2
 """A worker idle this long is replaced, not given a plan it might stop waiting for."""
+MAX_PLANS = 200
+"""A worker is replaced after this many plans (a bound on what a long campaign's process holds)."""
 
 
 def plan_path(folder: Path, n: int) -> Path:
@@ -117,7 +120,8 @@ class WarmPool:
             free = self._free.setdefault((world, root), [])
             while free:
                 w = free.pop()
-                if w.proc.poll() is None and time.monotonic() - w.idle_since < REUSE_S:
+                fit = time.monotonic() - w.idle_since < REUSE_S and w.plans < MAX_PLANS
+                if w.proc.poll() is None and fit:
                     return w
                 self._drop(w)
             self.started += 1
