@@ -87,13 +87,15 @@ class Worker:
                             + f"; log: {self.log}")
         self.idle_since = time.monotonic()
 
-    def end(self) -> None:
-        """Ask the worker to stop, then end its whole process session whatever it does."""
-        self.ask_to_stop()
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
+    def end(self, polite: bool = True) -> None:
+        """Ask the worker to stop (``polite``: a failed one is not asked), then end its whole
+        process session whatever it does."""
+        if polite:
+            self.ask_to_stop()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
         _kill(self.proc)
 
 
@@ -138,8 +140,8 @@ class WarmPool:
             self._all.append(w)
             return w
 
-    def _drop(self, w: Worker) -> None:
-        w.end()
+    def _drop(self, w: Worker, polite: bool = True) -> None:
+        w.end(polite)
         if w in self._all:
             self._all.remove(w)
 
@@ -156,7 +158,7 @@ class WarmPool:
             w.run(jobs, timeout_s, name, stop)
         except BaseException:
             with self._lock:
-                self._drop(w)
+                self._drop(w, polite=False)
             raise
         with self._lock:
             self._free[(world, w.root)].append(w)
