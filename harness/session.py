@@ -22,6 +22,7 @@ from harness.run.launch import launch, mark_interrupted, raised_record, worker_e
 from harness.run.nodes import Nodes, node_commands, read_plan
 from harness.run.plan import clear_incomplete, execute, job_for, launches, pending_jobs, plan, write_plans
 from harness.run.provenance import code_identity
+from harness.run.warm import WarmPool
 from harness.scenario import Role, Scenario
 from harness.scenario import checkpoint as checkpointing
 from harness.scenario.checkpoint import EXPERT_TOPOLOGY_FIX
@@ -78,10 +79,12 @@ def plan_checked(scenarios: list[Scenario], out: Path) -> dict[str, dict[str, Jo
 
 
 def run_scenarios(scenarios: list[Scenario], out: Path, parallel: int = 2, verbose: bool = False,
-                  fresh: bool = False, compare_jobs: int = 1, collect: bool = False) -> int:
+                  fresh: bool = False, compare_jobs: int = 1, collect: bool = False,
+                  pool: WarmPool | None = None) -> int:
     """Run, compare and summarize every scenario; return the exit code of the worst.
     ``collect``: launch nothing, compare the traces already complete (``gtp-parity collect``:
-    sides run by ``gtp-parity plan``'s launches); a side without one is an error naming why."""
+    sides run by ``gtp-parity plan``'s launches); a side without one is an error naming why.
+    ``pool``: the launches run on its warm workers (the fuzzer's: :mod:`harness.run.warm`)."""
     say = print if verbose else (lambda *a, **k: None)
     out.mkdir(parents=True, exist_ok=True)
     skipped, runnable = [], []
@@ -100,7 +103,7 @@ def run_scenarios(scenarios: list[Scenario], out: Path, parallel: int = 2, verbo
     say(f"gtp-parity: {len(scenarios)} scenario(s), "
         f"{len({j.key for r in by_scenario.values() for j in r.values()})} distinct side(s) -> {out}")
     failures = execute(by_scenario, scenarios, out, parallel=parallel, progress=say, fresh=fresh,
-                       collect=collect)
+                       collect=collect, pool=pool)
     worst = EXIT_PASS
     results = []
     for s in scenarios:

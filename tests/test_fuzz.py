@@ -167,6 +167,9 @@ def _campaign(tmp_path: Path, *args: str) -> tuple[int, dict]:
     proc = subprocess.run([sys.executable, "-m", "harness", "fuzz", "--out", str(out), *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=1500)
     assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
+    # the warm workers (harness.run.warm) ended with the campaign: no process names its folder
+    left = subprocess.run(["pgrep", "-af", str(out)], capture_output=True, text=True).stdout.strip()
+    assert not left, left
     return proc.returncode, json.loads((out / "fuzz.json").read_text())
 
 
@@ -186,6 +189,9 @@ def test_a_planted_fault_is_found_and_shrunk(tmp_path):
     assert c["fingerprint"] == [expect["signature"], expect["kind"]]
     assert c["needs"] == ["axis:gtp=1->2"]  # the fault needs GTP alone: every drawn setting was removed
     assert c["shrink"]["complete"]
+    # the batch and the shrink's runs went to one warm worker of world 2, plan after plan
+    (worker,) = (tmp_path / "campaign" / "warm").glob("w2-*")
+    assert (worker / "done-0002.json").is_file()
     minimal = load(tmp_path / "campaign" / c["scenario_file"])[0]  # ships as a scenario that parses
     assert minimal.candidate.inject == (FAULT,) and minimal.expect.signature == expect["signature"]
 

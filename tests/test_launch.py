@@ -1,5 +1,7 @@
 """A rank that crashes or hangs ends the run within its timeout, naming the rank and step."""
 
+import json
+import re
 import subprocess
 import sys
 import time
@@ -59,3 +61,64 @@ def test_hanging_rank_ends_within_the_timeout(tmp_path):
     # the hung side's own 25 s, plus start-up, the reference side and the golden launch
     assert wall < 25 + 120
     assert not leftover_ranks(out)
+
+
+# --- warm workers (harness.run.warm): the fuzzer's launches --------------------------------------
+
+
+def _sides(tmp_path, name: str, fault: str | None, timeout_s: int = 120) -> dict:
+    """tiny.toml's jobs (role -> job) planned under ``tmp_path/name``, ``fault`` in the candidate."""
+    from harness.run.plan import plan
+    from harness.scenario import load
+
+    (s,) = load(scenario_with(tmp_path, fault, timeout_s) if fault else ASSETS / "tiny.toml")
+    return plan([s], tmp_path / name)[s.name]
+
+
+def _files(trace_dir) -> dict:
+    from pathlib import Path
+
+    root = Path(trace_dir)
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_warm_worker_serves_plan_after_plan_as_a_cold_launch_would(tmp_path):
+    from harness.common.errors import RunFailed
+    from harness.run.launch import launch
+    from harness.run.warm import WarmPool, done_path
+
+    cold = _sides(tmp_path, "cold", None)["candidate"]  # GTP 2
+    launch([cold], world=2, timeout_s={cold.key: 120}, workdir=tmp_path / "cold", name="cold")
+    faulty = _sides(tmp_path, "warm1", "gtp-rs-no-prescale")["candidate"]
+    clean = _sides(tmp_path, "warm2", None)
+    pool = WarmPool(tmp_path / "pool")
+    try:
+        # plan 1: the GTP side with a fault patched into megatron-core's GTP reduce-scatter; plan 2:
+        # the same side without it, in the same process: its trace is the cold launch's to the
+        # byte (the fault did not leak into it; the determinism the comparisons rely on)
+        for n, job in enumerate([faulty, clean["candidate"]]):
+            pool.launch([job], world=2, timeout_s={job.key: 120}, workdir=tmp_path, name=f"p{n}")
+        (worker,) = sorted((tmp_path / "pool").iterdir())
+        pids = [json.loads(done_path(worker, n).read_text())["pid"] for n in (1, 2)]
+        assert pids[0] == pids[1]
+        assert _files(clean["candidate"].trace_dir) == _files(cold.trace_dir)
+        differs = {k for k, v in _files(faulty.trace_dir).items() if _files(cold.trace_dir).get(k) != v}
+        assert any(not k.endswith("manifest.json") for k in differs)  # the fault acted where it ran
+        # a side that raises ends its worker, reported as a launch reports it
+        bad = _sides(tmp_path, "warm2b", "raise:1:2")["candidate"]
+        with pytest.raises(RunFailed, match="rank 1 raised at step 2"):
+            pool.launch([bad], world=2, timeout_s={bad.key: 120}, workdir=tmp_path, name="raise")
+        assert not pool.pids() and not leftover_ranks(worker)
+        # the next plan starts a fresh worker; a hang there ends within the side's own timeout,
+        # counted from its first heartbeat (start-up has its budget apart, as in a launch)
+        hung = _sides(tmp_path, "warm3", "hang:1:1", timeout_s=10)["candidate"]
+        with pytest.raises(RunFailed, match=r"timed out after \d+ s.*rank 1 stopped at step 1") as e:
+            pool.launch([hung], world=2, timeout_s={hung.key: 10}, workdir=tmp_path, name="hang")
+        waited = int(re.search(r"timed out after (\d+) s", str(e.value)).group(1))
+        assert 10 <= waited <= 12  # checked every 0.05 s; a loaded machine may delay a check
+        fresh = sorted((tmp_path / "pool").iterdir())[-1]
+        assert fresh != worker and (fresh / "plan-0001.json").exists()  # its first plan
+        assert not pool.pids()
+    finally:
+        pool.close()
+    assert not leftover_ranks(tmp_path / "pool")

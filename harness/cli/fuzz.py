@@ -42,7 +42,8 @@ def _cmd_fuzz(args) -> int:
         raise BadInput("--recorded", f"{args.recorded} is not a folder of scenario files")
     settings = Settings(seed=args.seed, space=load_space(args.space), megatron_core=args.megatron_core,
                         inject=tuple(args.inject), budget_s=args.budget, max_pairs=args.pairs,
-                        shrink_s=args.shrink_budget, batch=args.batch, jobs=args.jobs, recorded=recorded,
+                        shrink_s=args.shrink_budget, batch=args.batch, jobs=args.jobs, warm=not args.cold,
+                        recorded=recorded,
                         node=args.node[0], nodes=args.node[1])
     out = out_dir(args.out, "--out")
     if args.merge:
@@ -89,6 +90,9 @@ def add_parser(sub) -> None:
     f.add_argument("--batch", type=positive_int, default=8,
                    help="pairs judged per batch of launches (default 8)")
     f.add_argument("--jobs", type=positive_int, default=2, help="launches run at once (default 2)")
+    f.add_argument("--cold", action="store_true",
+                   help="start every batch's launches afresh instead of on warm workers kept across batches "
+                        "and shrinks (the traces are the same; warm is faster)")
     f.add_argument("--recorded", metavar="DIR", default=None,
                    help="scenario files whose [expect] divergences are known (e.g. scenarios)")
     f.add_argument("--node", type=node_share, default=(0, 1), metavar="I/N",

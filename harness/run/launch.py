@@ -124,10 +124,14 @@ def _on(nodes: Nodes | None) -> str:
 
 
 def _watch(proc: subprocess.Popen, jobs: list[Job], world: int, timeout_s: dict[str, float], what: str,
-           stop: threading.Event | None, log_path: Path) -> int:
-    """Wait for the launch to end; its exit code. Raise on a timeout or an interruption."""
+           stop: threading.Event | None, log_path: Path, done: Path | None = None) -> int:
+    """Wait for the launch to end; its exit code. Raise on a timeout or an interruption.
+    ``done``: a file whose appearance ends the wait with 0 (a warm worker's plan done while it
+    lives on: :mod:`harness.run.warm`)."""
     current, became, since = None, time.monotonic(), None
     while (rc := proc.poll()) is None:
+        if done is not None and done.exists():
+            return 0
         if stop is not None and stop.is_set():
             _kill(proc)
             mark_interrupted(jobs, world)
@@ -144,7 +148,7 @@ def _watch(proc: subprocess.Popen, jobs: list[Job], world: int, timeout_s: dict[
         if waited > budget + (0 if since is not None else STARTUP_S):
             raise RunFailed(f"{what} timed out after {waited:.0f} s; " + describe_progress(jobs, world)
                             + f"; log: {log_path}")
-        time.sleep(0.25)
+        time.sleep(0.25 if done is None else 0.05)
     return rc
 
 

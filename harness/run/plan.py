@@ -29,6 +29,7 @@ from harness.common.jsonio import write_json
 from harness.run.trees import BRIDGE, CodeTree, resolve_all
 from harness.run.launch import Interrupted, describe_pending, launch, raised_record, worker_env, write_plan
 from harness.run.provenance import code_identity
+from harness.run.warm import WarmPool
 from harness.scenario import COMPARED_ROLES, Role, Scenario
 
 # Sides per launch: more share the start-up cost, fewer keep the cores busy in parallel.
@@ -189,10 +190,12 @@ def execute(
     progress=print,
     fresh: bool = False,
     collect: bool = False,
+    pool: WarmPool | None = None,
 ) -> dict[str, str]:
     """Run every job whose trace is not complete (every job if ``fresh``). Return job key ->
     error message for failed ones. ``collect``: launch nothing; every job without a complete
-    trace fails, its message saying why (not run, or how far its ranks got)."""
+    trace fails, its message saying why (not run, or how far its ranks got). ``pool``: launches
+    go to its warm workers (:mod:`harness.run.warm`) instead of processes of their own."""
     pending = pending_jobs(by_scenario, fresh=fresh and not collect, progress=progress)
     if collect:
         return {key: describe_pending(job, job.side.world_size) for key, job in pending.items()}
@@ -208,8 +211,9 @@ def execute(
         if stop.is_set():
             return
         try:
-            wall = launch(b.jobs, world=b.world, timeout_s=b.timeout_s, workdir=out / "launches", name=b.name,
-                          stop=stop)
+            run = launch if pool is None else pool.launch
+            wall = run(b.jobs, world=b.world, timeout_s=b.timeout_s, workdir=out / "launches", name=b.name,
+                       stop=stop)
             progress(f"  launch {b.name}: {len(b.jobs)} side(s) on {b.world} rank(s) in {wall:.1f} s")
         except Interrupted:
             pass
@@ -223,15 +227,15 @@ def execute(
                     failures.pop(j.key, None)
                 one(after)
 
-    pool = ThreadPoolExecutor(max_workers=max(1, parallel))
+    threads = ThreadPoolExecutor(max_workers=max(1, parallel))
     try:
         for phase in sorted(phases):
-            for f in [pool.submit(one, b) for b in phases[phase]]:
+            for f in [threads.submit(one, b) for b in phases[phase]]:
                 f.result()
     except BaseException:
         # Ctrl-C reaches this (main) thread only: tell every launch to end its ranks now.
         stop.set()
         raise
     finally:
-        pool.shutdown(wait=True)
+        threads.shutdown(wait=True)
     return failures
