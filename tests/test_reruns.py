@@ -108,7 +108,10 @@ def test_rerun_after_editing_the_code_under_test_runs_again_and_fails(tmp_path, 
 def test_ctrl_c_ends_every_launch_within_seconds(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "harness", "run", str(ASSETS / "tiny.toml"), "--out", str(out), "--jobs", "2"],
+        # The candidate's rank 1 hangs at step 1: the interrupt lands in a launch whatever the machine's
+        # load (a tiny run can otherwise finish between the first heartbeat and the signal).
+        [sys.executable, "-m", "harness", "run", str(ASSETS / "tiny.toml"), "--out", str(out), "--jobs", "2",
+         "--inject", "hang:1:1"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     deadline = time.monotonic() + 240
