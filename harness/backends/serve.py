@@ -22,11 +22,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from harness.backends.patching import undo_all
-from harness.backends.worker import init_group, run_job
+from harness.backends.worker import init_group, rank_process, run_job
 from harness.capture.trace import is_complete
 from harness.common.jsonio import write_json
 from harness.run.job import Job
@@ -88,15 +87,8 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         print(f"harness.backends.serve: {e}", file=sys.stderr)
         return 2
-    torch.set_num_threads(1)  # as a launch's worker: one thread keeps CPU GEMMs deterministic
-    torch.use_deterministic_algorithms(True)
-    if who.world > 1:
-        init_group(who, [], 600.0)
-    try:
+    with rank_process(who, [], 600.0, group=who.world > 1):  # world 1: only the megatron backends need one
         serve(args.folder, who, args.owner, args.idle)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
     return 0
 
 

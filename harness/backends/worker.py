@@ -14,6 +14,7 @@ CUDA each rank binds ``cuda:<local rank>`` and the process group sends CUDA tens
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import datetime
@@ -149,19 +150,27 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         print(f"harness.backends.worker: {e}", file=sys.stderr)
         return 2
-    rank, world = who.rank, who.world
-    torch.set_num_threads(1)  # ranks share the cores; one thread keeps CPU GEMMs deterministic
-    torch.use_deterministic_algorithms(True)
-    init_group(who, jobs, max(plan.get("timeout_s", {}).values(), default=600.0) + 180.0)
-    try:
+    with rank_process(who, jobs, max(plan.get("timeout_s", {}).values(), default=600.0) + 180.0):
         for job in jobs:
             if is_complete(job.trace_dir):
                 continue
-            run_job(job, rank, world, who.node)
+            run_job(job, who.rank, who.world, who.node)
+    return 0
+
+
+@contextlib.contextmanager
+def rank_process(who: RankEnv, jobs: list[Job], timeout_s: float, group: bool = True):
+    """A rank's process as a launch's and a warm worker's ranks run: one thread, deterministic
+    kernels, its process group (``group``: now, else left to the first plan) destroyed on the way out."""
+    torch.set_num_threads(1)  # ranks share the cores; one thread keeps CPU GEMMs deterministic
+    torch.use_deterministic_algorithms(True)
+    if group:
+        init_group(who, jobs, timeout_s)
+    try:
+        yield
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":
