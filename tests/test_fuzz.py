@@ -19,6 +19,7 @@ from harness.common.errors import BadInput
 from harness.compare.summary import FirstDivergence
 from harness.fuzz.campaign import Runner, Settings, _load_state
 from harness.fuzz.cluster import Cluster, known_as, tensor_pattern
+from harness.fuzz.reach import reach_seeds
 from harness.fuzz.shrink import Shrunk, shrink
 from harness.fuzz.space import Axis, Coverage, Draw, draw_for, load_space
 from harness.scenario import load, parse_scenario
@@ -65,6 +66,26 @@ def test_draws_pass_the_rules_and_a_seed_repeats_them():
         assert getattr(s.reference, d.axis.key) != getattr(s.candidate,
                                                            d.axis.key) or d.axis.reference is None
         assert len(d.settings) <= space.max_off_default
+
+
+def test_a_planted_faults_reach_aims_the_draws():
+    """``distopt-offsets-ignore-gtp-pad`` fires only with the distributed optimizer in bf16 under
+    GTP: random draws of the default space (a few of some 44 keys) do not hold all three, so a
+    self-test campaign starts every draw from the fewest settings that do."""
+    space = dataclasses.replace(load_space(str(SPACE)), candidates=4)
+    fault = "distopt-offsets-ignore-gtp-pad"
+    assert reach_seeds(space, ("gtp-rs-no-prescale",)) == []  # the GTP axis reaches it on defaults
+    seeds = reach_seeds(space, (fault,))
+    needs = {("train", "distributed_optimizer", True), ("train", "precision", "bf16"), ("train", "gtp", 2)}
+    for settings, axis in seeds:  # two settings and the axis: the three needs, nothing else
+        assert len(settings) == 2 and set(settings) | {("train", axis.key, axis.candidate)} == needs
+    runner, coverage = Runner(Settings(seed=0, space=space, inject=(fault,)), Path(".")), Coverage()
+    assert draw_for(space, 0, 0, coverage, runner.refusal)[0] is None  # unaimed: every draw refused
+    for i in range(3):
+        d, _ = draw_for(space, 0, i, coverage, runner.refusal, seeds)
+        coverage.add(d)
+        s = runner.scenario(d, f"d{i}")  # the rules accept it, the fault on the candidate
+        assert s.candidate.distributed_optimizer and s.candidate.precision == "bf16" and s.candidate.gtp > 1
 
 
 def test_coverage_prefers_what_is_not_covered_yet():

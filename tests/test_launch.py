@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -67,11 +68,18 @@ def test_hanging_rank_ends_within_the_timeout(tmp_path):
 
 
 def _sides(tmp_path, name: str, fault: str | None, timeout_s: int = 120) -> dict:
-    """tiny.toml's jobs (role -> job) planned under ``tmp_path/name``, ``fault`` in the candidate."""
+    """tiny.toml's jobs (role -> job) with Adam, the distributed optimizer and an evaluation each
+    step (a side whose model outlived it: ``teardown.release_model``), planned under
+    ``tmp_path/name``, ``fault`` in the candidate."""
     from harness.run.plan import plan
     from harness.scenario import load
 
-    (s,) = load(scenario_with(tmp_path, fault, timeout_s) if fault else ASSETS / "tiny.toml")
+    path = Path(scenario_with(tmp_path, fault, timeout_s) if fault else ASSETS / "tiny.toml")
+    evaluated = tmp_path / f"{name}.toml"
+    text = path.read_text().replace('optimizer = "sgd"', 'optimizer = "adam"')
+    text = text.replace("steps = 2\n", "steps = 2\neval_interval = 1\ndistributed_optimizer = true\n")
+    evaluated.write_text(text)
+    (s,) = load(evaluated)
     return plan([s], tmp_path / name)[s.name]
 
 
@@ -99,8 +107,12 @@ def test_a_warm_worker_serves_plan_after_plan_as_a_cold_launch_would(tmp_path):
         for n, job in enumerate([faulty, clean["candidate"]]):
             pool.launch([job], world=2, timeout_s={job.key: 120}, workdir=tmp_path, name=f"p{n}")
         (worker,) = sorted((tmp_path / "pool").iterdir())
-        pids = [json.loads(done_path(worker, n).read_text())["pid"] for n in (1, 2)]
-        assert pids[0] == pids[1]
+        done = [json.loads(done_path(worker, n).read_text()) for n in (1, 2)]
+        assert done[0]["pid"] == done[1]["pid"]
+        # a side leaves nothing behind: megatron-core's groups destroyed (WORLD alone is left), its
+        # model freed with their threads (each side made about 20 groups, three gloo threads each)
+        assert done[0]["process_groups"] == done[1]["process_groups"] == 1
+        assert done[1]["threads"] == done[0]["threads"]
         assert _files(clean["candidate"].trace_dir) == _files(cold.trace_dir)
         differs = {k for k, v in _files(faulty.trace_dir).items() if _files(cold.trace_dir).get(k) != v}
         assert any(not k.endswith("manifest.json") for k in differs)  # the fault acted where it ran

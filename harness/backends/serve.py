@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -45,6 +46,12 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _threads() -> int:
+    """This process's threads, C++ ones too where /proc tells (gloo's: a process group keeps three)."""
+    task = Path("/proc/self/task")
+    return len(os.listdir(task)) if task.is_dir() else threading.active_count()
+
+
 def _next_plan(folder: Path, n: int, owner: int, idle_s: float) -> dict | None:
     """Plan ``n`` once it is there; None when the loop ends (stop file, idle, owner gone)."""
     since = time.monotonic()
@@ -67,11 +74,17 @@ def serve(folder: Path, who: RankEnv, owner: int, idle_s: float) -> None:
         if not dist.is_initialized():  # world 1: only the megatron backends need a group
             init_group(who, jobs, 600.0)
         undo_all()  # nothing is left patched between plans (each side undoes its own already)
+        start, seconds = time.monotonic(), {}
         for job in jobs:
             if not is_complete(job.trace_dir):
+                t0 = time.monotonic()
                 run_job(job, who.rank, who.world, who.node)
-        if who.rank == 0:
-            write_json(done_path(folder, n), {"plan": n, "pid": os.getpid(), "name": plan.get("name")})
+                seconds[job.key] = round(time.monotonic() - t0, 3)
+        if who.rank == 0:  # where a plan's time went, and what the process holds after it
+            write_json(done_path(folder, n), {
+                "plan": n, "pid": os.getpid(), "name": plan.get("name"),
+                "seconds": round(time.monotonic() - start, 3), "jobs": seconds, "threads": _threads(),
+                "process_groups": len(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else 0})
         n += 1
 
 

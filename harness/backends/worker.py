@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-
 import datetime
+import gc
 import json
 import os
 import sys
@@ -45,6 +45,7 @@ def run_job(job: Job, rank: int, world: int, node: int = 0) -> None:
     mesh = Mesh.of_side(side).sizes()  # with the pipeline axis where there is one
     cap = Capture(trace_dir, rank=rank, world_size=world, coord=coord, mesh=mesh, policy=job.capture,
                   node=node)
+    before = set(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else set()
     try:
         backends.run(job, cap)
     except BaseException as e:
@@ -57,6 +58,8 @@ def run_job(job: Job, rank: int, world: int, node: int = 0) -> None:
     cap.close()
     if world > 1:
         dist.barrier()
+    if dist.is_initialized():
+        destroy_job_groups(before)
     if rank == 0:
         Capture.finalize(
             trace_dir,
@@ -72,6 +75,20 @@ def run_job(job: Job, rank: int, world: int, node: int = 0) -> None:
                   "config": {**dataclasses.asdict(side), "micro_batches": side.num_microbatches(job.data),
                              **mtp.manifest_config(job.model)}},
         )
+
+
+def destroy_job_groups(before: set) -> None:
+    """Destroy the process groups a job made (those not in ``before``), but the torch backend's,
+    kept per mesh. megatron-core makes its groups anew for every side and ``destroy_model_parallel``
+    only drops its references: each gloo group keeps a transport thread that wakes every few
+    milliseconds, and a warm worker that had run a few hundred sides spent its cores on them."""
+    from harness.backends.torch.comm import kept_groups
+
+    keep = before | kept_groups()
+    made = [g for g in dist.distributed_c10d._world.pg_map if g not in keep]
+    while made:
+        dist.destroy_process_group(made.pop())
+    gc.collect()  # what held them in cycles (the optimizer, the capture's hooks) goes with them
 
 
 _CODE_UNDER_TEST = ("megatron",)  # megatron-core, Megatron-LM's training loop, Megatron-Bridge

@@ -27,6 +27,7 @@ from harness.fuzz.cluster import (
 )
 from harness.fuzz.runner import Runner, is_finding, scenario_document
 from harness.fuzz.shrink import shrink
+from harness.fuzz.reach import reach_seeds
 from harness.fuzz.space import Coverage, Draw, Space, draw_for
 
 FORMAT = 1
@@ -149,6 +150,7 @@ def run(settings: Settings, out: Path, say=print) -> dict:
     runner.batches = max((int(p.name.split("-")[1]) for p in (out / "runs").glob("batch-*")), default=0) \
         if (out / "runs").exists() else 0
     recorded = recorded_divergences(settings.recorded) if settings.recorded else []
+    seeds = reach_seeds(settings.space, settings.inject)  # [] unless a planted fault needs settings
     started, before = time.monotonic(), state.elapsed_s
     try:
         while True:
@@ -156,7 +158,7 @@ def run(settings: Settings, out: Path, say=print) -> dict:
             left = settings.budget_s - state.elapsed_s
             if left <= 0 or (settings.max_pairs is not None and len(state.judged) >= settings.max_pairs):
                 break
-            b = _next_batch(state, settings, coverage, runner)
+            b = _next_batch(state, settings, coverage, runner, seeds)
             if not b.draws:
                 refused = state.refused + b.refused
                 raise BadInput("--space", "the rules refuse every draw of this space: "
@@ -195,7 +197,7 @@ class Batch:
     next_index: int = 0
 
 
-def _next_batch(state: State, settings: Settings, coverage: Coverage, runner: Runner) -> Batch:
+def _next_batch(state: State, settings: Settings, coverage: Coverage, runner: Runner, seeds: list) -> Batch:
     """Every index is drawn on every node (a draw depends on the coverage of all before it); this
     node keeps the indices it is given (index mod nodes)."""
     b, index = Batch(), state.next_index
@@ -203,7 +205,7 @@ def _next_batch(state: State, settings: Settings, coverage: Coverage, runner: Ru
         own = index % settings.nodes == settings.node
         if own and settings.max_pairs is not None and len(state.judged) + len(b.draws) >= settings.max_pairs:
             break
-        d, refused = draw_for(settings.space, settings.seed, index, coverage, runner.refusal)
+        d, refused = draw_for(settings.space, settings.seed, index, coverage, runner.refusal, seeds)
         if own:
             b.refused.update(refused)
         if d is not None:

@@ -269,25 +269,27 @@ class Coverage:
         return sum(per_key), sum(a * b for a, b in itertools.combinations(per_key, 2))
 
 
-def random_draw(space: Space, rng: random.Random) -> Draw:
+def random_draw(space: Space, rng: random.Random, seeds: list = ()) -> Draw:
     """A draw: an axis, a world, and 0 to ``max_off_default`` other keys off their defaults, each at
-    one of its other values."""
-    axis = rng.choice(space.axes)
-    keys = sorted(k for k in space.values if k != ("train", axis.key))
-    n = rng.randint(0, min(space.max_off_default, len(keys)))
+    one of its other values; with ``seeds`` (:mod:`harness.fuzz.reach`), starting from one of them."""
+    base, axis = rng.choice(seeds) if seeds else ((), rng.choice(space.axes))
+    taken = {(s, k) for s, k, _ in base} | {("train", axis.key)}
+    keys = sorted(k for k in space.values if k not in taken)
+    n = rng.randint(0, max(0, min(space.max_off_default - len(base), len(keys))))
     chosen = sorted(rng.sample(keys, n))
-    settings = tuple((s, k, rng.choice(space.values[(s, k)][1:])) for s, k in chosen)
+    settings = tuple(sorted((*base, *((s, k, rng.choice(space.values[(s, k)][1:])) for s, k in chosen))))
     return Draw(settings=settings, world_size=rng.choice(space.world_sizes), axis=axis)
 
 
-def draw_for(space: Space, seed: int, index: int, coverage: Coverage, valid) -> tuple[Draw | None, list[str]]:
-    """The ``index``-th draw of a campaign: of ``space.candidates`` random draws that ``valid`` (the
-    rules) accepts, the one covering most new values and pairs; the reasons of those refused.
-    Deterministic for (seed, index, coverage)."""
+def draw_for(space: Space, seed: int, index: int, coverage: Coverage, valid,
+             seeds: list = ()) -> tuple[Draw | None, list[str]]:
+    """The ``index``-th draw of a campaign: of ``space.candidates`` random draws (from ``seeds``
+    where given) that ``valid`` (the rules) accepts, the one covering most new values and pairs;
+    the reasons of those refused. Deterministic for (seed, index, coverage)."""
     rng = random.Random(f"{seed}:{index}")
     best, best_score, refused, accepted = None, -1, [], 0
     for _ in range(space.candidates * 4):
-        d = random_draw(space, rng)
+        d = random_draw(space, rng, seeds)
         if (reason := valid(d)) is not None:
             refused.append(reason)
             continue

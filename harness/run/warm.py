@@ -41,7 +41,8 @@ def plan_path(folder: Path, n: int) -> Path:
 
 
 def done_path(folder: Path, n: int) -> Path:
-    """Written by rank 0 once plan ``n`` is done: ``{"plan", "pid", "name"}``."""
+    """Written by rank 0 once plan ``n`` is done: ``{"plan", "pid", "name", "seconds", "jobs", "threads",
+    "process_groups"}`` (each job's seconds; the threads and process groups the process holds after it)."""
     return folder / f"done-{n:04d}.json"
 
 

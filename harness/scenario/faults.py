@@ -6,7 +6,7 @@ can name faults; :mod:`harness.backends.faults` implements them.
 
 from __future__ import annotations
 
-from harness.scenario.arch_faults import ARCH_FAULTS
+from harness.scenario.arch_faults import ARCH_FAULTS, arch_reach
 from harness.scenario.fault import Fault
 from harness.scenario.feature_faults import (
     EVAL_FAULTS, GROUP_FAULTS, MTP_FAULTS, MUON_FAULTS, PRECISION_FAULTS, VERDICT_FAULTS, feature_reach,
@@ -252,6 +252,20 @@ def check_reach(name: str, side, data=None) -> str | None:
     if side.backend == "mlm" and name not in MLM_FAULTS:
         return f"{name!r} is not implemented by the mlm backend; it implements {sorted(MLM_FAULTS)}"
     return None
+
+
+def model_reach(name: str, side, model) -> str | None:
+    """Why fault ``name`` cannot fire on ``side`` of a scenario of ``model``: the MoE faults need
+    experts, the architectures' faults their switch of [model] (None: it can)."""
+    if name in MOE_FAULTS and not model.num_experts:
+        return f"{name!r} never fires on a dense model ([model].num_experts = 0)"
+    return arch_reach(name, side, model)
+
+
+def fault_reach(name: str, side, data, model) -> str | None:
+    """Everything the rules ask of a fault planted on ``side`` of a scenario of ``model`` and
+    ``data`` but a checkpoint's save (:mod:`harness.fuzz.reach` aims a self-test's draws with it)."""
+    return check_reach(name, side, data) or model_reach(name, side, model)
 
 
 # Faults of MoE models (expert GTP, routing): planted on megatron sides with [model].num_experts > 0.

@@ -6,7 +6,7 @@ limit of what the harness covers, said as such.
 from __future__ import annotations
 
 from harness.common.errors import BadInput
-from harness.scenario.faults import MOE_FAULTS
+from harness.scenario.faults import MOE_FAULTS, model_reach
 from harness.scenario.schema import GATED, ModelConfig, Scenario, Side
 
 
@@ -88,9 +88,9 @@ def _validate_group_topk(s: Scenario) -> None:
 
 def validate_moe_side(s: Scenario, name: str, side: Side, where: str) -> None:
     m = s.model
-    if not m.num_experts and (planted := [f for f in side.inject if f in MOE_FAULTS]):
-        raise BadInput(f"{where}.inject",
-                       f"{planted[0]!r} never fires on a dense model ([model].num_experts = 0)")
+    for fault in side.inject:
+        if fault in MOE_FAULTS and (problem := model_reach(fault, side, m)) is not None:
+            raise BadInput(f"{where}.inject", problem)
     if side.ep * side.expert_gtp == 1 and side.expert_tp is None and not m.num_experts:
         return
     if not m.num_experts:

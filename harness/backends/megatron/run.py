@@ -21,7 +21,7 @@ from harness.backends import faults
 from harness.run.job import Job
 from harness.backends.evaluation import EvalRecorder
 from harness.backends.megatron import checkpoint, compat, evaluation, groups, moe, pipeline
-from harness.backends.megatron import arch, defaults, mtp
+from harness.backends.megatron import arch, defaults, mtp, teardown
 from harness.backends.megatron.gathers import record_gathers
 from harness.backends.megatron.optimizer_ranges import optimizer_state, reduced_grad, updated_param
 from harness.backends.megatron.terms import GradTerms
@@ -232,7 +232,7 @@ def run(job: Job, cap: Capture) -> None:
     compat.install()
     compat.reset_gtp_state()
     mtp.reset_tracker()
-    reach = None
+    reach, chunks = None, []
     try:
         if job.side.mutant:  # a mutation campaign's side: undone with the faults' patches below
             from harness.backends.faults.mutant import apply
@@ -257,7 +257,9 @@ def run(job: Job, cap: Capture) -> None:
             reach.close(cap.rank_dir / "mutant.json")
         compat.set_collectives("async")
         faults.uninstall()  # the faults' patches and the gather recorder's
+        teardown.release_model(chunks)
         ps.destroy_model_parallel()
+        teardown.drop_parallel_state_groups()
         compat.reset_gtp_state()
 
 

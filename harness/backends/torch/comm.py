@@ -17,7 +17,7 @@ in one process without torch.distributed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
@@ -75,6 +75,12 @@ def groups_for(side: Side) -> Groups:
     groups = Groups(**made)
     _CACHE[key] = groups
     return groups
+
+
+def kept_groups() -> set:
+    """The groups :func:`groups_for` keeps for later sides of this process."""
+    return {g for groups in _CACHE.values() for f in fields(groups)
+            if (g := getattr(groups, f.name)) is not None}
 
 
 def size(group) -> int:
