@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -169,6 +170,18 @@ def test_a_campaign_resumes_only_as_itself(tmp_path):
     (tmp_path / "fuzz.json").write_text("{not json")
     with pytest.raises(BadInput, match="not a campaign"):
         _load_state(tmp_path, Settings(seed=2, space=space))
+
+
+def test_a_folder_holds_one_running_campaign_at_a_time(tmp_path, capsys):
+    from harness.fuzz.campaign import only_campaign
+
+    with only_campaign(tmp_path):  # as a campaign running in it holds it
+        code = main(["fuzz", "--pairs", "1", "--out", str(tmp_path)])
+    assert code == 2 and f"another campaign is running in this folder (process {os.getpid()})" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "fuzz.json").exists()
+    with only_campaign(tmp_path):  # the lock went with its holder
+        pass
 
 
 def test_durations():

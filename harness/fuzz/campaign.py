@@ -8,7 +8,10 @@ uninterrupted one would). Ctrl-C keeps what is done.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import os
 import re
 import sys
 import time
@@ -26,8 +29,8 @@ from harness.fuzz.cluster import (
     Cluster, fingerprint, known_as, needs_of, recorded_divergences, tensor_pattern,
 )
 from harness.fuzz.runner import Runner, is_finding, scenario_document
-from harness.fuzz.shrink import shrink
 from harness.fuzz.reach import reach_seeds
+from harness.fuzz.shrink import shrink
 from harness.fuzz.space import Coverage, Draw, Space, draw_for
 
 FORMAT = 1
@@ -145,6 +148,34 @@ def _load_state(out: Path, settings: Settings) -> tuple[State, Coverage]:
 def run(settings: Settings, out: Path, say=print) -> dict:
     """Run (or continue) a campaign in ``out``; return its document (``fuzz.json``)."""
     out.mkdir(parents=True, exist_ok=True)
+    with only_campaign(out):
+        return _run(settings, out, say)
+
+
+@contextlib.contextmanager
+def only_campaign(out: Path):
+    """One campaign at a time in a folder: two would launch into each other's batch and warm
+    worker folders and fail in ways that name neither. The lock goes with the process."""
+    lock = open(out / ".lock", "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        who = lock.read().strip()
+        lock.close()
+        raise BadInput(str(out), f"another campaign is running in this folder (process {who or 'unknown'}): "
+                       "wait for it to end, or choose another --out") from None
+    try:
+        lock.seek(0)
+        lock.truncate()
+        lock.write(str(os.getpid()))
+        lock.flush()
+        yield
+    finally:
+        lock.close()
+
+
+def _run(settings: Settings, out: Path, say) -> dict:
     state, coverage = _load_state(out, settings)
     runner = Runner(settings, out)
     runner.batches = max((int(p.name.split("-")[1]) for p in (out / "runs").glob("batch-*")), default=0) \
