@@ -18,9 +18,10 @@ from harness.cli import main
 from harness.cli.fuzz import duration
 from harness.common.errors import BadInput
 from harness.compare.summary import FirstDivergence
-from harness.fuzz.campaign import Runner, Settings, _load_state
+from harness.fuzz.campaign import Runner, Settings, State, _load_state
 from harness.fuzz.cluster import Cluster, known_as, tensor_pattern
-from harness.fuzz.reach import reach_seeds
+from harness.fuzz import page
+from harness.fuzz.reach import reach_seeds, seed_label
 from harness.fuzz.shrink import Shrunk, shrink
 from harness.fuzz.space import Axis, Coverage, Draw, draw_for, load_space
 from harness.scenario import load, parse_scenario
@@ -69,7 +70,7 @@ def test_draws_pass_the_rules_and_a_seed_repeats_them():
         assert len(d.settings) <= space.max_off_default
 
 
-def test_a_planted_faults_reach_aims_the_draws():
+def test_a_planted_faults_reach_aims_the_draws(tmp_path):
     """``distopt-offsets-ignore-gtp-pad`` fires only with the distributed optimizer in bf16 under
     GTP: random draws of the default space (a few of some 44 keys) do not hold all three, so a
     self-test campaign starts every draw from the fewest settings that do."""
@@ -87,6 +88,10 @@ def test_a_planted_faults_reach_aims_the_draws():
         coverage.add(d)
         s = runner.scenario(d, f"d{i}")  # the rules accept it, the fault on the candidate
         assert s.candidate.distributed_optimizer and s.candidate.precision == "bf16" and s.candidate.gtp > 1
+    # the campaign's page says its draws were aimed, and from what
+    state = State(identity=runner.settings.identity(), aimed=[seed_label(s) for s in seeds])
+    html = page.write(state.to_json(runner.settings, coverage), tmp_path / "index.html").read_text()
+    assert "Draws aimed at the planted faults' reach" in html and "train.precision=bf16" in html
 
 
 def test_coverage_prefers_what_is_not_covered_yet():

@@ -29,7 +29,7 @@ from harness.fuzz.cluster import (
     Cluster, fingerprint, known_as, needs_of, recorded_divergences, tensor_pattern,
 )
 from harness.fuzz.runner import Runner, is_finding, scenario_document
-from harness.fuzz.reach import reach_seeds
+from harness.fuzz.reach import reach_seeds, seed_label
 from harness.fuzz.shrink import shrink
 from harness.fuzz.space import Coverage, Draw, Space, draw_for
 
@@ -79,6 +79,8 @@ class State:
     next_index: int = 0
     drawn_elsewhere: list[dict] = field(default_factory=list)
     """The draws other nodes judge (:attr:`Settings.nodes`): coverage counts them here too."""
+    aimed: list[str] = field(default_factory=list)
+    """The seeds every draw started from (:mod:`harness.fuzz.reach`), shown; [] for unaimed draws."""
 
     def to_json(self, settings: Settings, coverage: Coverage) -> dict:
         values, pairs = coverage.reachable(settings.space)
@@ -89,7 +91,8 @@ class State:
                              "pairs": len(coverage.pairs), "pairs_in_space": pairs},
                 "throughput": throughput(self), "errors": run_errors(self.judged),
                 "next_index": self.next_index,
-                **({"drawn_elsewhere": self.drawn_elsewhere} if self.drawn_elsewhere else {})}
+                **({"drawn_elsewhere": self.drawn_elsewhere} if self.drawn_elsewhere else {}),
+                **({"aimed": self.aimed} if self.aimed else {})}
 
 
 def run_errors(judged: list[dict]) -> dict[str, list[str]]:
@@ -182,6 +185,7 @@ def _run(settings: Settings, out: Path, say) -> dict:
         if (out / "runs").exists() else 0
     recorded = recorded_divergences(settings.recorded) if settings.recorded else []
     seeds = reach_seeds(settings.space, settings.inject)  # [] unless a planted fault needs settings
+    state.aimed = [seed_label(s) for s in seeds]
     started, before = time.monotonic(), state.elapsed_s
     try:
         while True:

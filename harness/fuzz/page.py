@@ -62,6 +62,9 @@ def write(doc: dict, path: Path) -> Path:
         f"({rate} pairs an hour)</dd><dt>coverage</dt><dd>{cov['values']} of {cov['values_in_space']} "
         f"values, "
         f"{cov['pairs']} of at most {cov['pairs_in_space']} value pairs</dd></dl>")
+    if doc.get("aimed"):  # a self-test's draws each started from one of these (harness/fuzz/reach.py)
+        head += (f"<p>Draws aimed at the planted faults' reach: each started from one of "
+                 f"{len(doc['aimed'])} seeds, e.g. {esc('; '.join(doc['aimed'][:4]))}.</p>")
     failed = "".join(f"<li>{esc(what)}: {len(pairs)} pair(s), {esc(', '.join(pairs[:5]))}</li>"
                      for what, pairs in doc.get("errors", {}).items())
     body = (head + "<h2>Clusters</h2>" + _cluster_rows(doc)

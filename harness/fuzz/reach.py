@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from harness.fuzz.space import CHECKPOINT, CLASSES, Axis, Space
+from harness.fuzz.space import CHECKPOINT, CLASSES, Axis, Space, shown_value
 from harness.scenario.faults import fault_reach
 
 Seed = tuple[tuple[tuple[str, str, Any], ...], Axis]
@@ -59,3 +59,9 @@ def _fires(space: Space, faults: tuple[str, ...], combo, axis: Axis) -> bool:
         except (TypeError, ValueError, ArithmeticError):  # a world the combination does not fit:
             continue  # the rules say why where a draw holds it
     return False
+
+
+def seed_label(seed: Seed) -> str:
+    """``train.precision=bf16, axis:gtp=1->2``: as a draw's settings and axis are shown."""
+    settings, axis = seed
+    return ", ".join([*(f"{s}.{k}={shown_value(v)}" for s, k, v in settings), f"axis:{axis.label}"])

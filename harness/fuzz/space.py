@@ -55,7 +55,7 @@ class Axis:
 
     @property
     def label(self) -> str:
-        return f"{self.key}={_shown(self.reference)}->{_shown(self.candidate)}"
+        return f"{self.key}={shown_value(self.reference)}->{shown_value(self.candidate)}"
 
 
 @dataclass
@@ -87,7 +87,8 @@ class Space:
                 "axes": [a.label for a in self.axes], "fixed": self.fixed, "digest": self.digest()}
 
 
-def _shown(value: Any) -> str:
+def shown_value(value: Any) -> str:
+    """A drawn value as labels and needs show it: strings bare, the rest as JSON (true, 0.5, null)."""
     return json.dumps(value) if not isinstance(value, str) else value
 
 
@@ -213,7 +214,7 @@ class Draw:
 
     def items(self) -> list[str]:
         """What coverage counts: each setting, the world and the axis, as ``key=value``."""
-        return [f"{s}.{k}={_shown(v)}" for s, k, v in self.settings] + [f"world={self.world_size}",
+        return [f"{s}.{k}={shown_value(v)}" for s, k, v in self.settings] + [f"world={self.world_size}",
                                                                           f"axis:{self.axis.label}"]
 
     def document(self, space: Space, name: str, inject: tuple[str, ...] = ()) -> dict:
