@@ -50,10 +50,13 @@ def _fires(space: Space, faults: tuple[str, ...], combo, axis: Axis) -> bool:
         else:
             tables[s][k] = v
     tables["train"].update({axis.key: axis.candidate, "backend": space.backend})
+    try:  # the same for every world
+        data, model = CLASSES["data"](**tables["data"]), CLASSES["model"](**tables["model"])
+    except (TypeError, ValueError):  # a combination the classes refuse: the rules say why
+        return False
     for world in space.world_sizes:
         try:
             side = CLASSES["train"](**tables["train"], world_size=world)
-            data, model = CLASSES["data"](**tables["data"]), CLASSES["model"](**tables["model"])
             if all(fault_reach(f, side, data, model) is None for f in faults):
                 return True
         except (TypeError, ValueError, ArithmeticError):  # a world the combination does not fit:
