@@ -77,13 +77,14 @@ def test_a_checkpoint_stage_runs_the_mutant_where_it_saves_and_where_it_loads(tm
         return {j.key: "crashed" for j in jobs if j.side.mutant == "x-save-crash" and j.side.save_step}
 
     monkeypatch.setattr(campaign, "run_clean", lambda *a: clean)
+    monkeypatch.setattr(campaign, "clean_lines", lambda roles: None)
     monkeypatch.setattr(campaign, "run_mutant_jobs", run_jobs)
     monkeypatch.setattr(campaign, "_verdict", lambda s, by_s, failed, out, clean: None if any(
         j.key in failed for j in campaign.mutant_jobs(by_s[s.name]))
             else {"scenario": s.name, "verdict": "pass"})
     monkeypatch.setattr(campaign, "reached", lambda trace_dir: True)
     doc = campaign.run_campaign(ms, [ckpt], tmp_path, timeout_s=90, per_launch=12, triage={},
-                                say=lambda *a: None)
+                                say=lambda *a: None, warm=False)
     assert launched == [[("x-save-crash", True), ("x-survives", True)], [("x-survives", False)]]
     assert [m["status"] for m in doc["mutants"]] == ["crashed", "survived"]
 
@@ -145,8 +146,9 @@ def test_score_counts_crashes_apart_and_leaves_out_equivalents():
 @pytest.mark.multirank
 def test_campaign_end_to_end(tmp_path):
     """Two mutants of GTP's wgrad pre-scale: 1/G -> 1 is killed at the GTP weights' main_grad
-    (ratio-G), a forced-off branch of the pad handling is run and judged; the page, the JSON and
-    --show come out."""
+    (ratio-G), a forced-off branch of the pad handling is run and judged; a mutant of GTP's
+    checkpoint code, which a run without a checkpoint never runs, is not launched (the clean
+    candidate's recorded lines say so) and is unreachable; the page, the JSON and --show come out."""
     from harness import scenario
     from harness.mutation import page
     from harness.mutation.command import show
@@ -157,25 +159,30 @@ def test_campaign_end_to_end(tmp_path):
                     and m.operator == "constant" and m.replacement == "1.0")
     other = next(m for m in ms if m.function == "GTPShardedParam._reduce_scatter" and m.operator == "arith"
                  and "_debug_name" in m.original)
+    unreached = next(m for m in ms if m.function.endswith("for_checkpoint_with_gtp_remat"))
     scenarios = scenario.load(ROOT / "scenarios" / "mutate.toml")[:1]  # the 2-rank scenario
-    doc = campaign.run_campaign([prescale, other], scenarios, tmp_path, timeout_s=90, per_launch=12,
-                                triage={}, say=lambda *a: None)
+    doc = campaign.run_campaign([prescale, other, unreached], scenarios, tmp_path, timeout_s=90,
+                                per_launch=12, triage={}, say=lambda *a: None)
     by_id = {m["id"]: m for m in doc["mutants"]}
     killed = by_id[prescale.id]
     assert killed["status"] == "killed" and killed["localized"], killed
     assert killed["first_divergence"]["kind"] == "main_grad"
     assert killed["first_divergence"]["signature"] == "ratio-G"
     assert by_id[other.id]["status"] in ("killed", "crashed", "survived")
+    assert by_id[unreached.id]["status"] == "unreachable" and by_id[unreached.id]["verdicts"] == {}
+    assert doc["stages"][0]["lines_recorded"] and doc["timing"]["mutant_sides"] == 2
     html = page.write(doc, tmp_path).read_text()
     assert prescale.id in html and "<script" not in html.lower()
     assert "&quot;" in html or "&#x27;" in html  # quoted source text is escaped
-    assert json.loads((tmp_path / "mutants.json").read_text())["score"]["overall"]["total"] == 2
+    assert json.loads((tmp_path / "mutants.json").read_text())["score"]["overall"]["total"] == 3
     assert show(tmp_path, prescale.id) == 0
 
 
 def test_a_detected_mutant_does_not_run_the_later_scenarios(tmp_path, monkeypatch):
     """The matrix runs in stages: a mutant killed (or crashed) by the first scenario is not
-    launched on the second; a survivor runs both and is judged over both."""
+    launched on the second; a survivor runs both and is judged over both. A mutant whose line the
+    clean sides of a scenario never ran is not launched there; one no scenario's clean sides
+    reach is unreachable without a launch."""
     from types import SimpleNamespace
 
     from harness import scenario
@@ -183,12 +190,14 @@ def test_a_detected_mutant_does_not_run_the_later_scenarios(tmp_path, monkeypatc
     scenarios = scenario.load(ROOT / "scenarios" / "mutate.toml")
     assert len(scenarios) >= 2
 
-    def mutant(mid):
-        return Mutant(id=mid, module="m", file="f", function="f", operator="branch", line=1, end_line=1,
+    def mutant(mid, line=1):
+        return Mutant(id=mid, module="m", file="f", function="f", operator="branch", line=line, end_line=line,
                       start=0, end=1, original="a", replacement="b")
 
-    ms = [mutant("x-killed"), mutant("x-crashed"), mutant("x-survives")]
+    ms = [mutant("x-killed"), mutant("x-crashed"), mutant("x-survives"), mutant("x-second-only", 2),
+          mutant("x-nowhere", 3)]
     clean = {s.name: {"candidate": SimpleNamespace(provenance={"digest": "0" * 12})} for s in scenarios}
+    lines = {id(clean[scenarios[0].name]): {"m": {1, 9}}, id(clean[scenarios[1].name]): {"m": {1, 2}}}
     launched = []
 
     def run_jobs(jobs, *a, **k):
@@ -201,16 +210,55 @@ def test_a_detected_mutant_does_not_run_the_later_scenarios(tmp_path, monkeypatc
         return {"scenario": s.name, "verdict": "fail" if s.candidate.mutant == "x-killed" else "pass"}
 
     monkeypatch.setattr(campaign, "run_clean", lambda *a: clean)
+    monkeypatch.setattr(campaign, "clean_lines", lambda roles: lines.get(id(roles)))
     monkeypatch.setattr(campaign, "run_mutant_jobs", run_jobs)
     monkeypatch.setattr(campaign, "_verdict", verdict)
     monkeypatch.setattr(campaign, "reached", lambda trace_dir: True)
     doc = campaign.run_campaign(ms, scenarios[:2], tmp_path, timeout_s=90, per_launch=12, triage={},
-                                say=lambda *a: None)
-    assert launched == [["x-crashed", "x-killed", "x-survives"], ["x-survives"]]
+                                say=lambda *a: None, warm=False)
+    assert launched == [["x-crashed", "x-killed", "x-survives"], ["x-second-only", "x-survives"]]
     by_id = {m["id"]: m for m in doc["mutants"]}
-    statuses = [by_id[i]["status"] for i in ("x-killed", "x-crashed", "x-survives")]
-    assert statuses == ["killed", "crashed", "survived"]
+    statuses = [by_id[m.id]["status"] for m in ms]
+    assert statuses == ["killed", "crashed", "survived", "survived", "unreachable"]
     assert len(by_id["x-survives"]["verdicts"]) == 2 and len(by_id["x-killed"]["verdicts"]) == 1
+    assert by_id["x-nowhere"]["verdicts"] == {} and scenarios[1].name in by_id["x-nowhere"]["reason"]
+    assert [(st["alive"], st["ran"]) for st in doc["stages"]] == [(5, 3), (3, 2)]
+    assert doc["timing"]["mutant_sides"] == 5
+
+
+def test_lines_record_what_ran_and_decide_which_mutants_can_differ(tmp_path):
+    """A clean side's recorder names the lines of a module that ran (each recorder afresh: the
+    locations one disabled fire again for the next); a mutant whose span none of them holds
+    cannot change the side; :func:`campaign.clean_lines` joins the ranks' records."""
+    import sys as _sys
+    from types import SimpleNamespace
+
+    from harness.backends.faults.mutant import Lines
+
+    ms = _toy(tmp_path)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import toy_gtp
+
+        seen = []
+        for group_size in (1, 2):
+            rank = tmp_path / f"t{group_size}" / "rank0"
+            rank.mkdir(parents=True)
+            rec = Lines(("toy_gtp",))
+            toy_gtp.mean_over_group([1.0, 2.0], group_size)
+            rec.close(rank / "lines.json")
+            seen.append(campaign.clean_lines({"candidate": SimpleNamespace(trace_dir=str(rank.parent))}))
+    finally:
+        sys.path.remove(str(tmp_path))
+        _sys.modules.pop("toy_gtp", None)
+    if seen[0] is None:
+        pytest.skip("another tool holds sys.monitoring's coverage id (a coverage run): lines not recorded")
+    divide = next(m for m in ms if m.replacement == "total" and m.operator == "constant")
+    loop = next(m for m in ms if m.operator == "arith" and "+=" in m.original)
+    assert not campaign.can_differ(divide, seen[0]) and campaign.can_differ(divide, seen[1])
+    assert campaign.can_differ(loop, seen[0]) and campaign.can_differ(loop, seen[1])  # fires again
+    assert campaign.can_differ(divide, None)  # not recorded: run it
+    assert campaign.clean_lines({"candidate": SimpleNamespace(trace_dir=str(tmp_path / "none"))}) is None
 
 
 @pytest.mark.slow

@@ -237,6 +237,9 @@ def _mutate_parser(sub) -> None:
     mu.add_argument("--timeout", type=non_negative, default=90.0, help="seconds per mutant side (default 90)")
     mu.add_argument("--per-launch", type=positive_int, default=12,
                     help="mutant sides per launch (default 12)")
+    mu.add_argument("--cold", action="store_true",
+                    help="start every launch afresh instead of on warm workers kept across launches (a "
+                         "crashed or overrun side still ends its worker; the traces are the same)")
     mu.add_argument("--retriage", action="store_true",
                     help="apply the triage file (harness/mutation/triage.toml) to the campaign in --out "
                          "again (no run)")

@@ -128,13 +128,18 @@ def mutant_scenarios(scenarios: list, mutants: list[Mutant], timeout_s: float) -
                    for s in scenarios] for m in mutants}
 
 
+def mutated_roles(roles: dict) -> list[str]:
+    """The roles of a scenario that run the mutant: its saver (if any), then its candidate."""
+    return [r for r in (Role.SAVER, "candidate") if r in roles]
+
+
 def mutant_jobs(roles: dict) -> list:
-    """The jobs of one mutant scenario that run the mutant: its saver (if any), then its candidate."""
-    return [roles[r] for r in (Role.SAVER, "candidate") if r in roles]
+    """The jobs of one mutant scenario that run the mutant."""
+    return [roles[r] for r in mutated_roles(roles)]
 
 
 def run_mutant_jobs(jobs: list, out: Path, per_launch: int, timeout_s: float, say,
-                    prefix: str = "m") -> dict[str, str]:
+                    prefix: str = "m", pool=None) -> dict[str, str]:
     """Run mutant sides, ``per_launch`` per launch (named ``prefix`` + a count, so that the
     launches of each stage keep their own plan and log); return job key -> crashed|timeout."""
     failed: dict[str, str] = {}
@@ -148,8 +153,9 @@ def run_mutant_jobs(jobs: list, out: Path, per_launch: int, timeout_s: float, sa
             chunk, queue = queue[:per_launch], queue[per_launch:]
             n += 1
             try:
-                wall = launch(chunk, world=world, timeout_s={j.key: timeout_s for j in chunk},
-                              workdir=out / "launches", name=f"{prefix}{n}")
+                wall = (pool.launch if pool else launch)(chunk, world=world, workdir=out / "launches",
+                                                         timeout_s={j.key: timeout_s for j in chunk},
+                                                         name=f"{prefix}{n}")
                 say(f"  launch {prefix}{n}: {len(chunk)} mutant side(s) in {wall:.1f} s")
             except RunFailed as e:
                 done = [j for j in chunk if trace.is_complete(j.trace_dir)]
@@ -218,13 +224,17 @@ def _compare(s, roles: dict, out: Path):
                             say=_quiet)
 
 
-def run_clean(scenarios: list, out: Path, say) -> dict:
+def run_clean(scenarios: list, out: Path, say, modules: tuple[str, ...] = (), pool=None) -> dict:
     """Run and judge the clean matrix: a scenario failing clean would make every kill there
-    meaningless. Returns the plan (its provenance is the mutants')."""
+    meaningless. The sides a mutant will run on record which lines of ``modules`` ran. Returns
+    the plan (its provenance is the mutants')."""
     from harness.run.plan import execute, plan
 
     by_scenario = plan(scenarios, out)
-    if failures := execute(by_scenario, scenarios, out, progress=say):
+    for roles in by_scenario.values():
+        for r in mutated_roles(roles):
+            roles[r] = dataclasses.replace(roles[r], lines=modules)
+    if failures := execute(by_scenario, scenarios, out, progress=say, pool=pool):
         raise RunFailed("the clean matrix did not run: " + "; ".join(failures.values()))
     bad = [s.name for s in scenarios if not _compare(s, by_scenario[s.name], out).verdict.passes_gate]
     if bad:
@@ -233,21 +243,53 @@ def run_clean(scenarios: list, out: Path, say) -> dict:
     return by_scenario
 
 
+def clean_lines(roles: dict) -> dict[str, set[int]] | None:
+    """module -> the lines its clean sides that a mutant would run on ran, on any rank (None:
+    not recorded, e.g. a trace from before the campaign recorded lines)."""
+    seen: dict[str, set[int]] = defaultdict(set)
+    for r in mutated_roles(roles):
+        files = sorted(Path(roles[r].trace_dir).glob("rank*/lines.json"))
+        docs = [json.loads(f.read_text()).get("lines") for f in files]
+        if not docs or None in docs:
+            return None
+        for doc in docs:
+            for module, lines in doc.items():
+                seen[module].update(lines)
+    return seen
+
+
+def can_differ(m: Mutant, lines: dict[str, set[int]] | None) -> bool:
+    """Whether ``m`` could change what a scenario computes: a run is deterministic, so a mutant
+    whose span holds no line the clean sides ran computes exactly what they did (its trace would
+    be the clean one's, byte for byte) and is not run there."""
+    return lines is None or any(n in lines.get(m.module, ()) for n in range(m.line, m.end_line + 1))
+
+
 def run_campaign(mutants: list[Mutant], scenarios: list, out: Path, *, timeout_s: float, per_launch: int,
-                 triage, say=print) -> dict:
+                 triage, say=print, warm: bool = True) -> dict:
     """Run ``mutants`` against ``scenarios``; write and return the campaign's document.
     ``triage`` is the survivors' triage (a dict, or a callable read once the runs are done).
 
     The matrix runs in stages, in its order: a mutant detected by one scenario (killed,
     crashed, timed out) does not run the next ones, which could not change its status; put the
-    cheap scenario first."""
+    cheap scenario first. A mutant whose lines the scenario's clean sides never ran is not run
+    there (:func:`can_differ`). With ``warm`` the launches go to warm workers."""
+    from contextlib import nullcontext
+
+    from harness.run.warm import WarmPool
+
+    with WarmPool(out / "warm") if warm else nullcontext() as pool:
+        return _campaign(mutants, scenarios, out, timeout_s, per_launch, triage, say, pool)
+
+
+def _campaign(mutants, scenarios, out, timeout_s, per_launch, triage, say, pool) -> dict:
     import shutil
 
     from harness.run.plan import plan
 
     out.mkdir(parents=True, exist_ok=True)
     t0 = clock()
-    clean = run_clean(scenarios, out, say)
+    clean = run_clean(scenarios, out, say, tuple(sorted({m.module for m in mutants})), pool)
     t_clean = clock() - t0
     provenance = next(iter(clean.values()))["candidate"].provenance
     per = mutant_scenarios(scenarios, mutants, timeout_s)
@@ -255,34 +297,41 @@ def run_campaign(mutants: list[Mutant], scenarios: list, out: Path, *, timeout_s
     say(f"gtp-parity mutate: {len(mutants)} mutant(s) x {len(scenarios)} scenario(s) -> {out}")
     failed: dict[str, str] = {}
     summaries: dict[str, list] = {m.id: [] for m in mutants}
-    ran: dict[str, int] = {m.id: 0 for m in mutants}  # scenarios each mutant ran
-    alive, t_run = list(mutants), 0.0
-    for i in range(len(scenarios)):
-        roles = [by_s[per[m.id][i].name] for m in alive]
+    ran: dict[str, list[int]] = {m.id: [] for m in mutants}  # the stages each mutant ran
+    alive, t_run, stages = list(mutants), 0.0, []
+    for i, s in enumerate(scenarios):
+        lines = clean_lines(clean[s.name])
+        runs = [m for m in alive if can_differ(m, lines)]
+        roles = [by_s[per[m.id][i].name] for m in runs]
         jobs = list({j.key: j for r in roles for j in mutant_jobs(r)}.values())
         for j in jobs:
             if not trace.is_complete(j.trace_dir):
                 shutil.rmtree(j.trace_dir, ignore_errors=True)  # a side left incomplete is run again
-        say(f"  {scenarios[i].name}: {len(alive)} mutant(s)")
+        say(f"  {s.name}: {len(runs)} of {len(alive)} mutant(s) reach its lines")
         t = clock()
         prefix = f"m{i}-" if i else "m"
         if savers := [r[Role.SAVER] for r in roles if Role.SAVER in r]:  # a checkpoint first, then its loader
-            failed |= run_mutant_jobs(savers, out, per_launch, timeout_s, say, prefix=prefix + "s")
+            failed |= run_mutant_jobs(savers, out, per_launch, timeout_s, say, prefix=prefix + "s", pool=pool)
         loaders = [r["candidate"] for r in roles if not (Role.SAVER in r and r[Role.SAVER].key in failed)]
         failed |= run_mutant_jobs(list({j.key: j for j in loaders}.values()), out, per_launch, timeout_s, say,
-                                  prefix=prefix)
+                                  prefix=prefix, pool=pool)
+        stages.append({"scenario": s.name, "alive": len(alive), "ran": len(runs),
+                       "lines_recorded": lines is not None, "seconds": clock() - t})
         t_run += clock() - t
-        for m in alive:
-            ran[m.id] += 1
+        for m in runs:
+            ran[m.id].append(i)
             if (doc := _verdict(per[m.id][i], by_s, failed, out, clean)) is not None:
                 summaries[m.id].append(doc)
-        alive = [m for m in alive if not _detected(summaries[m.id], per[m.id][: ran[m.id]], by_s, failed)]
+        alive = [m for m in alive if not _detected(summaries[m.id], [per[m.id][k] for k in ran[m.id]], by_s,
+                                                   failed)]
     triage = triage() if callable(triage) else triage
-    outcomes = [_judge_one(m, per[m.id][: ran[m.id]], summaries[m.id], by_s, failed, triage) for m in mutants]
+    outcomes = [_judge_one(m, [per[m.id][k] for k in ran[m.id]], scenarios, summaries[m.id], by_s, failed,
+                           triage) for m in mutants]
     t_all = clock() - t0
-    doc = {"score": score(outcomes), "scenarios": [s.name for s in scenarios],
+    doc = {"score": score(outcomes), "scenarios": [s.name for s in scenarios], "stages": stages,
            "timing": {"clean_s": t_clean, "mutant_runs_s": t_run, "compare_s": t_all - t_clean - t_run,
-                      "total_s": t_all, "per_mutant_s": (t_all - t_clean) / max(len(mutants), 1)},
+                      "total_s": t_all, "per_mutant_s": (t_all - t_clean) / max(len(mutants), 1),
+                      "mutant_sides": sum(len(v) for v in ran.values())},
            "mutants": [o.to_json() for o in outcomes]}
     write_json(out / "mutants.json", doc)
     return doc
@@ -300,7 +349,7 @@ def same_trace(a: Path, b: Path) -> bool:
 
 
 # Files of a trace folder that name the side rather than hold what it computed.
-_NOT_TRACE = ("manifest.json", "mutant.json")
+_NOT_TRACE = ("manifest.json", "mutant.json", "lines.json")
 
 
 def reached(trace_dir: Path) -> bool | None:
@@ -327,17 +376,18 @@ def _detected(summaries: list[dict], scenarios: list, by_s: dict, failed: dict) 
         j.key in failed for s in scenarios for j in mutant_jobs(by_s[s.name]))
 
 
-def _judge_one(m: Mutant, scenarios: list, summaries: list[dict], by_s: dict, failed: dict,
+def _judge_one(m: Mutant, run: list, matrix: list, summaries: list[dict], by_s: dict, failed: dict,
                triage: dict) -> Outcome:
-    """A mutant's outcome over the scenarios it ran (a prefix of the matrix)."""
+    """A mutant's outcome over the scenarios it ran (``run``; the others of ``matrix`` it either
+    never reached, or was detected before)."""
     o = Outcome(m)
-    jobs = [j for s in scenarios for j in mutant_jobs(by_s[s.name])]
+    jobs = [j for s in run for j in mutant_jobs(by_s[s.name])]
     judge(o, summaries, failed, jobs)
     reach = [reached(Path(j.trace_dir)) for j in jobs]
     o.reached = None if None in reach else any(reach)
-    if o.status == SURVIVED and o.reached is False:
-        ran_in = ", ".join(s.name.rsplit("@", 1)[0] for s in scenarios)
-        o.status, o.reason = UNREACHABLE, f"the mutated line(s) never ran in {ran_in}"
+    if o.status == SURVIVED and o.reached is False:  # its lines ran nowhere it ran, nor where it was not run
+        names = ", ".join(s.name for s in matrix)
+        o.status, o.reason = UNREACHABLE, f"the mutated line(s) never ran in {names}"
     if o.status == SURVIVED and m.id in triage:
         o.status, o.reason = triage[m.id]["status"], triage[m.id]["reason"]
     return o

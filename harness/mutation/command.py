@@ -86,7 +86,9 @@ def _print_score(doc: dict, out: Path) -> None:
         print(f"score where the matrix reaches the mutated lines: {o['score_reached']:.1%}")
     if loc["accuracy"] is not None:
         print(f"localization accuracy: {loc['accuracy']:.1%} ({loc['localized']} / {loc['killed']})")
-    print(f"per mutant: {doc['timing']['per_mutant_s']:.1f} s; total {doc['timing']['total_s']:.0f} s")
+    t = doc["timing"]
+    sides = f"; {t['mutant_sides']} mutant side(s) run" if "mutant_sides" in t else ""
+    print(f"per mutant: {t['per_mutant_s']:.1f} s; total {t['total_s']:.0f} s{sides}")
     print(f"page: {page.write(doc, out)}; json: {out / 'mutants.json'}")
 
 
@@ -118,6 +120,6 @@ def main(args) -> int:
         chosen = select(mutants, args.budget or None)
     print(f"gtp-parity mutate: {len(mutants)} mutant(s) generated, {len(chosen)} run")
     doc = run_campaign(chosen, scenarios, out, timeout_s=args.timeout, per_launch=args.per_launch,
-                       triage=lambda: read_triage(TRIAGE))
+                       triage=lambda: read_triage(TRIAGE), warm=not args.cold)
     _print_score(doc, out)
     return 0

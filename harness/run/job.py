@@ -28,6 +28,9 @@ class Job:
     megatron_root: str = ""
     """The folder holding the side's megatron-core tree, first on its ranks' PYTHONPATH
     ("": the installed one; :mod:`harness.run.trees`)."""
+    lines: tuple[str, ...] = ()
+    """Modules whose executed lines the side records beside its trace (a mutation campaign's clean
+    sides); not part of the key: it changes what is recorded, not what is computed."""
 
     def to_json(self) -> dict:
         return {
@@ -40,6 +43,7 @@ class Job:
             "provenance": self.provenance,
             "checkpoint_dir": self.checkpoint_dir,
             "megatron_root": self.megatron_root,
+            "lines": list(self.lines),
         }
 
     @classmethod
@@ -61,4 +65,5 @@ class Job:
             provenance=doc.get("provenance", {}),
             checkpoint_dir=doc.get("checkpoint_dir", ""),
             megatron_root=doc.get("megatron_root", ""),
+            lines=tuple(doc.get("lines", ())),
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import sys
 from pathlib import Path
 
@@ -48,6 +49,7 @@ class Reach:
     unreachable by the matrix, not missed by the checks."""
 
     TOOL = sys.monitoring.COVERAGE_ID
+    FILE = "mutant.json"
 
     def __init__(self, m: Mutant, code):
         self.mutant, self.reached = m, False
@@ -79,6 +81,46 @@ class Reach:
             write_json(path, {"mutant": self.mutant.id, "reached": self.reached})
 
 
+class Lines:
+    """The lines of ``modules`` a clean side ran (PEP 669 LINE events, each location once).
+
+    Runs are deterministic, so a mutant whose span holds none of these lines cannot make that
+    side compute anything else: the mutation campaign skips it there (``mutation.campaign``)."""
+
+    TOOL, FILE = Reach.TOOL, "lines.json"
+
+    def __init__(self, modules: tuple[str, ...]):
+        self.seen: dict[str, set[int]] | None = None
+        mon = sys.monitoring
+        if mon.get_tool(self.TOOL) is not None:  # another coverage tool holds the id: unknown
+            self.active = False
+            return
+        self.files: dict[str, str] = {}
+        for name in modules:
+            path = importlib.import_module(name).__file__
+            self.files[path] = self.files[os.path.realpath(path)] = name
+        self.seen, self.active = {name: set() for name in modules}, True
+        mon.use_tool_id(self.TOOL, "gtp-parity mutate lines")
+        mon.register_callback(self.TOOL, mon.events.LINE, self._line)
+        mon.set_events(self.TOOL, mon.events.LINE)
+
+    def _line(self, code, line):
+        if (name := self.files.get(code.co_filename)) is not None:
+            self.seen[name].add(line)
+        return sys.monitoring.DISABLE
+
+    def close(self, path: Path) -> None:
+        if self.active:
+            mon = sys.monitoring
+            mon.set_events(self.TOOL, mon.events.NO_EVENTS)
+            mon.register_callback(self.TOOL, mon.events.LINE, None)
+            mon.free_tool_id(self.TOOL)
+            self.active = False
+            mon.restart_events()  # the locations disabled above fire again for the next tool
+        lines = None if self.seen is None else {k: sorted(v) for k, v in self.seen.items()}
+        write_json(path, {"lines": lines})
+
+
 def _codes(code):
     yield code
     for c in code.co_consts:
@@ -96,3 +138,10 @@ def apply(mutant: Mutant | str, watch: bool = False):
         raise LookupError(f"mutant {m.id}: {m.function} not found in the mutated source")
     patch(_function(module, m.function), "__code__", code)
     return Reach(m, code) if watch else m
+
+
+def watch(mutant: str, lines: tuple[str, ...]) -> Reach | Lines:
+    """A mutation campaign's side: a mutant side installs its mutant and records whether its lines
+    ran; a clean side records which lines of ``lines`` ran. Either is closed into the rank's
+    folder (``.close(rank_dir / .FILE)``)."""
+    return apply(mutant, watch=True) if mutant else Lines(lines)

@@ -234,10 +234,10 @@ def run(job: Job, cap: Capture) -> None:
     mtp.reset_tracker()
     reach, chunks = None, []
     try:
-        if job.side.mutant:  # a mutation campaign's side: undone with the faults' patches below
-            from harness.backends.faults.mutant import apply
+        if job.side.mutant or job.lines:  # a mutation campaign's side: undone with the faults' patches
+            from harness.backends.faults.mutant import watch
 
-            reach = apply(job.side.mutant, watch=True)
+            reach = watch(job.side.mutant, job.lines)
         config, chunks, mesh, coord, pgc = _build(job)
         # Names: global layer numbers on every stage, global expert indices on every EP rank.
         named = [(moe.global_name(pipeline.canonical_names(c, canonical_name)[n], job), p)
@@ -254,7 +254,7 @@ def run(job: Job, cap: Capture) -> None:
                finalize_model_grads)
     finally:
         if reach is not None:  # beside the rank's trace files, not in them (see mutation.campaign)
-            reach.close(cap.rank_dir / "mutant.json")
+            reach.close(cap.rank_dir / reach.FILE)
         compat.set_collectives("async")
         faults.uninstall()  # the faults' patches and the gather recorder's
         teardown.release_model(chunks)
