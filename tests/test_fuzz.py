@@ -214,25 +214,32 @@ def _campaign(tmp_path: Path, *args: str) -> tuple[int, dict]:
 
 @pytest.mark.multirank
 @pytest.mark.slow
-def test_a_planted_fault_is_found_and_shrunk(tmp_path):
+@pytest.mark.parametrize("fault, needs", [
+    (FAULT, ["axis:gtp=1->2"]),  # GTP alone: every drawn setting is removed
+    # a bias beside a GTP weight: no draw of the space's defaults holds one, so the draws are
+    # aimed at the fault's reach (harness.fuzz.reach) and shrinking keeps the bias
+    ("gtp-bias-grad-unreduced", ["axis:gtp=1->2", "model.add_bias_linear=true"]),
+])
+def test_a_planted_fault_is_found_and_shrunk(tmp_path, fault, needs):
     space = tmp_path / "space.toml"
     space.write_text(SPACE.read_text().replace("world_size = [2, 4]", "world_size = [2]")
                      .replace("max_off_default = 4", "max_off_default = 2\naxes = [\"gtp\"]"))
-    code, doc = _campaign(tmp_path, "--space", str(space), "--inject", FAULT, "--pairs", "3", "--batch", "3",
+    code, doc = _campaign(tmp_path, "--space", str(space), "--inject", fault, "--pairs", "3", "--batch", "3",
                           "--seed", "5", "--shrink-budget", "8m")
     from harness.scenario.faults import CATALOG
 
-    expect = CATALOG[FAULT].expect
+    expect = CATALOG[fault].expect
     assert code == 1 and doc["clusters"], doc["judged"]
+    assert bool(doc["aimed"]) == (len(needs) > 1), doc["aimed"]
     c = doc["clusters"][0]
     assert c["fingerprint"] == [expect["signature"], expect["kind"]]
-    assert c["needs"] == ["axis:gtp=1->2"]  # the fault needs GTP alone: every drawn setting was removed
+    assert c["needs"] == needs
     assert c["shrink"]["complete"]
     # the batch and the shrink's runs went to one warm worker of world 2, plan after plan
     (worker,) = (tmp_path / "campaign" / "warm").glob("w2-*")
     assert (worker / "done-0002.json").is_file()
     minimal = load(tmp_path / "campaign" / c["scenario_file"])[0]  # ships as a scenario that parses
-    assert minimal.candidate.inject == (FAULT,) and minimal.expect.signature == expect["signature"]
+    assert minimal.candidate.inject == (fault,) and minimal.expect.signature == expect["signature"]
 
 
 def test_passing_pairs_become_a_matrix_of_stages(tmp_path):

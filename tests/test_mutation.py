@@ -173,6 +173,7 @@ def test_campaign_end_to_end(tmp_path):
     assert doc["stages"][0]["lines_recorded"] and doc["timing"]["mutant_sides"] == 2
     html = page.write(doc, tmp_path).read_text()
     assert prescale.id in html and "<script" not in html.lower()
+    assert f"<td>{scenarios[0].name}</td><td>3</td><td>2</td>" in html  # the stage: 3 undetected, 2 run
     assert "&quot;" in html or "&#x27;" in html  # quoted source text is escaped
     assert json.loads((tmp_path / "mutants.json").read_text())["score"]["overall"]["total"] == 3
     assert show(tmp_path, prescale.id) == 0

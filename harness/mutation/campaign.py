@@ -266,23 +266,24 @@ def can_differ(m: Mutant, lines: dict[str, set[int]] | None) -> bool:
 
 
 def run_campaign(mutants: list[Mutant], scenarios: list, out: Path, *, timeout_s: float, per_launch: int,
-                 triage, say=print, warm: bool = True) -> dict:
+                 triage, say=print, warm: bool = True, skip: bool = True) -> dict:
     """Run ``mutants`` against ``scenarios``; write and return the campaign's document.
     ``triage`` is the survivors' triage (a dict, or a callable read once the runs are done).
 
     The matrix runs in stages, in its order: a mutant detected by one scenario (killed,
     crashed, timed out) does not run the next ones, which could not change its status; put the
     cheap scenario first. A mutant whose lines the scenario's clean sides never ran is not run
-    there (:func:`can_differ`). With ``warm`` the launches go to warm workers."""
+    there (:func:`can_differ`; ``skip=False`` runs it anyway, to check that claim). With ``warm``
+    the launches go to warm workers."""
     from contextlib import nullcontext
 
     from harness.run.warm import WarmPool
 
     with WarmPool(out / "warm") if warm else nullcontext() as pool:
-        return _campaign(mutants, scenarios, out, timeout_s, per_launch, triage, say, pool)
+        return _campaign(mutants, scenarios, out, timeout_s, per_launch, triage, say, pool, skip)
 
 
-def _campaign(mutants, scenarios, out, timeout_s, per_launch, triage, say, pool) -> dict:
+def _campaign(mutants, scenarios, out, timeout_s, per_launch, triage, say, pool, skip) -> dict:
     import shutil
 
     from harness.run.plan import plan
@@ -301,7 +302,7 @@ def _campaign(mutants, scenarios, out, timeout_s, per_launch, triage, say, pool)
     alive, t_run, stages = list(mutants), 0.0, []
     for i, s in enumerate(scenarios):
         lines = clean_lines(clean[s.name])
-        runs = [m for m in alive if can_differ(m, lines)]
+        runs = [m for m in alive if not skip or can_differ(m, lines)]
         roles = [by_s[per[m.id][i].name] for m in runs]
         jobs = list({j.key: j for r in roles for j in mutant_jobs(r)}.values())
         for j in jobs:
@@ -316,6 +317,7 @@ def _campaign(mutants, scenarios, out, timeout_s, per_launch, triage, say, pool)
         failed |= run_mutant_jobs(list({j.key: j for j in loaders}.values()), out, per_launch, timeout_s, say,
                                   prefix=prefix, pool=pool)
         stages.append({"scenario": s.name, "alive": len(alive), "ran": len(runs),
+                       "can_differ": [m.id for m in alive if can_differ(m, lines)],
                        "lines_recorded": lines is not None, "seconds": clock() - t})
         t_run += clock() - t
         for m in runs:

@@ -55,6 +55,18 @@ def _source_view(module: str, mutants: list[dict]) -> str:
     return f"<h3>{escape(module)}</h3><p>{escape(path)}</p><table class='src'>{rows}</table>"
 
 
+def _stages(stages: list[dict]) -> str:
+    """The matrix stage by stage: mutants still undetected, and those of them the stage's clean
+    sides ran the lines of (the only ones launched there)."""
+    if not stages:
+        return ""
+    rows = "".join(f"<tr><td>{escape(st['scenario'])}</td><td>{st['alive']}</td><td>{st['ran']}"
+                   f"{'' if st['lines_recorded'] else ' (lines not recorded)'}</td>"
+                   f"<td>{st['seconds']:.0f}</td></tr>" for st in stages)
+    return ("<h2>Stages</h2><table><tr><th>scenario</th><th>undetected</th><th>run (reach its lines)</th>"
+            f"<th>s</th></tr>{rows}</table>")
+
+
 def write(doc: dict, out: Path) -> Path:
     s = doc["score"]
     loc = s["localization"]
@@ -69,7 +81,8 @@ def write(doc: dict, out: Path) -> Path:
             f"<b>{score}</b>; localization "
             f"accuracy of killed mutants: <b>{accuracy}</b> "
             f"({loc['localized']} / {loc['killed']}); per mutant {doc['timing']['per_mutant_s']:.1f} s.</p>")
-    body = (head + _score_table("Per operator", s["operator"]) + _score_table("Per file", s["file"])
+    body = (head + _stages(doc.get("stages", [])) + _score_table("Per operator", s["operator"])
+            + _score_table("Per file", s["file"])
             + "<h2>Source</h2>" + "".join(_source_view(k, v) for k, v in sorted(by_module.items())))
     page = out / "index.html"
     page.write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>gtp-parity mutate</title>"
