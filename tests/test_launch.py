@@ -90,6 +90,25 @@ def _files(trace_dir) -> dict:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+def test_a_warm_worker_is_replaced_once_the_code_it_imported_changed(tmp_path, monkeypatch):
+    """A worker imports megatron-core and the harness once: jobs of another code digest (an edit
+    in the middle of a campaign) get a fresh worker, and the stale one ends."""
+    from harness.run import warm
+
+    def serve(folder, world, idle_s):  # a worker that only waits for its stop file
+        return ["sh", "-c", f"while [ ! -e '{folder}/stop' ]; do sleep 0.05; done"]
+
+    monkeypatch.setattr(warm, "serve_command", serve)
+    with warm.WarmPool(tmp_path / "pool") as pool:
+        first = pool._take(2, "", "digest-a")
+        pool._free[(2, "")].append(first)
+        assert pool._take(2, "", "digest-a") is first  # the same code: reused
+        pool._free[(2, "")].append(first)
+        second = pool._take(2, "", "digest-b")
+        assert second is not first and second.code == "digest-b"
+        assert first.proc.poll() is not None and pool.pids() == [second.proc.pid]
+
+
 def test_a_warm_worker_serves_plan_after_plan_as_a_cold_launch_would(tmp_path):
     from harness.common.errors import RunFailed
     from harness.run.launch import launch

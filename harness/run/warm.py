@@ -63,6 +63,8 @@ class Worker:
     root: str
     folder: Path
     proc: subprocess.Popen
+    code: str = ""
+    """The digest of the code it imported (the jobs' provenance): an edit makes it of no use."""
     plans: int = 0
     idle_since: float = field(default_factory=time.monotonic)
 
@@ -118,12 +120,12 @@ class WarmPool:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _take(self, world: int, root: str) -> Worker:
+    def _take(self, world: int, root: str, code: str = "") -> Worker:
         with self._lock:
             free = self._free.setdefault((world, root), [])
             while free:
                 w = free.pop()
-                fit = time.monotonic() - w.idle_since < REUSE_S and w.plans < MAX_PLANS
+                fit = time.monotonic() - w.idle_since < REUSE_S and w.plans < MAX_PLANS and w.code == code
                 if w.proc.poll() is None and fit:
                     return w
                 self._drop(w)
@@ -137,7 +139,7 @@ class WarmPool:
             with open(folder / "worker.log", "wb") as log:
                 proc = subprocess.Popen(serve_command(folder, world, self.idle_s), stdout=log,
                                         stderr=subprocess.STDOUT, env=env, start_new_session=True)
-            w = Worker(world, root, folder, proc)
+            w = Worker(world, root, folder, proc, code=code)
             self._all.append(w)
             return w
 
@@ -154,7 +156,9 @@ class WarmPool:
         if len(roots) != 1:  # one interpreter imports one megatron-core
             raise ValueError(f"launch {name}: jobs of several megatron-core trees {sorted(roots)}")
         start = time.monotonic()
-        w = self._take(world, roots.pop())
+        # A worker imported the code once: one whose tree (or harness) was edited since is replaced.
+        codes = {j.provenance.get("digest", "") for j in jobs}
+        w = self._take(world, roots.pop(), codes.pop() if len(codes) == 1 else "")
         try:
             w.run(jobs, timeout_s, name, stop)
         except BaseException:
