@@ -196,7 +196,7 @@ def test_a_detected_mutant_does_not_run_the_later_scenarios(tmp_path, monkeypatc
                       start=0, end=1, original="a", replacement="b")
 
     ms = [mutant("x-killed"), mutant("x-crashed"), mutant("x-survives"), mutant("x-second-only", 2),
-          mutant("x-nowhere", 3)]
+          mutant("x-nowhere", 3), mutant("x-equivalent", 3)]
     clean = {s.name: {"candidate": SimpleNamespace(provenance={"digest": "0" * 12})} for s in scenarios}
     lines = {id(clean[scenarios[0].name]): {"m": {1, 9}}, id(clean[scenarios[1].name]): {"m": {1, 2}}}
     launched = []
@@ -215,15 +215,17 @@ def test_a_detected_mutant_does_not_run_the_later_scenarios(tmp_path, monkeypatc
     monkeypatch.setattr(campaign, "run_mutant_jobs", run_jobs)
     monkeypatch.setattr(campaign, "_verdict", verdict)
     monkeypatch.setattr(campaign, "reached", lambda trace_dir: True)
-    doc = campaign.run_campaign(ms, scenarios[:2], tmp_path, timeout_s=90, per_launch=12, triage={},
+    triage = {"x-equivalent": {"status": "equivalent", "reason": "f: changes nothing"}}
+    doc = campaign.run_campaign(ms, scenarios[:2], tmp_path, timeout_s=90, per_launch=12, triage=triage,
                                 say=lambda *a: None, warm=False)
     assert launched == [["x-crashed", "x-killed", "x-survives"], ["x-second-only", "x-survives"]]
     by_id = {m["id"]: m for m in doc["mutants"]}
     statuses = [by_id[m.id]["status"] for m in ms]
-    assert statuses == ["killed", "crashed", "survived", "survived", "unreachable"]
+    # one triaged equivalent is so whether or not a scenario reaches it (out of the denominator)
+    assert statuses == ["killed", "crashed", "survived", "survived", "unreachable", "equivalent"]
     assert len(by_id["x-survives"]["verdicts"]) == 2 and len(by_id["x-killed"]["verdicts"]) == 1
     assert by_id["x-nowhere"]["verdicts"] == {} and scenarios[1].name in by_id["x-nowhere"]["reason"]
-    assert [(st["alive"], st["ran"]) for st in doc["stages"]] == [(5, 3), (3, 2)]
+    assert [(st["alive"], st["ran"]) for st in doc["stages"]] == [(6, 3), (4, 2)]
     assert doc["timing"]["mutant_sides"] == 5
 
 

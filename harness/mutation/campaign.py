@@ -390,6 +390,7 @@ def _judge_one(m: Mutant, run: list, matrix: list, summaries: list[dict], by_s: 
     if o.status == SURVIVED and o.reached is False:  # its lines ran nowhere it ran, nor where it was not run
         names = ", ".join(s.name for s in matrix)
         o.status, o.reason = UNREACHABLE, f"the mutated line(s) never ran in {names}"
-    if o.status == SURVIVED and m.id in triage:
+    equivalent = triage.get(m.id, {}).get("status") == EQUIVALENT  # in any configuration, reached or not
+    if m.id in triage and (o.status == SURVIVED or o.status == UNREACHABLE and equivalent):
         o.status, o.reason = triage[m.id]["status"], triage[m.id]["reason"]
     return o
