@@ -1,6 +1,7 @@
 """The mutation campaign: stable mutant identities, run-time application in a worker process
 (installed files untouched), and an end-to-end campaign of a few mutants."""
 
+import dataclasses
 import hashlib
 import json
 import subprocess
@@ -261,6 +262,7 @@ def test_lines_record_what_ran_and_decide_which_mutants_can_differ(tmp_path):
     assert not campaign.can_differ(divide, seen[0]) and campaign.can_differ(divide, seen[1])
     assert campaign.can_differ(loop, seen[0]) and campaign.can_differ(loop, seen[1])  # fires again
     assert campaign.can_differ(divide, None)  # not recorded: run it
+    assert campaign.can_differ(dataclasses.replace(divide, module="other"), seen[0])  # nor its module
     assert campaign.clean_lines({"candidate": SimpleNamespace(trace_dir=str(tmp_path / "none"))}) is None
 
 

@@ -245,24 +245,25 @@ def run_clean(scenarios: list, out: Path, say, modules: tuple[str, ...] = (), po
 
 def clean_lines(roles: dict) -> dict[str, set[int]] | None:
     """module -> the lines its clean sides that a mutant would run on ran, on any rank (None:
-    not recorded, e.g. a trace from before the campaign recorded lines)."""
-    seen: dict[str, set[int]] = defaultdict(set)
+    not recorded, e.g. a trace from before the campaign recorded lines). Only the modules every
+    record covers: a clean trace reused from a campaign of other targets knows nothing of the rest."""
+    docs = []
     for r in mutated_roles(roles):
         files = sorted(Path(roles[r].trace_dir).glob("rank*/lines.json"))
-        docs = [json.loads(f.read_text()).get("lines") for f in files]
-        if not docs or None in docs:
-            return None
-        for doc in docs:
-            for module, lines in doc.items():
-                seen[module].update(lines)
-    return seen
+        docs += [json.loads(f.read_text()).get("lines") for f in files] or [None]
+    if None in docs:
+        return None
+    return {module: set().union(*(doc[module] for doc in docs))
+            for module in set.intersection(*(set(doc) for doc in docs))}
 
 
 def can_differ(m: Mutant, lines: dict[str, set[int]] | None) -> bool:
     """Whether ``m`` could change what a scenario computes: a run is deterministic, so a mutant
     whose span holds no line the clean sides ran computes exactly what they did (its trace would
     be the clean one's, byte for byte) and is not run there."""
-    return lines is None or any(n in lines.get(m.module, ()) for n in range(m.line, m.end_line + 1))
+    if lines is None or m.module not in lines:
+        return True
+    return any(n in lines[m.module] for n in range(m.line, m.end_line + 1))
 
 
 def run_campaign(mutants: list[Mutant], scenarios: list, out: Path, *, timeout_s: float, per_launch: int,
