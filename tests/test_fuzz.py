@@ -92,6 +92,15 @@ def test_a_planted_faults_reach_aims_the_draws(tmp_path):
     state = State(identity=runner.settings.identity(), aimed=[seed_label(s) for s in seeds])
     html = page.write(state.to_json(runner.settings, coverage), tmp_path / "index.html").read_text()
     assert "Draws aimed at the planted faults' reach" in html and "train.precision=bf16" in html
+    # A fault of a checkpoint's save needs what the saving reference holds (GTP's padded shards):
+    # every seed saves a checkpoint from a GTP run, and an aimed draw's saver is one.
+    fault = "ckpt-pad-rows-as-data"
+    seeds = reach_seeds(space, (fault,))
+    assert seeds and all({("checkpoint", "save_step", 1), ("train", "gtp", 2)} <= set(st) for st, _ in seeds)
+    runner = Runner(Settings(seed=0, space=space, inject=(fault,)), Path("."))
+    d, _ = draw_for(space, 0, 0, Coverage(), runner.refusal, seeds)
+    s = runner.scenario(d, "c0")  # the rules accept it: the fault planted where the candidate resumes
+    assert s.saver.gtp > 1 and s.candidate.load_step == 1 and s.candidate.inject == (fault,)
 
 
 def test_coverage_prefers_what_is_not_covered_yet():

@@ -10,6 +10,8 @@ axis, let every fault fire on the candidate, asking the reach functions the rule
 (:func:`harness.scenario.faults.fault_reach`) of sides built from the settings alone (no scenario
 parsed: microseconds each). Each draw then starts from one of those *seeds* and adds random keys
 as any draw does; the rules still judge the whole draw, and shrinking keeps what the fault needs.
+A fault of a checkpoint's save also asks :func:`harness.scenario.checkpoint.save_fault_reach` of
+the reference, which saves.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import itertools
 from typing import Any
 
 from harness.fuzz.space import CHECKPOINT, CLASSES, Axis, Space, shown_value
+from harness.scenario.checkpoint import SAVE_FAULTS, save_fault_reach
 from harness.scenario.faults import fault_reach
 
 Seed = tuple[tuple[tuple[str, str, Any], ...], Axis]
@@ -49,7 +52,9 @@ def _fires(space: Space, faults: tuple[str, ...], combo, axis: Axis) -> bool:
             tables["train"]["load_step"] = v
         else:
             tables[s][k] = v
+    saves = "load_step" in tables["train"]
     tables["train"].update({axis.key: axis.candidate, "backend": space.backend})
+    saver = {**tables["train"], axis.key: axis.reference, "load_step": 0}  # the reference saves
     try:  # the same for every world
         data, model = CLASSES["data"](**tables["data"]), CLASSES["model"](**tables["model"])
     except (TypeError, ValueError):  # a combination the classes refuse: the rules say why
@@ -57,7 +62,9 @@ def _fires(space: Space, faults: tuple[str, ...], combo, axis: Axis) -> bool:
     for world in space.world_sizes:
         try:
             side = CLASSES["train"](**tables["train"], world_size=world)
-            if all(fault_reach(f, side, data, model) is None for f in faults):
+            src = CLASSES["train"](**saver, world_size=world) if saves else None
+            if all(fault_reach(f, side, data, model) is None for f in faults) and all(
+                    src is not None and save_fault_reach(f, src) is None for f in SAVE_FAULTS & set(faults)):
                 return True
         except (TypeError, ValueError, ArithmeticError):  # a world the combination does not fit:
             continue  # the rules say why where a draw holds it

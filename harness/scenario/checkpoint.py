@@ -80,11 +80,14 @@ def expand(raw: dict, source: str, parse: Callable[[dict, str], Scenario],
         reference = raw.get("reference", {}) if isinstance(raw.get("reference", {}), dict) else {}
         candidate = {**reference, **loader_base,
                      **{key: v for key, v in target.items() if key not in ("label", "inject")}}
+        # Faults are planted once the candidate resumes (a save fault fires only there), not on
+        # the loader parsed before it resumes: the rules would refuse a fault that needs the load.
+        planted = candidate.pop("inject", [])
         s = parse({**base, "name": f"{raw.get('name')}-{label}", "candidate": candidate, "compare": compare},
                   source)
         saver = dataclasses.replace(s.reference, save_step=k)
-        # Faults are planted once the candidate resumes (a save fault fires only there).
-        inject = _coerce_inject(target.get("inject", list(s.candidate.inject)), f"{at}.inject")
+        inject = (_coerce_inject(target["inject"], f"{at}.inject") if "inject" in target
+                  else _coerce_inject(planted, f"{source}: [candidate].inject"))
         resumed = dataclasses.replace(s.candidate, load_step=k, resume_from=saver.key(s.model, s.data),
                                       inject=inject)
         row = f"checkpoint: {topology(saver)} -> {topology(resumed)} load at step {k}"
@@ -151,11 +154,12 @@ def check(s: Scenario) -> None:
         raise BadInput(f"{s.source}: [capture].kinds",
                        "must include param: the loaded weights are judged bitwise")
     for fault in sorted(SAVE_FAULTS & set(cand.inject)):
-        if problem := _save_fault_reach(fault, src):
+        if problem := save_fault_reach(fault, src):
             raise BadInput(f"{s.source}: [candidate].inject", f"{fault} never fires: {problem}")
 
 
-def _save_fault_reach(fault: str, src: Side) -> str | None:
+def save_fault_reach(fault: str, src: Side) -> str | None:
+    """Why a save fault never fires on a run of ``src`` that saves (None: it can)."""
     if fault == "ckpt-pad-rows-as-data" and src.gtp == 1:
         return "the saved run has no GTP"
     if fault == "ckpt-expert-index-shifted" and src.ep == 1:
