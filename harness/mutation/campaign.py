@@ -303,7 +303,8 @@ def _campaign(mutants, scenarios, out, timeout_s, per_launch, triage, say, pool,
     alive, t_run, stages = list(mutants), 0.0, []
     for i, s in enumerate(scenarios):
         lines = clean_lines(clean[s.name])
-        runs = [m for m in alive if not skip or can_differ(m, lines)]
+        differ = [m for m in alive if can_differ(m, lines)]
+        runs = differ if skip else alive
         roles = [by_s[per[m.id][i].name] for m in runs]
         jobs = list({j.key: j for r in roles for j in mutant_jobs(r)}.values())
         for j in jobs:
@@ -318,7 +319,7 @@ def _campaign(mutants, scenarios, out, timeout_s, per_launch, triage, say, pool,
         failed |= run_mutant_jobs(list({j.key: j for j in loaders}.values()), out, per_launch, timeout_s, say,
                                   prefix=prefix, pool=pool)
         stages.append({"scenario": s.name, "alive": len(alive), "ran": len(runs),
-                       "can_differ": [m.id for m in alive if can_differ(m, lines)],
+                       "can_differ": [m.id for m in differ],
                        "lines_recorded": lines is not None, "seconds": clock() - t})
         t_run += clock() - t
         for m in runs:
