@@ -52,7 +52,9 @@ def _fires(space: Space, faults: tuple[str, ...], combo, axis: Axis) -> bool:
             tables["train"]["load_step"] = v
         else:
             tables[s][k] = v
-    saves = "load_step" in tables["train"]
+    save_faults = SAVE_FAULTS & set(faults)
+    if save_faults and "load_step" not in tables["train"]:  # nothing is saved: no save fault fires
+        return False
     tables["train"].update({axis.key: axis.candidate, "backend": space.backend})
     saver = {**tables["train"], axis.key: axis.reference, "load_step": 0}  # the reference saves
     try:  # the same for every world
@@ -62,9 +64,9 @@ def _fires(space: Space, faults: tuple[str, ...], combo, axis: Axis) -> bool:
     for world in space.world_sizes:
         try:
             side = CLASSES["train"](**tables["train"], world_size=world)
-            src = CLASSES["train"](**saver, world_size=world) if saves else None
+            src = CLASSES["train"](**saver, world_size=world) if save_faults else None
             if all(fault_reach(f, side, data, model) is None for f in faults) and all(
-                    src is not None and save_fault_reach(f, src) is None for f in SAVE_FAULTS & set(faults)):
+                    save_fault_reach(f, src) is None for f in save_faults):
                 return True
         except (TypeError, ValueError, ArithmeticError):  # a world the combination does not fit:
             continue  # the rules say why where a draw holds it
