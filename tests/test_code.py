@@ -1,8 +1,8 @@
 """The code under test as an axis: megatron-core trees per side, code against code, bisect.
 
 The tests build their own trees (no network): a copy of the installed ``megatron`` package,
-and a throwaway git repository of four commits of it (good, an unrelated edit, GTP's 1/G
-pre-scale removed, another unrelated edit).
+and a throwaway git repository of four commits of it (good, GTP's 1/G pre-scale removed, an
+unrelated edit, the pre-scale restored).
 """
 
 from __future__ import annotations
@@ -60,11 +60,11 @@ def monkeypatch_module():
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory, cache) -> tuple[Path, list[str]]:
-    """good, unrelated, bad (no 1/G pre-scale), unrelated, good again: the five commit ids."""
+    """good, bad (no 1/G pre-scale), unrelated, good again: the four commit ids."""
     path = _copy_installed(tmp_path_factory.mktemp("mlm"))
     _git(path, "init", "-q", "-b", "main")
     commits = []
-    for i, edit in enumerate(["", "# an unrelated edit\n", None, "# another unrelated edit\n", "restore"]):
+    for i, edit in enumerate(["", None, "# an unrelated edit\n", "restore"]):
         gtp = path / GTP_FILE
         text = gtp.read_text()
         if edit == "restore":
@@ -97,12 +97,12 @@ def test_a_folder_tree_names_its_version_from_package_info(tmp_path):
 
 def test_a_revision_is_materialized_once_read_only_by_commit(repo, cache):
     path, commits = repo
-    tree = trees.resolve(f"git:{path}@{commits[2][:10]}", "t")
-    assert tree.commit == commits[2] and Path(tree.root) == cache / "gtp-parity" / "trees" / commits[2]
+    tree = trees.resolve(f"git:{path}@{commits[1][:10]}", "t")
+    assert tree.commit == commits[1] and Path(tree.root) == cache / "gtp-parity" / "trees" / commits[1]
     gtp = Path(tree.root) / GTP_FILE
     assert "planted" in gtp.read_text() and not gtp.stat().st_mode & 0o222
     before = gtp.stat().st_mtime_ns
-    assert trees.resolve(f"git:{path}@{commits[2]}", "t").root == tree.root
+    assert trees.resolve(f"git:{path}@{commits[1]}", "t").root == tree.root
     assert gtp.stat().st_mtime_ns == before  # not extracted again
     assert not [p for p in Path(tree.root).parent.iterdir() if p.name.startswith(".")]  # no half-written tree
 
@@ -257,8 +257,8 @@ def test_code_against_code_localizes_the_planted_edit(repo, tmp_path):
     path, commits = repo
     out = tmp_path / "run"
     argv = ["run", str(ASSETS / "tiny.toml"), "--out", str(out), "--reference-code",
-            f"git:{path}@{commits[1]}",
-            "--candidate-code", f"git:{path}@{commits[2]}"]
+            f"git:{path}@{commits[0]}",
+            "--candidate-code", f"git:{path}@{commits[1]}"]
     assert cli.main(argv) == 1
     doc = json.loads((out / "scenarios" / "tiny-tp1-gtp2-fp32-sgd" / "summary.json").read_text())
     fd = doc["first_divergence"]
@@ -270,11 +270,12 @@ def test_code_against_code_localizes_the_planted_edit(repo, tmp_path):
 @pytest.mark.multirank
 @pytest.mark.slow
 def test_bisect_names_the_commit_that_broke_parity_and_the_one_that_restored_it(repo, tmp_path, capsys):
-    """good, unrelated, bad, unrelated, good again; GTP on vs off on ``tiny``: from the first to
-    the fourth commit bisect names the third (parity broken), from the third to the fifth the
-    fifth (parity restored), each with both verdicts and the failing side's divergence."""
+    """good, bad, unrelated, good again; GTP on vs off on ``tiny``: from the first to the third
+    commit bisect names the second (parity broken), from the second to the fourth the fourth
+    (parity restored, past the unrelated commit), each with both verdicts and the failing side's
+    divergence. The second bisect's old end and step were run by the first: four commits run."""
     path, commits = repo
-    for old, new, first, verdicts in ((0, 3, 2, ("pass", "fail")), (2, 4, 4, ("fail", "pass"))):
+    for old, new, first, verdicts in ((0, 2, 1, ("pass", "fail")), (1, 3, 3, ("fail", "pass"))):
         argv = ["bisect", str(ASSETS / "tiny.toml"), "--repo", str(path), "--old", commits[old],
                 "--new", commits[new], "--out", str(tmp_path / "bisect")]
         assert cli.main(argv) == 0

@@ -67,6 +67,34 @@ def test_fresh_reruns_every_side_and_reuse_is_reported(tmp_path, monkeypatch):
     assert sorted(launched) == sorted(jobs)
 
 
+def test_ctrl_c_twice_still_waits_for_every_launch_to_end(tmp_path, monkeypatch):
+    """Without a launch: Ctrl-C sets the launches' stop wherever the main thread is; a second
+    Ctrl-C while they end their ranks does not cut the wait short (ranks would be left alive);
+    no later launch starts, and the previous handler is back once the run has raised."""
+    from harness.run.launch import Interrupted
+
+    scenarios = scenario.load(ASSETS / "tiny.toml")
+    by = runner.plan(scenarios, tmp_path, provenance={"digest": "c0de" * 3})
+    started, ended = [], []
+
+    def fake_launch(jobs, *, stop, name, **kw):
+        started.append(name)
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.wait(10), "the first Ctrl-C did not reach the launch"
+        os.kill(os.getpid(), signal.SIGINT)  # pressed again while the ranks end
+        time.sleep(0.5)
+        ended.append(name)
+        raise Interrupted(f"{name} interrupted")
+
+    monkeypatch.setattr(runner, "launch", fake_launch)
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        runner.execute(by, scenarios, tmp_path, parallel=1, progress=lambda _: None)
+    assert len(started) == 1 and ended == started  # one launch, ended before the run raised
+    assert len(runner.launches(by, scenarios, runner.pending_jobs(by, progress=lambda _: None))) > 1
+    assert signal.getsignal(signal.SIGINT) is before
+
+
 @pytest.mark.multirank
 def test_rerun_after_editing_the_code_under_test_runs_again_and_fails(tmp_path, monkeypatch, capsys):
     """The same command into the same folder, before and after an edit of the code under test

@@ -11,11 +11,13 @@ cores busy.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
 import json
 import shutil
+import signal
 import threading
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -228,14 +230,42 @@ def execute(
                 one(after)
 
     threads = ThreadPoolExecutor(max_workers=max(1, parallel))
-    try:
-        for phase in sorted(phases):
-            for f in [threads.submit(one, b) for b in phases[phase]]:
-                f.result()
-    except BaseException:
-        # Ctrl-C reaches this (main) thread only: tell every launch to end its ranks now.
-        stop.set()
-        raise
-    finally:
-        threads.shutdown(wait=True)
+    with _interrupt_sets(stop) as interrupted:
+        try:
+            for phase in sorted(phases):
+                if stop.is_set():
+                    break
+                for f in [threads.submit(one, b) for b in phases[phase]]:
+                    f.result()
+        except BaseException:
+            stop.set()  # tell every launch to end its ranks now
+            raise
+        finally:
+            threads.shutdown(wait=True)
+    if interrupted:
+        raise KeyboardInterrupt
     return failures
+
+
+@contextlib.contextmanager
+def _interrupt_sets(stop: threading.Event):
+    """Ctrl-C (and SIGTERM where the caller treats it alike, as the CLI does) sets ``stop``
+    instead of raising wherever the main thread is: a KeyboardInterrupt landing inside the
+    executor's own locking (a submit, a shutdown) could leave a lock held and the run hung. The
+    launches see ``stop`` and end their ranks; the caller raises KeyboardInterrupt once they have."""
+    interrupted: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield interrupted
+        return
+
+    def on_signal(signum, frame):
+        interrupted.append(signum)
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
+                if signal.getsignal(sig) is signal.default_int_handler}
+    try:
+        yield interrupted
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
