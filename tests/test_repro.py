@@ -267,6 +267,21 @@ def test_an_expert_parallel_checkpoint_loads_only_into_its_optimizer_chain(tmp_p
                                                       "got 4.")
 
 
+def test_the_distributed_optimizer_cannot_load_its_checkpoint_without_apex_or_te(tmp_path):
+    """FINDINGS X on the wheel: torch's AdamW keeps a per-parameter step; a fresh optimizer's
+    state_dict asserts on its empty state, and once filled (megatron-core's own dummy step) the
+    fully_reshardable load asks the checkpoint for that step, which it does not hold."""
+    ranks = _run("distopt_ckpt_torch_adam_step.py", ["fully_reshardable-fresh", "fully_reshardable-filled"],
+                 tmp_path, flag="--loads")
+    for rank in ranks:
+        assert rank["have_apex_or_te"] is False and rank["inner_optimizer"] == "AdamW"
+        assert "step" in rank["state_keys"]
+        fresh, filled = rank["fully_reshardable-fresh"], rank["fully_reshardable-filled"]
+        assert fresh["load"].startswith("AssertionError") and ":state_dict:" in fresh["where"]
+        assert filled["load"] == "KeyError: 'step'"
+        assert ":_set_main_param_and_optimizer_states:" in filled["where"]
+
+
 @pytest.mark.slow
 def test_an_expert_parallel_checkpoint_on_main_does_not_load_at_ep1(tmp_path):
     """FINDINGS N on Megatron-LM main: abf04f46e3 keeps the experts' tag, the saved run has two
