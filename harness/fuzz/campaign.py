@@ -277,7 +277,7 @@ def _settle(state: State, settings: Settings, runner: Runner, recorded, out: Pat
             deadline = time.monotonic() + min(settings.shrink_s, max(settings.budget_s - state.elapsed_s, 0))
             say(f"gtp-parity fuzz: {j['name']} fails ({'/'.join(fp)}); shrinking")
             shrunk = shrink(d, fd, settings.space, runner.first_divergences, deadline)
-            needs = needs_of(shrunk.draw)
+            needs = needs_of(shrunk.draw, eager=shrunk.eager)
             home = next((c for c in state.clusters if c.fingerprint == fp and c.pattern == j["pattern"]
                          and c.needs == needs), None)
             if home is None:
@@ -285,6 +285,8 @@ def _settle(state: State, settings: Settings, runner: Runner, recorded, out: Pat
                                needs=needs,
                                minimal=shrunk.draw.to_json(), example=j["first_divergence"],
                                shrink=shrunk.to_json())
+                if shrunk.first is not None:  # what the minimal scenario shows (eager: maybe earlier)
+                    home.shrink["step"] = shrunk.first.step
                 home.known = known_as(home, recorded)
                 home.scenario_file = _write_scenario(home, shrunk.draw, settings, runner, out)
                 state.clusters.append(home)
@@ -298,9 +300,12 @@ def _write_scenario(c: Cluster, draw: Draw, settings: Settings, runner: Runner, 
     doc = runner.document(draw, name)
     sig = c.fingerprint[0]
     doc["description"] = (f"found by gtp-parity fuzz (seed {settings.seed}), shrunk to what it needs: "
-                          f"{', '.join(c.needs)}")
+                          f"{', '.join(c.needs)}"
+                          + ("; with eager collectives, where the race shows on every run"
+                             if c.shrink.get("eager") else ""))
     doc["expect"] = {"reason": "found by gtp-parity fuzz; root cause not settled yet",
-                     **({"signature": sig, "step": c.example.get("step")} if sig != "raised"
+                     **({"signature": sig, "step": c.shrink.get("step", c.example.get("step"))}
+                        if sig != "raised"
                         else {"raises": str(c.example.get("tensor", "")).partition(": ")[2][:120]})}
     doc["expect"] = {k: v for k, v in doc["expect"].items() if v is not None}
     path = out / "scenarios" / f"{name}.toml"

@@ -76,12 +76,13 @@ class Cluster:
                    shrink=doc.get("shrink", {}))
 
 
-def needs_of(draw: Draw) -> list[str]:
+def needs_of(draw: Draw, eager: bool = False) -> list[str]:
     """A minimal draw's needs: its settings and axis (the world is a size, not a need; an axis
-    shrunk to one value is none)."""
+    shrunk to one value is none; ``eager``: the collectives a race was shrunk with are none)."""
     no_axis = draw.axis.reference == draw.axis.candidate
     return sorted(i for i in draw.items() if not i.startswith("world=")
-                  and not (no_axis and i.startswith("axis:")))
+                  and not (no_axis and i.startswith("axis:"))
+                  and not (eager and i == "train.gtp_collectives=eager"))
 
 
 def recorded_divergences(folder: Path) -> list[tuple[str, object]]:

@@ -6,8 +6,16 @@ launches), and the smallest that still fails with the same fingerprint is kept. 
 a pair whose candidate takes the reference's value runs one side, whose own invariants (its
 replicas) still judge it, so a bug of one side's configuration is found without the axis. Then the sizes:
 fewer steps (down to the first divergence's step), the space's smallest value of each size it
-lists (layers, widths, batch), the smallest world, each tried alone and then together. Draws the
-rules refuse are never launched. A deadline bounds the whole; a shrink cut short says so.
+lists (layers, widths, batch), the smallest world, each tried alone and then together; where they
+shrank, each setting left is tried without once more. Draws the rules refuse are never launched. A
+deadline bounds the whole; a shrink cut short says so.
+
+A gather buffer's race (a GEMM that read a foreign weight, bits with no pattern) shows only on
+some runs under megatron-core's async collectives, and ddmin would keep whatever settings happened
+to let it show. So such a finding is first run with eager collectives (each all-gather complete
+when issued, as on a GPU whose communication stream runs ahead): where it fails the same way
+there, that deterministic draw is shrunk, the eager setting kept throughout (:attr:`Shrunk.eager`;
+a race drawn with eager collectives keeps them too).
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ from harness.fuzz.space import Axis, Draw, Space
 
 # judge(draws) -> each draw's first divergence (None: it passed, or the rules refused it)
 Judge = Callable[[list[Draw]], list[FirstDivergence | None]]
+RACES = ("gemm-consumed-foreign-weight", "not-bitwise")
+EAGER = ("train", "gtp_collectives", "eager")
 SIZE_KEYS = (("model", "num_layers"), ("model", "hidden_size"), ("model", "ffn_hidden_size"),
              ("model", "num_attention_heads"), ("model", "seq_length"), ("data", "global_batch_size"),
              ("data", "micro_batch_size"))
@@ -36,9 +46,13 @@ class Shrunk:
     seconds: float
     complete: bool
     """False where the deadline cut it short (the draw still fails the same way, but may not be minimal)."""
+    eager: bool = False
+    """Shrunk with eager collectives (a race made deterministic): ``draw`` sets them, and they are
+    how it fails, not what the bug needs."""
 
     def to_json(self) -> dict:
-        return {"runs": self.runs, "seconds": round(self.seconds, 1), "complete": self.complete}
+        return {"runs": self.runs, "seconds": round(self.seconds, 1), "complete": self.complete,
+                **({"eager": True} if self.eager else {})}
 
 
 def _split(items: list, n: int) -> list[list]:
@@ -56,7 +70,7 @@ def shrink(draw: Draw, first: FirstDivergence, space: Space, judge: Judge, deadl
     """The smallest draw found, before ``deadline`` (``time.monotonic()``), that fails as ``draw``
     does (the same :func:`fingerprint`)."""
     start, target = time.monotonic(), fingerprint(first)
-    runs = 0
+    runs, pinned = 0, ()
 
     def fails(draws: list[Draw]) -> list[FirstDivergence | None]:
         nonlocal runs
@@ -64,9 +78,18 @@ def shrink(draw: Draw, first: FirstDivergence, space: Space, judge: Judge, deadl
         return [fd if fd is not None and fingerprint(fd) == target else None for fd in judge(draws)]
 
     def with_(settings) -> Draw:
-        return dataclasses.replace(draw, settings=tuple(sorted(settings)))
+        return dataclasses.replace(draw, settings=tuple(sorted((*settings, *pinned))))
 
-    deltas, n, best = list(draw.settings), 2, first
+    collectives = {s for s in draw.settings if s[:2] == EAGER[:2]}
+    if first.signature in RACES and collectives == {EAGER}:
+        pinned = (EAGER,)  # drawn eager: deterministic already, and no subset goes back to async
+    elif first.signature in RACES and not collectives:
+        eager = with_((*draw.settings, EAGER))
+        runs += 1
+        # the same signature: eager collectives may show the race at another tensor kind or step
+        if (fd := judge([eager])[0]) is not None and fd.signature == first.signature:
+            draw, first, target, pinned = eager, fd, fingerprint(fd), (EAGER,)
+    deltas, n, best = [s for s in draw.settings if s not in pinned], 2, first
     tried_empty = False
     while deltas and time.monotonic() < deadline:
         chunks = _split(deltas, n)
@@ -90,9 +113,27 @@ def shrink(draw: Draw, first: FirstDivergence, space: Space, judge: Judge, deadl
         if (fd := fails([same])[0]) is not None:
             current, best = same, fd
     if time.monotonic() < deadline:
-        current, best, done = _sizes(current, best, space, fails)
+        smaller, best, done = _sizes(current, best, space, fails)
         complete = complete and done
-    return Shrunk(draw=current, first=best, runs=runs, seconds=time.monotonic() - start, complete=complete)
+        if smaller != current:  # a setting needed at the drawn sizes may not be at the smallest
+            current, best = _drop_settings(smaller, best, pinned, fails, deadline)
+    return Shrunk(draw=current, first=best, runs=runs, seconds=time.monotonic() - start, complete=complete,
+                  eager=bool(pinned))
+
+
+def _drop_settings(draw: Draw, first: FirstDivergence, pinned, fails, deadline: float):
+    """Each setting left out alone (one batch), the first that still fails kept, until none does:
+    e.g. a larger batch needed at world 4 (one micro-batch a rank otherwise), not at world 2."""
+    while time.monotonic() < deadline:
+        trials = [dataclasses.replace(draw, settings=tuple(x for x in draw.settings if x != s))
+                  for s in draw.settings if s not in pinned]
+        if not trials:
+            break
+        hit = next(((t, fd) for t, fd in zip(trials, fails(trials)) if fd is not None), None)
+        if hit is None:
+            break
+        draw, first = hit
+    return draw, first
 
 
 def _size_cuts(draw: Draw, first: FirstDivergence, space: Space) -> list[Draw]:
