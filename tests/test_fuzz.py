@@ -103,6 +103,18 @@ def test_a_planted_faults_reach_aims_the_draws(tmp_path):
     assert s.saver.gtp > 1 and s.candidate.load_step == 1 and s.candidate.inject == (fault,)
 
 
+def test_a_checkpoint_draw_the_tree_cannot_load_is_refused_not_run():
+    """The loader's optimizer chain depends on the tree (checked before a run): a draw saved at EP 2
+    without expert GTP and loaded with it is refused on the wheel, as a run would refuse it, instead
+    of ending the campaign when its batch is run."""
+    space = load_space(str(SPACE))
+    runner = Runner(Settings(seed=0, space=space), Path("."))
+    draw = Draw(settings=(("checkpoint", "save_step", 1), ("model", "num_experts", 4), ("train", "ep", 2)),
+                world_size=4, axis=Axis("expert_gtp", 1, 2))
+    assert "another optimizer chain" in runner.refusal(draw)
+    assert runner.refusal(dataclasses.replace(draw, axis=Axis("expert_gtp", 1, 1))) is None
+
+
 def test_coverage_prefers_what_is_not_covered_yet():
     space = load_space(str(SPACE))
     coverage = Coverage()

@@ -16,7 +16,9 @@ from harness.common.errors import BadInput
 from harness.compare.summary import FirstDivergence, ScenarioSummary, Verdict
 from harness.fuzz.space import Draw
 from harness.run.warm import WarmPool
+from harness.run.trees import holds, resolve
 from harness.scenario import checkpoint as checkpointing
+from harness.scenario.checkpoint import EXPERT_TOPOLOGY_FIX
 from harness.scenario import parse_scenario
 from harness.scenario.rules import validate
 from harness.session import run_scenarios, skip_reason
@@ -37,6 +39,7 @@ class Runner:
 
     def __init__(self, settings, out: Path):
         self.settings, self.out, self.batches = settings, out, 0
+        self._topology_fix: dict[str, bool] = {}  # megatron-core spec -> holds EXPERT_TOPOLOGY_FIX
         # Warm workers (one per world size and tree) serve every batch and shrink; closed by close().
         self.pool = WarmPool(out / "warm") if settings.warm else None
 
@@ -57,7 +60,15 @@ class Runner:
             s = parse_scenario(doc, source)
         if (reason := skip_reason(s)) is not None:
             raise BadInput(f"fuzz draw {name}", reason)
+        if s.saver is not None:  # what a checkpoint's loader takes depends on the tree, as before a run
+            checkpointing.check_expert_optimizers(s, self._holds_topology_fix)
         return s
+
+    def _holds_topology_fix(self, side) -> bool:
+        spec = side.megatron_core
+        if spec not in self._topology_fix:  # resolved once a campaign: draws are refused by the thousand
+            self._topology_fix[spec] = holds(resolve(spec, "--megatron-core"), *EXPERT_TOPOLOGY_FIX)
+        return self._topology_fix[spec]
 
     def refusal(self, draw: Draw) -> str | None:
         """Why the rules refuse a draw (its message without the draw's name), or None."""
