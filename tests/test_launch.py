@@ -153,3 +153,19 @@ def test_a_warm_worker_serves_plan_after_plan_as_a_cold_launch_would(tmp_path):
     finally:
         pool.close()
     assert not leftover_ranks(tmp_path / "pool")
+
+
+def test_a_side_forgets_the_loggers_megatron_core_sizes_by_its_first_model():
+    """A warm worker's next side may have more layers than the first that logged MoE metrics (its
+    last pipeline stage raised IndexError recording layer 2 into a buffer of 1)."""
+    import torch
+    from megatron.core.transformer.moe import moe_logging
+
+    from harness.backends.megatron import teardown
+
+    one = torch.ones(())
+    moe_logging.get_moe_metrics_tracker().record("load_balancing_loss", one, layer_number=1, num_layers=1)
+    teardown.forget_trackers()
+    moe_logging.get_moe_metrics_tracker().record("load_balancing_loss", one, layer_number=2, num_layers=2)
+    assert moe_logging.get_moe_metrics_tracker().metrics["load_balancing_loss"].values.tolist() == [0.0, 1.0]
+    teardown.forget_trackers()

@@ -5,6 +5,7 @@ run (exit 3). Fast tests on constructed tensors and records; the planted faults 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import traceback
 from pathlib import Path
@@ -282,6 +283,24 @@ def test_after_a_raise_the_sides_it_took_with_it_run_again(tmp_path):
     assert not (tmp_path / "never").exists() and again.timeout_s == {"never": 60.0}
     (tmp_path / "raised" / "rank1" / "error.json").write_text('{"step": 1, "error": "harness"}')
     assert after_raise(b) is None
+
+
+def test_a_raise_names_the_rank_that_crashed_not_the_peer_that_lost_it(tmp_path):
+    """Rank 1 raised in the code under test; rank 0 then raised in its next collective because
+    rank 1 was gone: the record (and the fuzzer's cluster) is rank 1's exception."""
+    from harness.run.launch import raised_record
+
+    side = type("S", (), {"label": lambda self: "s"})()
+    job = type("J", (), {"key": "j", "trace_dir": str(tmp_path), "side": side})()
+    gone = "[gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:27572"
+    for rank, raised in ((0, {"type": "RuntimeError", "message": gone, "where": "p2p_communication.py"}),
+                         (1, {"type": "IndexError", "message": "index 1 out of bounds", "where": "moe.py"})):
+        (tmp_path / f"rank{rank}").mkdir()
+        (tmp_path / f"rank{rank}" / "error.json").write_text(json.dumps({"step": 1, "raised": raised}))
+    record = raised_record(job, 2)
+    assert (record["type"], record["ranks"]) == ("IndexError", [1])
+    (tmp_path / "rank1" / "error.json").unlink()  # only the peer's error left: it is what there is
+    assert raised_record(job, 2)["type"] == "RuntimeError"
 
 
 # --- provenance: a warning only where the difference can matter --------------------------------

@@ -284,9 +284,16 @@ def raised_record(job: Job, world: int) -> dict | None:
     own = {r: e for r, e in errors.items() if isinstance(e.get("raised"), dict)}
     if not own:
         return None
-    first = own[min(own)]
-    return {**first["raised"], "step": first.get("step"), "phase": first.get("phase"), "ranks": sorted(own),
-            "side": job.side.label()}
+    # A rank whose peer crashed raises in its next collective; the peer's exception names the cause.
+    causes = {r: e for r, e in own.items() if not any(m in str(e["raised"].get("message", ""))
+                                                       for m in PEER_GONE)} or own
+    first = causes[min(causes)]
+    return {**first["raised"], "step": first.get("step"), "phase": first.get("phase"),
+            "ranks": sorted(causes), "side": job.side.label()}
+
+
+# What gloo raises on a rank whose peer went away (its transport's messages).
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
 
 
 def describe_pending(job: Job, world: int) -> str:

@@ -109,11 +109,11 @@ def validate_moe_side(s: Scenario, name: str, side: Side, where: str) -> None:
     if m.num_experts % side.ep:
         # MoELayer: num_moe_experts % expert_model_parallel_size == 0 (moe_layer.py, BaseMoELayer)
         raise BadInput(f"{where}.ep", f"EP {side.ep} must divide [model].num_experts = {m.num_experts}")
-    expert_grid = side.etp * side.ep * side.expert_gtp
+    expert_grid = side.etp * side.ep * side.pipeline_parallel * side.expert_gtp
     if side.world_size % expert_grid:
-        # initialize_model_parallel: world % (ETP x EP x PP x EGTP) (parallel_state.py)
+        # initialize_model_parallel: world % (ETP x EP x PP x EGTP) (parallel_state.py l.873-884)
         raise BadInput(f"{where}.world_size",
-                       f"world_size {side.world_size} must be a multiple of expert TP x EP x EGTP = "
+                       f"world_size {side.world_size} must be a multiple of expert TP x EP x PP x EGTP = "
                        f"{expert_grid}")
     k = 2 if m.activation in GATED else 1  # a gated fc1 holds [gate; up]
     if side.expert_gtp > 1 and side.gtp_pad_alignment == 0:  # dim 0 of the expert-TP-local block

@@ -95,6 +95,18 @@ def global_name(name: str, job) -> str:
     return name[: match.start(2)] + str(index) + name[match.end(2):]
 
 
+def reset_metrics_tracker() -> None:
+    """Forget megatron-core's MoE metrics tracker, a process-global whose per-layer buffers are
+    sized by the first model that records into it (``MoEMetricsTracker.record``): the next side in
+    this process (a warm worker's) may have more layers, and its last pipeline stage raised
+    ``IndexError`` recording layer 2 into a buffer of 1."""
+    try:
+        from megatron.core.transformer.moe import moe_logging
+    except ImportError:  # a tree without the tracker
+        return
+    moe_logging.destroy_moe_metrics_tracker()
+
+
 def mcore_layout(p: torch.Tensor, ours: Layout) -> Layout:
     """An expert weight's layout as megatron-core built it, on ``ours``'s grid: the EGTP cut and pad
     read off the parameter (``is_gtp_weight_remat``, ``pad_length``), and the expert TP cut

@@ -231,7 +231,7 @@ def run(job: Job, cap: Capture) -> None:
 
     compat.install()
     compat.reset_gtp_state()
-    mtp.reset_tracker()
+    teardown.forget_trackers()
     reach, chunks = None, []
     try:
         if job.side.mutant or job.lines:  # a mutation campaign's side: undone with the faults' patches

@@ -29,3 +29,12 @@ def drop_parallel_state_groups() -> None:
         held = value if isinstance(value, (list, tuple)) else [value]
         if name.isupper() and held and all(isinstance(g, dist.ProcessGroup) for g in held):
             setattr(ps, name, None)
+
+
+def forget_trackers() -> None:
+    """Forget the process-global loggers megatron-core sizes by the first model that logs into them
+    (MTP's per-depth losses, MoE's per-layer metrics): the next side may have other counts."""
+    from harness.backends.megatron import moe, mtp
+
+    mtp.reset_tracker()
+    moe.reset_metrics_tracker()
