@@ -30,14 +30,21 @@ def recorded_on(side, model, cap) -> bool:
             and cap.policy.mode == "full" and cap.wants("main_grad"))
 
 
+def _summed_over_tp(side, model, name: str) -> bool:
+    """finalize_model_grads sums the q/k LayerNorms' grads over TP where ``qk_layernorm`` is on
+    (``_allreduce_non_tensor_model_parallel_grads``, finalize_model_grads.py l.451-453): each TP
+    rank holds the terms of its own heads, so no rank's are all of them."""
+    return side.tp > 1 and model.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)
+
+
 class GradTerms:
     """Per step: ``micro_batch_done`` after each micro-batch's backward, ``record`` before DDP
     reduces. Inactive (every call a no-op) where :func:`recorded_on` says no."""
 
     def __init__(self, side, model, cap, named: list[tuple[str, torch.Tensor]]):
         self.cap = cap
-        self.named = [(n, p) for n, p in named if getattr(p, "main_grad", None) is not None] \
-            if recorded_on(side, model, cap) else []
+        self.named = [(n, p) for n, p in named if getattr(p, "main_grad", None) is not None
+                      and not _summed_over_tp(side, model, n)] if recorded_on(side, model, cap) else []
         self.prev: dict[str, torch.Tensor] = {}
         self.abs_sum: dict[str, torch.Tensor] = {}
 
