@@ -112,6 +112,10 @@ def test_a_checkpoint_draw_the_tree_cannot_load_is_refused_not_run():
                 world_size=4, axis=Axis("expert_gtp", 1, 2))
     assert "another optimizer chain" in runner.refusal(draw)
     assert runner.refusal(dataclasses.replace(draw, axis=Axis("expert_gtp", 1, 1))) is None
+    # tree-independent: the distributed optimizer cannot load the local optimizer's checkpoint
+    distopt = Draw(settings=(("checkpoint", "save_step", 1),), world_size=2,
+                   axis=Axis("distributed_optimizer", False, True))
+    assert "checkpoint of the local optimizer" in runner.refusal(distopt)
 
 
 def test_an_expert_grid_the_world_cannot_hold_is_refused():

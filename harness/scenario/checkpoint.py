@@ -139,6 +139,12 @@ def check(s: Scenario) -> None:
         raise BadInput(f"{s.source}: [reference].optimizer", "megatron-core cannot load an SGD optimizer's "
                        "checkpoint (it calls the init_state_fn get_megatron_optimizer leaves None for SGD): "
                        "use adam")
+    if cand.distributed_optimizer and not src.distributed_optimizer:
+        # The fully_reshardable load asks for optimizer.state.param.<name>, the fp32 main parameter,
+        # which the local optimizer does not save (strategies/torch.py _validate_global_shapes).
+        raise BadInput(f"{where}.load_into", "megatron-core's distributed optimizer cannot load a "
+                       "checkpoint of the local optimizer (it asks for the fp32 main parameters, "
+                       "optimizer.state.param.<name>, which that optimizer does not save)")
     if not 1 <= k < src.steps:
         raise BadInput(f"{where}.save_step",
                        f"must be in 1..{src.steps - 1} (steps continue after loading), got {k}")
