@@ -8,7 +8,7 @@ import dataclasses
 from pathlib import Path
 
 from harness.compare.summary import FirstDivergence
-from harness.fuzz.cluster import Cluster, known_as, needs_of, tensor_pattern
+from harness.fuzz.cluster import Cluster, known_as, needs_of, recorded_divergences, tensor_pattern
 from harness.fuzz.shrink import EAGER, shrink
 from harness.fuzz.space import Axis, Draw, load_space
 from harness.scenario import load
@@ -112,6 +112,11 @@ def test_tensor_patterns_and_recorded_divergences():
     assert known_as(c, recorded) is not None
     c.needs.append("train.optimizer=muon")  # a need no recorded scenario holds
     assert known_as(c, recorded) is None
+    # a checkpoint's need is the saving run's: the fuzz-found distributed optimizer's load
+    ckpt = [(src, s) for src, s in recorded_divergences(ROOT / "scenarios") if s.saver is not None]
+    c = Cluster(id="C2", fingerprint=("raised", "KeyError", "x"), pattern="",
+                needs=["checkpoint.save_step=1", "train.distributed_optimizer=true"], minimal={})
+    assert known_as(c, ckpt).endswith("scenarios/fuzz_found_checkpoint.toml")
 
 
 def test_a_bug_of_one_side_needs_no_axis():

@@ -106,6 +106,8 @@ def _value_of(scenario, item: str):
         return _text(getattr(scenario.candidate, key)) == values.partition("->")[2]
     dotted, _, value = item.partition("=")
     section, _, key = dotted.partition(".")
+    if section == "checkpoint":  # the saving run holds the checkpoint's keys (save_step)
+        return scenario.saver is not None and _text(getattr(scenario.saver, key)) == value
     obj = {"model": scenario.model, "data": scenario.data}.get(section, scenario.candidate)
     return _text(getattr(obj, key)) == value
 
