@@ -128,6 +128,27 @@ def test_an_expert_grid_the_world_cannot_hold_is_refused():
     assert runner.refusal(dataclasses.replace(draw, world_size=4)) is None
 
 
+def test_a_pair_the_harness_cannot_judge_is_a_failed_run_not_the_campaigns_end(tmp_path, monkeypatch):
+    """A comparison that raises (main's seed-2 campaign: a trace assembly error) ends that pair as a
+    failed run of the harness; the batch's other pairs are judged alone."""
+    from harness.common.errors import BadInput
+    from harness.compare.summary import Verdict
+    from harness.fuzz import runner as runner_module
+
+    calls = []
+
+    def run_scenarios(scenarios, folder, **kw):
+        calls.append([s.name for s in scenarios])
+        raise BadInput("trace", "no shard for mesh coordinate")
+
+    monkeypatch.setattr(runner_module, "run_scenarios", run_scenarios)
+    runner = Runner(Settings(seed=0, space=load_space(str(SPACE)), warm=False), tmp_path)
+    draws = [Draw(settings=(), world_size=2, axis=Axis("gtp", 1, 2))] * 2
+    out = runner.judge(draws, ["p0", "p1"])
+    assert calls == [["p0", "p1"], ["p0"], ["p1"]]
+    assert [s.verdict for s in out] == [Verdict.ERROR] * 2 and "no shard" in out[0].error["harness"]
+
+
 def test_coverage_prefers_what_is_not_covered_yet():
     space = load_space(str(SPACE))
     coverage = Coverage()

@@ -12,7 +12,7 @@ import json
 import shutil
 from pathlib import Path
 
-from harness.common.errors import BadInput
+from harness.common.errors import BadInput, HarnessError
 from harness.compare.summary import FirstDivergence, ScenarioSummary, Verdict
 from harness.fuzz.space import Draw
 from harness.run.warm import WarmPool
@@ -101,8 +101,14 @@ class Runner:
                 continue
         folder = self.out / "runs" / f"batch-{self.batches:04d}"
         if runnable:
-            run_scenarios(list(runnable.values()), folder, parallel=self.settings.jobs, fresh=True,
-                          pool=self.pool)
+            try:
+                run_scenarios(list(runnable.values()), folder, parallel=self.settings.jobs, fresh=True,
+                              pool=self.pool)
+            except HarnessError as e:  # the harness failed judging (a trace it cannot read): not a
+                # finding; each pair is a failed run, judged again alone by judge() where it shared
+                why = {"harness": f"{type(e).__name__}: {e}"}
+                return [ScenarioSummary.of(scenario=n, verdict=Verdict.ERROR, error=why) if n in runnable
+                        else None for n in names]
         for name in names:
             path = folder / "scenarios" / name / "summary.json"
             out.append(ScenarioSummary.from_json(json.loads(path.read_text())) if name in runnable
