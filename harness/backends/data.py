@@ -48,7 +48,7 @@ def coord(rank: int, side: Side) -> dict[str, int]:
     experts = {}
     etp = getattr(side, "etp", side.tp)
     if getattr(side, "ep", 1) * getattr(side, "expert_gtp", 1) > 1 or etp != side.tp:  # the expert grid's too
-        experts = expert_coord(rank, side.world_size, etp, side.ep, side.expert_gtp)
+        experts = expert_coord(rank, side.world_size, etp, side.ep, side.expert_gtp, side.pipeline_parallel)
     return {**mesh.coord(rank), "data": mesh.data_rank(rank), **experts}
 
 

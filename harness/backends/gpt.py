@@ -17,7 +17,7 @@ import torch
 from torch.distributed.tensor import Shard
 
 from harness.common.layout import Layout, gtp_pad
-from harness.common.mesh import Mesh
+from harness.common.mesh import Mesh, expert_dp
 from harness.scenario.arch_rules import qkv_rows
 from harness.scenario.schema import GATED, ModelConfig, Side
 from harness.scenario.vocab_rules import padded_vocab_size
@@ -215,7 +215,7 @@ def _expert_layout(spec: ParamSpec, side: Side, num_experts: int) -> Layout:
     strides = {"tp": spec.tp_stride} if etp > 1 and spec.tp_stride > 1 else {}  # a gated fc1: [gate_r; up_r]
     if ep * eg == 1 and etp == side.tp:
         return Layout(spec.shape, mesh_of(side), placements, strides=strides)
-    mesh = {"tp": etp, "gtp": eg, "dp": side.world_size // (etp * ep * eg)}
+    mesh = {"tp": etp, "gtp": eg, "dp": expert_dp(side.world_size, etp, ep, eg, side.pipeline_parallel)}
     pads = {}
     if eg > 1:
         local0 = spec.shape[0] // (etp if spec.tp_dim == 0 else 1)

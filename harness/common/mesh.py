@@ -124,14 +124,21 @@ class Mesh:
         return list(out.values())
 
 
-def expert_coord(rank: int, world_size: int, tp: int = 1, ep: int = 1, egtp: int = 1) -> dict[str, int]:
+def expert_coord(rank: int, world_size: int, tp: int = 1, ep: int = 1, egtp: int = 1,
+                 pp: int = 1) -> dict[str, int]:
     """``rank``'s coordinate on the expert grid: megatron-core orders expert ranks
-    ``tp-ep-gtp_remat-dp`` (``initialize_model_parallel``: the expert generator's order is the
-    dense one with EGTP injected after EP), so ``rank = etp + TP * (ep + EP * (egtp + EG * edp))``."""
-    out = {}
-    for axis, size in (("etp", tp), ("ep", ep), ("egtp", egtp), ("edp", world_size // (tp * ep * egtp))):
+    ``tp-ep-gtp_remat-dp-pp`` (``initialize_model_parallel``: the expert generator's order is the
+    dense one with EGTP injected after EP, the pipeline stage outermost in both), so
+    ``rank = etp + TP * (ep + EP * (egtp + EG * (edp + EDP * pp)))``."""
+    out, edp = {}, expert_dp(world_size, tp, ep, egtp, pp)
+    for axis, size in (("etp", tp), ("ep", ep), ("egtp", egtp), ("edp", edp)):
         rank, out[axis] = divmod(rank, size)
     return out
+
+
+def expert_dp(world_size: int, tp: int, ep: int, egtp: int, pp: int) -> int:
+    """The expert grid's data-parallel size: what expert TP x EP x EGTP x PP leave of the world."""
+    return world_size // (tp * ep * egtp * pp)
 
 
 def on_grid(coord: Mapping[str, int], grid: str) -> dict[str, int]:

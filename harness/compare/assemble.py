@@ -218,10 +218,10 @@ def _owners(entries, coords, rank_of) -> tuple[dict, dict]:
     rank among them: a tensor lives on one pipeline stage (its shards are the ranks that
     recorded it), a routed expert's weight on the expert grid at its EP coordinate."""
     layout = entries[0].layout
-    if layout.grid != "dense":
-        coords = {r: on_grid(c, layout.grid) for r, c in coords.items() if holds(layout, c)}
-        return coords, {(c["tp"], c["gtp"], c["dp"]): r for r, c in coords.items()}
     recorded = {e.rank for e in entries}
+    if layout.grid != "dense":  # (the expert grid has no stage: the ranks that recorded it are its)
+        coords = {r: on_grid(c, layout.grid) for r, c in coords.items() if r in recorded and holds(layout, c)}
+        return coords, {(c["tp"], c["gtp"], c["dp"]): r for r, c in coords.items()}
     first = layout.replica_stages[:1]  # a copy per stage: the first stage's is the tensor
     return coords, {k[:3]: r for k, r in rank_of.items() if r in recorded and (not first or k[3] == first[0])}
 
