@@ -20,6 +20,8 @@ from harness.fuzz.space import Draw
 from harness.scenario import load
 
 Fingerprint = tuple[str, ...]
+EAGER = ("train", "gtp_collectives", "eager")
+"""The setting a race is shrunk with (:mod:`harness.fuzz.shrink`): how it fails, never a need."""
 
 
 def fingerprint(fd: FirstDivergence | None) -> Fingerprint | None:
@@ -82,7 +84,7 @@ def needs_of(draw: Draw, eager: bool = False) -> list[str]:
     no_axis = draw.axis.reference == draw.axis.candidate
     return sorted(i for i in draw.items() if not i.startswith("world=")
                   and not (no_axis and i.startswith("axis:"))
-                  and not (eager and i == "train.gtp_collectives=eager"))
+                  and not (eager and i == "{}.{}={}".format(*EAGER)))
 
 
 def recorded_divergences(folder: Path) -> list[tuple[str, object]]:

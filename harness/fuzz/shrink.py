@@ -26,13 +26,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 from harness.compare.summary import FirstDivergence
-from harness.fuzz.cluster import fingerprint
+from harness.fuzz.cluster import EAGER, fingerprint
 from harness.fuzz.space import Axis, Draw, Space
 
 # judge(draws) -> each draw's first divergence (None: it passed, or the rules refused it)
 Judge = Callable[[list[Draw]], list[FirstDivergence | None]]
 RACES = ("gemm-consumed-foreign-weight", "not-bitwise")
-EAGER = ("train", "gtp_collectives", "eager")
 SIZE_KEYS = (("model", "num_layers"), ("model", "hidden_size"), ("model", "ffn_hidden_size"),
              ("model", "num_attention_heads"), ("model", "seq_length"), ("data", "global_batch_size"),
              ("data", "micro_batch_size"))
